@@ -1,0 +1,20 @@
+"""autopar: automatic parallelization of PyTorch training.
+
+An unmodified ``nn.Module`` is captured into an ATen-level ``torch.fx`` graph, analysed
+(shapes, FLOPs, memory, repeated blocks, MoE regions), planned by a cost model, rewritten
+with collectives and run on ``torch.distributed``.
+"""
+from __future__ import annotations
+
+# Functional collectives must be imported before any graph holding them is built,
+# or their backward is silently wrong (see DESIGN.md, rule 3).
+import torch.distributed._functional_collectives  # noqa: F401
+
+from autopar.errors import AutoparError, AutoparInternalError, CaptureError, ConfigError, InputMismatchError
+from autopar.passes.capture import capture
+from autopar.passes.pipeline import analyze
+
+__version__ = "0.1.0"
+
+__all__ = ["AutoparError", "AutoparInternalError", "CaptureError", "ConfigError", "InputMismatchError",
+           "analyze", "capture", "__version__"]

@@ -1,0 +1,88 @@
+"""The ``autopar`` command line: ``dump`` an annotated graph, ``models``, ``calibrate``."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from autopar.errors import AutoparError
+
+
+def _dump(args: argparse.Namespace) -> int:
+    from autopar.dump import render
+    from autopar.workload import capture_workload, load_workload, parse_overrides
+    start = time.perf_counter()
+    w = load_workload(args.model, batch=args.batch, seq=args.seq, overrides=parse_overrides(args.set),
+                      device=args.device)
+    _progress(args, f"built {w.name} on {args.device} in {time.perf_counter() - start:.1f}s; capturing …")
+    gm = capture_workload(w)
+    _progress(args, f"captured and analysed {len(gm.graph.nodes)} nodes in {time.perf_counter() - start:.1f}s")
+    text = render(gm, w.sizes, args.format, model=w.name, nodes=not args.summary)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+        _progress(args, f"wrote {args.out}")
+    else:
+        sys.stdout.write(text + "\n")
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from autopar import models
+    for name in models.list_models():
+        cfg = models.get_config(name)
+        print(f"{name:<16} {models.param_count(cfg) / 1e9:9.3f}B params  {type(cfg).__name__}")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from autopar.cost import calibrate
+    return calibrate.main(args.rest)
+
+
+def _progress(args: argparse.Namespace, msg: str) -> None:
+    if not args.quiet:
+        print(f"[autopar] {msg}", file=sys.stderr, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="autopar", description="Automatic parallelization for PyTorch training.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log every pass")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("dump", help="print the annotated graph of a model")
+    d.add_argument("--model", required=True, help="zoo name (see `autopar models`) or path/to/file.py:factory")
+    d.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model config field")
+    d.add_argument("--batch", type=int, default=1, help="global batch size to evaluate at (default 1)")
+    d.add_argument("--seq", type=int, default=128, help="sequence length to evaluate at (default 128)")
+    d.add_argument("--format", choices=["text", "json", "dot"], default="text")
+    d.add_argument("--summary", action="store_true", help="totals and modules only, no per-node lines")
+    d.add_argument("--device", default="meta", help="where to build the model (default meta: allocates nothing)")
+    d.add_argument("--out", help="write to this file instead of stdout")
+    d.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    d.set_defaults(fn=_dump)
+
+    m = sub.add_parser("models", help="list the model zoo")
+    m.set_defaults(fn=_models)
+
+    c = sub.add_parser("calibrate", help="measure this machine and write a hardware profile",
+                       add_help=False)
+    c.add_argument("rest", nargs=argparse.REMAINDER)
+    c.set_defaults(fn=_calibrate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="[autopar] %(name)s: %(message)s")
+    try:
+        return args.fn(args)
+    except AutoparError as exc:
+        print(f"autopar: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

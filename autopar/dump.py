@@ -1,0 +1,207 @@
+"""Render an analysed graph for people: text (terminal), JSON (tools), DOT (Graphviz).
+
+Every figure is evaluated at the sizes asked for (``batch``, ``seq``); JSON also carries
+the formulas, so a tool can evaluate them elsewhere.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+import torch.fx as fx
+
+from autopar.passes.meta import NodeInfo, graph_info, info
+from autopar.summary import Totals, at, module_rows, peak_live, state_memory, totals
+
+
+def human(x: float, unit: str = "") -> str:
+    """1234567 -> '1.23M' (bytes in binary units when unit == 'B')."""
+    base, names = (1024.0, ["", "Ki", "Mi", "Gi", "Ti", "Pi"]) if unit == "B" else (1000.0, ["", "K", "M", "G", "T", "P", "E"])
+    x = float(x)
+    for name in names:
+        if abs(x) < base or name == names[-1]:
+            return f"{x:.0f}{name}{unit}" if name == "" else f"{x:.2f}{name}{unit}"
+        x /= base
+    return str(x)
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op == "call_function":
+        t = node.target
+        name = getattr(t, "__name__", str(t))
+        return name if not hasattr(t, "_overloadpacket") else str(t).replace("aten.", "").replace(".default", "")
+    return node.op
+
+
+def _shape_str(rec: NodeInfo) -> str:
+    if not rec.values:
+        return "-"
+    return " ".join("[" + ",".join(str(s) for s in v.shape) + "]" + _dt(v.dtype) for v in rec.values[:2]) + \
+        (" …" if len(rec.values) > 2 else "")
+
+
+def _dt(dtype: Any) -> str:
+    return ":" + str(dtype).replace("torch.", "").replace("float", "f").replace("int", "i")
+
+
+def node_rows(gm: fx.GraphModule, sizes: dict[str, int]) -> list[dict[str, Any]]:
+    rows = []
+    for n in gm.graph.nodes:
+        rec = info(n)
+        rows.append({
+            "name": n.name, "op": _op_name(n), "kind": rec.kind, "fqn": rec.fqn,
+            "module_type": rec.module_type, "param": rec.target_fqn,
+            "shapes": [[str(s) for s in v.shape] for v in rec.values],
+            "shapes_at_size": [[at(s, sizes) for s in v.shape] for v in rec.values],
+            "dtypes": [str(v.dtype).replace("torch.", "") for v in rec.values],
+            "requires_grad": rec.requires_grad,
+            "flops_fwd": at(rec.flops_fwd, sizes), "flops_bwd": at(rec.flops_bwd, sizes),
+            "bytes_fwd": at(rec.bytes_fwd, sizes), "bytes_bwd": at(rec.bytes_bwd, sizes),
+            "saved_bytes": at(rec.saved_bytes, sizes), "live_bytes": at(rec.live_bytes, sizes),
+            "block_class": rec.block_class, "block_member": rec.block_member,
+            "moe_role": rec.moe_role, "moe_region": rec.moe_region,
+        })
+    return rows
+
+
+def to_json(gm: fx.GraphModule, sizes: dict[str, int], *, model: str = "", optimizer: str = "adamw",
+            nodes: bool = True) -> dict[str, Any]:
+    t = totals(gm)
+    ginfo = graph_info(gm)
+    out: dict[str, Any] = {
+        "model": model, "sizes": sizes, "symbols": sorted(ginfo.symbols),
+        "totals": _totals_json(t, sizes, gm, optimizer),
+        "formulas": {k: str(getattr(t, k)) for k in ("flops_fwd", "flops_bwd", "bytes_fwd", "activation_bytes")},
+        "modules": [{"fqn": r.fqn, "module_type": r.module_type, "params": r.params, "nodes": r.nodes,
+                     "flops_fwd": at(r.flops_fwd, sizes), "flops_bwd": at(r.flops_bwd, sizes),
+                     "activation_bytes": at(r.activation_bytes, sizes), "block_class": r.block_class}
+                    for r in module_rows(gm)],
+        "block_classes": [{"id": c.id, "module_type": c.module_type, "members": list(c.members),
+                           "nodes_per_member": c.nodes_per_member} for c in ginfo.block_classes],
+        "moe_regions": [{"fqn": r.fqn, "num_experts": r.num_experts, "top_k": r.top_k,
+                         "capacity": None if r.capacity is None else at(r.capacity, sizes),
+                         "capacity_formula": None if r.capacity is None else str(r.capacity),
+                         "router_weight": r.router_weight, "expert_params": list(r.expert_params)}
+                        for r in ginfo.moe_regions],
+        "passes": list(ginfo.passes_run),
+    }
+    if nodes:
+        out["nodes"] = node_rows(gm, sizes)
+    return out
+
+
+def _totals_json(t: Totals, sizes: dict[str, int], gm: fx.GraphModule, optimizer: str) -> dict[str, Any]:
+    return {
+        "params": t.params, "trainable_params": t.trainable_params, "active_params": t.active_params,
+        "buffers": t.buffers,
+        "flops_fwd": at(t.flops_fwd, sizes), "flops_bwd": at(t.flops_bwd, sizes),
+        "bytes_fwd": at(t.bytes_fwd, sizes), "bytes_bwd": at(t.bytes_bwd, sizes),
+        "activation_bytes": at(t.activation_bytes, sizes), "peak_live_bytes": peak_live(t, sizes),
+        "state_bytes": state_memory(gm, optimizer), "optimizer": optimizer,
+    }
+
+
+def to_text(gm: fx.GraphModule, sizes: dict[str, int], *, model: str = "", optimizer: str = "adamw",
+            nodes: bool = True) -> str:
+    data = to_json(gm, sizes, model=model, optimizer=optimizer, nodes=nodes)
+    lines = [f"autopar dump: {model}  at {', '.join(f'{k}={v}' for k, v in sizes.items()) or 'static sizes'}"]
+    if nodes:
+        lines.append(f"{'node':<24} {'op':<28} {'module':<22} {'shape':<28} {'fwd FLOP':>9} {'bwd FLOP':>9} "
+                     f"{'bytes':>9} {'saved':>9}")
+        for r in data["nodes"]:
+            if r["kind"] == "output":
+                continue
+            shape = " ".join("[" + ",".join(str(s) for s in sh) + "]" for sh in r["shapes_at_size"][:2])
+            tag = f" #{r['moe_role']}" if r["moe_role"] else ""
+            lines.append(f"{r['name'][:24]:<24} {r['op'][:28]:<28} {(r['fqn'] or '.')[:22]:<22} {shape[:28]:<28} "
+                         f"{human(r['flops_fwd']):>9} {human(r['flops_bwd']):>9} {human(r['bytes_fwd'], 'B'):>9} "
+                         f"{human(r['saved_bytes'], 'B'):>9}{tag}")
+    lines += ["", _module_table(data), "", _totals_text(data)]
+    return "\n".join(lines)
+
+
+def _module_table(data: dict[str, Any]) -> str:
+    lines = [f"{'module':<28} {'type':<18} {'params':>9} {'fwd FLOP':>9} {'bwd FLOP':>9} {'activations':>11}"]
+    seen: set[int] = set()
+    for m in data["modules"]:
+        cls = m["block_class"]
+        count = 1
+        name = m["fqn"] or "(root)"
+        if cls is not None:
+            if cls in seen:
+                continue
+            seen.add(cls)
+            members = next(c["members"] for c in data["block_classes"] if c["id"] == cls)
+            count = sum(1 for x in data["modules"] if x["block_class"] == cls)
+            name = f"{members[0]} ×{count}"
+        lines.append(f"{name[:28]:<28} {m['module_type'][:18]:<18} {human(m['params'] * count):>9} "
+                     f"{human(m['flops_fwd'] * count):>9} {human(m['flops_bwd'] * count):>9} "
+                     f"{human(m['activation_bytes'] * count, 'B'):>11}")
+    return "\n".join(lines)
+
+
+def _totals_text(data: dict[str, Any]) -> str:
+    t = data["totals"]
+    s = t["state_bytes"]
+    lines = [
+        f"parameters      {human(t['params'])} ({t['params']:,}); trainable {human(t['trainable_params'])}; "
+        f"active per token {human(t['active_params'])}",
+        f"FLOPs           forward {human(t['flops_fwd'])}, backward {human(t['flops_bwd'])}, "
+        f"step {human(t['flops_fwd'] + t['flops_bwd'])}",
+        f"bytes moved     forward {human(t['bytes_fwd'], 'B')}, backward {human(t['bytes_bwd'], 'B')}",
+        f"memory          params {human(s['params'], 'B')}, grads {human(s['grads'], 'B')}, "
+        f"optimizer ({t['optimizer']}) {human(s['optimizer'], 'B')}, buffers {human(s['buffers'], 'B')}",
+        f"activations     kept for backward {human(t['activation_bytes'], 'B')}, "
+        f"forward peak live {human(t['peak_live_bytes'], 'B')}",
+    ]
+    for c in data["block_classes"]:
+        lines.append(f"block class {c['id']}   {len(c['members'])} × {c['module_type'] or 'module'} "
+                     f"({c['members'][0]} … {c['members'][-1]}), {c['nodes_per_member']} nodes each")
+    for r in data["moe_regions"][:1]:
+        lines.append(f"MoE regions     {len(data['moe_regions'])} (first {r['fqn']}): {r['num_experts']} experts, "
+                     f"top-{r['top_k']}, capacity {r['capacity']}")
+    if data["symbols"]:
+        lines.append(f"formulas        forward FLOPs = {data['formulas']['flops_fwd']}")
+    return "\n".join(lines)
+
+
+def to_dot(gm: fx.GraphModule, sizes: dict[str, int], *, model: str = "") -> str:
+    """Graphviz DOT: one cluster per top-level module (depth 2), edges along data flow."""
+    clusters: dict[str, list[str]] = {}
+    lines = [f'digraph "{model or "autopar"}" {{', "  rankdir=TB; node [shape=box, fontsize=9];"]
+    for n in gm.graph.nodes:
+        rec = info(n)
+        if rec.kind in ("param", "buffer", "constant"):
+            continue
+        shape = ",".join(str(at(s, sizes)) for s in rec.values[0].shape) if rec.values else ""
+        flops = f"\\n{human(at(rec.flops_fwd, sizes))}FLOP" if rec.flops_fwd != 0 else ""
+        color = ', style=filled, fillcolor="#ffe0b0"' if rec.moe_role else ""
+        decl = f'    "{n.name}" [label="{_op_name(n)}\\n[{shape}]{flops}"{color}];'
+        key = ".".join(rec.fqn.split(".")[:2]) if rec.fqn else ""
+        clusters.setdefault(key, []).append(decl)
+    for i, (key, decls) in enumerate(clusters.items()):
+        if key:
+            lines.append(f'  subgraph cluster_{i} {{ label="{key}";')
+            lines += decls
+            lines.append("  }")
+        else:
+            lines += [d[2:] for d in decls]
+    for n in gm.graph.nodes:
+        if info(n).kind in ("param", "buffer", "constant"):
+            continue
+        for a in n.all_input_nodes:
+            if info(a).kind not in ("param", "buffer", "constant"):
+                lines.append(f'  "{a.name}" -> "{n.name}";')
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def render(gm: fx.GraphModule, sizes: dict[str, int], fmt: str, *, model: str = "", nodes: bool = True) -> str:
+    if fmt == "json":
+        return json.dumps(to_json(gm, sizes, model=model, nodes=nodes), indent=1)
+    if fmt == "dot":
+        return to_dot(gm, sizes, model=model)
+    return to_text(gm, sizes, model=model, nodes=nodes)
+
+

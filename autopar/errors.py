@@ -1,0 +1,47 @@
+"""Errors autopar raises.
+
+A user's mistake raises an :class:`AutoparError` subclass whose message says what went
+wrong, where (module path, node, source line), what was expected, and how to fix it.
+A broken internal invariant raises :class:`AutoparInternalError`, which says it is a bug.
+"""
+from __future__ import annotations
+
+
+class AutoparError(Exception):
+    """Base class of every error caused by the user's input."""
+
+    def __init__(self, what: str, *, where: str | None = None, expected: str | None = None,
+                 got: str | None = None, fix: str | None = None) -> None:
+        self.what, self.where, self.expected, self.got, self.fix = what, where, expected, got, fix
+        super().__init__(self._format())
+
+    def _format(self) -> str:
+        lines = [self.what]
+        if self.where:
+            lines.append(f"  where: {self.where}")
+        if self.expected:
+            lines.append(f"  expected: {self.expected}")
+        if self.got:
+            lines.append(f"  got: {self.got}")
+        if self.fix:
+            lines.append(f"  fix: {self.fix}")
+        return "\n".join(lines)
+
+
+class CaptureError(AutoparError):
+    """The model could not be captured into a graph."""
+
+
+class InputMismatchError(AutoparError):
+    """The example inputs do not match what the model's forward accepts."""
+
+
+class ConfigError(AutoparError):
+    """A configuration value (model config, hardware profile, CLI flag) is invalid."""
+
+
+class AutoparInternalError(RuntimeError):
+    """An invariant inside autopar failed: this is a bug in autopar, not in the user's model."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"{message}\n  (this is a bug in autopar; please report it with the command you ran)")

@@ -1,0 +1,86 @@
+"""Block pass: find repeated-block classes (layer 0..N-1 are one class) by structure.
+
+Reads ``fqn`` and ``values`` of every node. Writes ``GraphInfo.block_classes`` and, on
+each node inside a class member, ``block_class``/``block_member``.
+
+Module boundaries only delimit candidate regions; two regions are the same class when
+their subgraphs are identical: the same ATen ops in the same order, wired the same way
+inside the region, with the same shapes, dtypes and parameter shapes. Names play no part,
+so two differently named but identical layers match and two same-typed layers of
+different widths do not. Classes are taken largest first; a class member nested in a
+member already taken is dropped, and a class needs two members left to count.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+
+import torch.fx as fx
+
+from autopar.passes.meta import BlockClass, graph_info, info
+
+
+def block_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """Group structurally identical module instances into block classes."""
+    regions = _regions(gm)
+    by_print: dict[str, list[str]] = defaultdict(list)
+    for fqn, nodes in regions.items():
+        by_print[_fingerprint(nodes)].append(fqn)
+    groups = [(fp, members) for fp, members in by_print.items() if len(members) > 1]
+    groups.sort(key=lambda g: (-len(regions[g[1][0]]), g[1][0]))
+    taken: list[str] = []
+    classes: list[BlockClass] = []
+    for fp, members in groups:
+        free = [m for m in members if not any(_inside(m, t) for t in taken)]
+        if len(free) < 2:
+            continue
+        cls = BlockClass(id=len(classes), members=tuple(free), nodes_per_member=len(regions[free[0]]),
+                         module_type=graph_info(gm).module_types.get(free[0], ""), fingerprint=fp)
+        classes.append(cls)
+        taken.extend(free)
+        for member in free:
+            for node in regions[member]:
+                info(node).block_class, info(node).block_member = cls.id, member
+    graph_info(gm).block_classes = classes
+    return gm
+
+
+def _regions(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
+    """Every non-root module path with the op nodes made inside it (in graph order)."""
+    regions: dict[str, list[fx.Node]] = defaultdict(list)
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        fqn = info(node).fqn
+        parts = fqn.split(".") if fqn else []
+        for i in range(1, len(parts) + 1):
+            regions[".".join(parts[:i])].append(node)
+    return dict(regions)
+
+
+def _fingerprint(nodes: list[fx.Node]) -> str:
+    """A hash of the region's structure: ops, internal wiring, shapes; never names."""
+    local = {n: i for i, n in enumerate(nodes)}
+    external: dict[fx.Node, int] = {}
+    parts = []
+    for n in nodes:
+        args = fx.node.map_arg((n.args, n.kwargs), lambda a: _ref(a, local, external))
+        vals = [(tuple(str(s) for s in v.shape), str(v.dtype)) for v in info(n).values]
+        parts.append(f"{n.target}|{args}|{vals}")
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()
+
+
+def _ref(a: fx.Node, local: dict[fx.Node, int], external: dict[fx.Node, int]) -> str:
+    if a in local:
+        return f"%{local[a]}"
+    rec = info(a)
+    shape = tuple(str(s) for s in rec.values[0].shape) if rec.values else ()
+    if rec.kind in ("param", "buffer"):
+        return f"{rec.kind}{shape}"
+    if a not in external:
+        external[a] = len(external)
+    return f"in{external[a]}{shape}"
+
+
+def _inside(fqn: str, outer: str) -> bool:
+    return fqn == outer or fqn.startswith(outer + ".")

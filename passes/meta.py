@@ -1,0 +1,162 @@
+"""The one typed record autopar keeps per node, and the one per graph.
+
+Everything autopar learns about a node lives in ``node.meta["autopar"]`` as a
+:class:`NodeInfo`; everything about the whole graph in ``gm.meta["autopar"]`` as a
+:class:`GraphInfo`. Passes read and write them only through :func:`info` and
+:func:`graph_info`, so there is one place that knows the key.
+
+Sizes, FLOPs and bytes are ``sympy`` expressions over the graph's named symbols
+(``batch``, ``seq``): a formula the planner evaluates for any batch/sequence
+without re-capturing. For a static capture they are plain integers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import sympy
+import torch
+import torch.fx as fx
+
+from autopar.errors import AutoparInternalError
+
+META_KEY = "autopar"
+
+NodeKind = Literal["param", "buffer", "input", "constant", "op", "output"]
+MoERole = Literal["router", "dispatch", "expert", "combine"]
+
+ZERO = sympy.Integer(0)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Shape, dtype and stride of one tensor value, sizes as sympy expressions."""
+
+    shape: tuple[sympy.Expr, ...]
+    dtype: torch.dtype
+    stride: tuple[sympy.Expr, ...]
+
+    @property
+    def numel(self) -> sympy.Expr:
+        return sympy.Mul(*self.shape) if self.shape else sympy.Integer(1)
+
+    @property
+    def nbytes(self) -> sympy.Expr:
+        return self.numel * dtype_bytes(self.dtype)
+
+
+@dataclass
+class NodeInfo:
+    """What autopar knows about one fx node. Filled in pass by pass."""
+
+    kind: NodeKind
+    fqn: str = ""                      # module path of the innermost module that made the node
+    module_type: str = ""              # that module's class name
+    target_fqn: str | None = None      # for param/buffer placeholders: the original state_dict key
+    values: tuple[TensorInfo, ...] = ()  # one per tensor output (shape pass)
+    requires_grad: bool = False        # does a gradient flow back through this value (flops pass)
+    flops_fwd: sympy.Expr = ZERO       # matmul-class FLOPs (multiply and add count 2)
+    flops_bwd: sympy.Expr = ZERO
+    bytes_fwd: sympy.Expr = ZERO       # bytes read + written by the forward kernel
+    bytes_bwd: sympy.Expr = ZERO
+    saved_bytes: sympy.Expr = ZERO     # bytes of this node's output that forward keeps for backward
+    live_bytes: sympy.Expr = ZERO      # activation bytes live right after this node runs (forward)
+    block_class: int | None = None     # repeated-block class id (blocks pass)
+    block_member: str | None = None    # fqn of the class member the node belongs to
+    moe_role: MoERole | None = None    # role inside an MoE region (moe pass)
+    moe_region: str | None = None      # fqn of that region
+    trainable: bool = False            # for param placeholders: requires_grad in the model
+    made_by: str = "capture"           # which pass created the node
+
+    @property
+    def value(self) -> TensorInfo | None:
+        """The node's single tensor value (None if it has none or several)."""
+        return self.values[0] if len(self.values) == 1 else None
+
+    @property
+    def out_bytes(self) -> sympy.Expr:
+        return sympy.Add(*(v.nbytes for v in self.values)) if self.values else ZERO
+
+
+@dataclass(frozen=True)
+class BlockClass:
+    """A set of structurally identical module instances (e.g. the N transformer layers)."""
+
+    id: int
+    members: tuple[str, ...]           # module fqns, in graph order
+    module_type: str
+    nodes_per_member: int
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class MoERegion:
+    """A mixture-of-experts region found in the graph."""
+
+    fqn: str
+    num_experts: int
+    top_k: int
+    capacity: sympy.Expr | None        # tokens per expert, if the dispatch has a fixed capacity
+    router_weight: str | None          # fqn of the router's parameter
+    expert_params: tuple[str, ...]
+
+
+@dataclass
+class GraphInfo:
+    """Facts about a whole captured graph."""
+
+    symbols: dict[str, sympy.Symbol]           # "batch" -> Symbol("batch"), ...
+    example_sizes: dict[str, int]              # the sizes the example inputs had
+    export_symbols: dict[sympy.Symbol, sympy.Symbol] = field(default_factory=dict)  # s0 -> batch
+    param_fqns: dict[str, str] = field(default_factory=dict)   # placeholder name -> fqn
+    buffer_fqns: dict[str, str] = field(default_factory=dict)
+    input_names: list[str] = field(default_factory=list)
+    module_types: dict[str, str] = field(default_factory=dict)  # fqn -> class name
+    block_classes: list[BlockClass] = field(default_factory=list)
+    moe_regions: list[MoERegion] = field(default_factory=list)
+    passes_run: list[str] = field(default_factory=list)
+
+
+def info(node: fx.Node) -> NodeInfo:
+    """The node's record; a node without one is an internal error (capture makes them all)."""
+    rec = node.meta.get(META_KEY)
+    if rec is None:
+        raise AutoparInternalError(f"node {node.name!r} has no autopar record")
+    return rec
+
+
+def set_info(node: fx.Node, rec: NodeInfo) -> None:
+    node.meta[META_KEY] = rec
+
+
+def graph_info(gm: fx.GraphModule) -> GraphInfo:
+    rec = gm.meta.get(META_KEY)
+    if rec is None:
+        raise AutoparInternalError("graph has no autopar record: was it made by autopar.capture?")
+    return rec
+
+
+_DTYPE_BYTES: dict[torch.dtype, int] = {}
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    """Bytes per element of a dtype (bool counts one byte)."""
+    if dtype not in _DTYPE_BYTES:
+        _DTYPE_BYTES[dtype] = torch.empty((), dtype=dtype).element_size()
+    return _DTYPE_BYTES[dtype]
+
+
+def symbol(name: str) -> sympy.Symbol:
+    """The sympy symbol autopar uses for a named size (``batch``, ``seq``)."""
+    return sympy.Symbol(name, positive=True, integer=True)
+
+
+def evaluate(expr: sympy.Expr | int, sizes: dict[str, int]) -> int:
+    """Evaluate a size/FLOP/byte formula at concrete symbol values, e.g. ``{"batch": 8}``."""
+    expr = sympy.sympify(expr)
+    subs = {symbol(k): v for k, v in sizes.items()}
+    value = expr.subs(subs)
+    if value.free_symbols:
+        missing = ", ".join(sorted(str(s) for s in value.free_symbols))
+        raise AutoparInternalError(f"formula {expr} still has free symbols ({missing}) after substitution")
+    return int(value)
