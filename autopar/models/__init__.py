@@ -1,0 +1,22 @@
+"""Model zoo: plain ``nn.Module`` GPT, LLaMA, Mixtral-style MoE and MLP, plus a registry."""
+from __future__ import annotations
+
+from .gpt import GPT, GPTConfig
+from .llama import Llama, LlamaConfig, RMSNorm
+from .mlp import MLP, MLPConfig
+from .moe import MoE, MoEConfig, MoELayer, expert_capacity
+from .registry import (
+    MODEL_NAMES,
+    active_param_count,
+    build,
+    example_inputs,
+    get_config,
+    list_models,
+    param_count,
+)
+
+__all__ = [
+    "GPT", "GPTConfig", "Llama", "LlamaConfig", "RMSNorm", "MLP", "MLPConfig",
+    "MoE", "MoEConfig", "MoELayer", "expert_capacity", "MODEL_NAMES",
+    "active_param_count", "build", "example_inputs", "get_config", "list_models", "param_count",
+]

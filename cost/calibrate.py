@@ -1,0 +1,385 @@
+"""``autopar calibrate``: measure this machine and write a hardware profile.
+
+Measures, on the machine it runs on:
+
+- matmul throughput (fp32, bf16, fp16 where they run) over a few square sizes, best of
+  several timed runs after warm-up (CUDA is synchronized around each timing);
+- memory bandwidth from a large device-to-device copy (counted as read + write);
+- per-kernel overhead from a stream of tiny in-place adds;
+- collective latency and bandwidth of all_reduce, all_gather, reduce_scatter and all_to_all at
+  world size 2: gloo on CPU always, NCCL when at least 2 CUDA devices exist. Ranks are
+  started from a forkserver with torch preloaded and meet on 127.0.0.1 at a free port.
+  Per collective, ``time = a + b * bytes`` is fitted by least squares (relative error) and
+  inverted through :func:`autopar.cost.comm.ring_coefficients` into a per-step latency alpha
+  and a bus bandwidth, the quantities :mod:`autopar.cost.comm` uses.
+
+The JSON profile it writes loads with :func:`autopar.cost.hardware.load_hardware` and
+``Cluster.from_spec("1xN", hardware=PATH)``. Bytes follow :mod:`autopar.cost.comm`.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from autopar.cost.comm import ring_coefficients
+from autopar.cost.hardware import (BUILTIN_DEVICES, DeviceSpec, HardwareProfile, LinkProfile,
+                                   canonical_dtype)
+from autopar.errors import ConfigError
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _log(message: str) -> None:
+    print(f"[autopar calibrate] {message}", flush=True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_time(fn: Callable[[], object], device: torch.device, *, warmup: int = 2,
+              repeats: int = 5, inner: int = 1) -> float:
+    """Best (minimum) seconds per call of ``fn`` over ``repeats`` timings of ``inner`` calls."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        _sync(device)
+        best = min(best, (time.perf_counter() - start) / inner)
+    return best
+
+
+def measure_matmul(device: torch.device, dtype: str, sizes: Sequence[int],
+                   repeats: int) -> dict[str, float] | None:
+    """Best FLOP/s of square matmuls per size (``{"512": flops_per_s}``); None if unsupported.
+
+    Stops growing the size once one product takes longer than 0.3 s (slow CPU dtypes).
+    """
+    results: dict[str, float] = {}
+    for size in sizes:
+        try:
+            a = torch.randn(size, size, device=device).to(_DTYPES[dtype])
+            b = torch.randn(size, size, device=device).to(_DTYPES[dtype])
+            seconds = best_time(lambda: torch.mm(a, b), device, warmup=1, repeats=repeats)
+        except (RuntimeError, TypeError) as exc:  # dtype not implemented on this device
+            _log(f"matmul {dtype}: skipped ({str(exc).splitlines()[0][:80]})")
+            return None
+        results[str(size)] = 2.0 * size**3 / seconds
+        _log(f"matmul {dtype} {size}x{size}: {results[str(size)] / 1e9:.1f} GFLOP/s")
+        if seconds > 0.3:
+            break
+    return results
+
+
+def measure_memory(device: torch.device, nbytes: int, repeats: int) -> float:
+    """Bytes/s of a large copy, counting bytes read plus bytes written."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    seconds = best_time(lambda: dst.copy_(src), device, warmup=1, repeats=repeats)
+    bandwidth = 2.0 * src.numel() * 4 / seconds
+    _log(f"memory copy {nbytes / 2**20:.0f} MiB: {bandwidth / 1e9:.1f} GB/s")
+    return bandwidth
+
+
+def measure_kernel_overhead(device: torch.device, count: int) -> float:
+    """Seconds per tiny kernel (a one-element in-place add), launch included."""
+    x = torch.zeros(1, device=device)
+    overhead = best_time(lambda: x.add_(1.0), device, warmup=10, repeats=3, inner=count)
+    _log(f"kernel overhead: {overhead * 1e6:.2f} us")
+    return overhead
+
+
+# --- collectives ------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _collective_call(kind: str, nbytes: int, device: torch.device,
+                     world: int) -> Callable[[], object]:
+    import torch.distributed as dist
+    numel = max(world, nbytes // 4 // world * world)  # fp32, divisible by the group size
+    big = torch.ones(numel, device=device)
+    small = torch.ones(numel // world, device=device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    calls = {"all_reduce": lambda: dist.all_reduce(big),
+             "all_gather": lambda: gather(big, small),
+             "reduce_scatter": lambda: scatter(small, big),
+             "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(big), big)}
+    return calls[kind]
+
+
+def _collective_worker(rank: int, world: int, backend: str, port: int, sizes: list[int],
+                       repeats: int, queue: Any) -> None:
+    """One rank: time every collective at every size; rank 0 reports ``{kind: [[b, s]]}``."""
+    import torch.distributed as dist
+    try:
+        device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=60))
+        points: dict[str, list[list[float]]] = {kind: [] for kind in KINDS}
+        for kind in KINDS:
+            for nbytes in sizes:
+                call = _collective_call(kind, nbytes, device, world)
+                dist.barrier()
+                seconds = best_time(call, device, warmup=2, repeats=repeats, inner=3)
+                points[kind].append([float(nbytes), seconds])
+        dist.barrier()
+        if rank == 0:
+            queue.put(("ok", points))
+        dist.destroy_process_group()
+    except Exception as exc:  # reported to the parent, which skips this backend with a note
+        queue.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
+
+
+def measure_collectives(backend: str, sizes: Sequence[int], repeats: int, *,
+                        world: int = 2, timeout_s: float = 120.0) -> dict[str, list[list[float]]]:
+    """Run ``world`` ranks of ``backend`` from a torch-preloaded forkserver and collect timings."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch"])
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_collective_worker,
+                         args=(rank, world, backend, port, list(sizes), repeats, queue),
+                         daemon=True) for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        status, payload = queue.get(timeout=timeout_s)
+    except Exception:
+        status, payload = "error", f"no result within {timeout_s:.0f} s"
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+    if status != "ok":
+        raise RuntimeError(f"{backend} collectives failed: {payload}")
+    return payload
+
+
+def fit_alpha_beta(points: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """Least-squares ``time = a + b * bytes`` minimizing relative error; returns ``(a, b)``.
+
+    Weights are 1/time^2 so the small (latency) and large (bandwidth) sizes count alike.
+    ``a`` is clamped at 0; ``b`` falls back to the largest message's time/bytes if <= 0.
+    """
+    if len(points) < 2:
+        raise ValueError("need at least two (bytes, seconds) points to fit")
+    w = [1.0 / max(t, 1e-12) ** 2 for _, t in points]
+    sw = sum(w)
+    mx = sum(wi * x for wi, (x, _) in zip(w, points)) / sw
+    my = sum(wi * t for wi, (_, t) in zip(w, points)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, (x, _) in zip(w, points))
+    sxy = sum(wi * (x - mx) * (t - my) for wi, (x, t) in zip(w, points))
+    slope = sxy / sxx if sxx > 0 else 0.0
+    if slope <= 0:
+        x_max, t_max = max(points, key=lambda point: point[0])
+        return 0.0, t_max / max(x_max, 1.0)
+    intercept = my - slope * mx
+    if intercept < 0:  # refit through the origin
+        num = sum(wi * x * t for wi, (x, t) in zip(w, points))
+        slope = num / sum(wi * x * x for wi, (x, _) in zip(w, points))
+        intercept = 0.0
+    return intercept, slope
+
+
+def link_fit(kind: str, world: int, points: Sequence[Sequence[float]]) -> dict[str, Any]:
+    """Per-step alpha (s) and bus bandwidth (bytes/s) of ``kind`` from its timings."""
+    intercept, slope = fit_alpha_beta(points)
+    steps, volume = ring_coefficients(kind, world)
+    return {"alpha_s": intercept / steps, "bandwidth": volume / slope, "intercept_s": intercept,
+            "seconds_per_byte": slope, "points": [list(p) for p in points]}
+
+
+def _link_profile(backend: str, world: int, points: dict[str, list[list[float]]]) -> LinkProfile:
+    fits = {kind: link_fit(kind, world, pts) for kind, pts in points.items()}
+    for kind, fit in fits.items():
+        _log(f"{backend} {kind}: alpha {fit['alpha_s'] * 1e6:.1f} us/step, "
+             f"bus bandwidth {fit['bandwidth'] / 1e9:.2f} GB/s")
+    main = fits["all_reduce"]  # the all-reduce busbw is the link figure, as in comm.py
+    return LinkProfile(backend=backend, world_size=world, alpha_s=main["alpha_s"],
+                       bandwidth=main["bandwidth"], collectives=fits)
+
+
+# --- device spec from measurements ------------------------------------------------------------
+
+def _resolve_device(device: str) -> torch.device:
+    text = str(device).strip().lower()
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(text)
+    except RuntimeError:
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
+        raise ConfigError(f"unknown calibration device {device!r}", where="--device",
+                          expected="auto, cpu, cuda or cuda:N", got=repr(device))
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("CUDA was asked for but is not available", where="--device",
+                          expected="a machine with a CUDA GPU", got=repr(device),
+                          fix="use --device cpu or --device auto")
+    return resolved
+
+
+def _host_memory_bytes() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return BUILTIN_DEVICES["cpu"].memory_bytes
+
+
+def _datasheet_for(device_name: str) -> DeviceSpec | None:
+    for marker, key in (("H100", "h100-sxm-80gb"), ("A100", "a100-sxm-80gb")):
+        if marker in device_name.upper():
+            return BUILTIN_DEVICES[key]
+    return None
+
+
+def build_device_spec(device: torch.device, flops: dict[str, float], bandwidth: float,
+                      overhead: float) -> DeviceSpec:
+    """A DeviceSpec from measurements.
+
+    On a GPU this module knows (A100, H100) the datasheet peaks stay and the measured rates
+    become efficiencies (clamped to 1). Elsewhere the best measured rate *is* the peak and
+    the efficiencies are 1: the figures are achievable rates, not datasheet ones.
+    """
+    measured = "measured by autopar calibrate on this machine"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        memory = float(torch.cuda.get_device_properties(device).total_memory)
+    else:
+        name, memory = "cpu", _host_memory_bytes()
+    sheet = _datasheet_for(name) if device.type == "cuda" else None
+    sources = {"memory_bytes": f"{measured} (total reported by the runtime)",
+               "kernel_overhead_s": f"{measured} (tiny in-place add)"}
+    if sheet is not None:
+        key = "bf16" if "bf16" in flops else "fp32"
+        eff = min(1.0, flops[key] / sheet.peak(key))
+        mem_eff = min(1.0, bandwidth / sheet.memory_bandwidth)
+        sources.update(sheet.sources)
+        sources["matmul_efficiency"] = f"{measured}: best {key} matmul / datasheet peak"
+        sources["memory_efficiency"] = f"{measured}: copy bandwidth / datasheet peak"
+        return DeviceSpec(name=f"{sheet.name} (calibrated)", peak_flops=dict(sheet.peak_flops),
+                          memory_bytes=memory, memory_bandwidth=sheet.memory_bandwidth,
+                          matmul_efficiency=eff, memory_efficiency=mem_eff,
+                          kernel_overhead_s=overhead, sources=sources)
+    for key in flops:
+        sources[f"peak_flops.{key}"] = f"{measured}: best {key} matmul rate (so efficiency 1)"
+    sources["memory_bandwidth"] = f"{measured}: copy bandwidth (so efficiency 1)"
+    sources["matmul_efficiency"] = sources["memory_efficiency"] = "1.0: peaks are measured rates"
+    return DeviceSpec(name=f"{name} (calibrated)", peak_flops=flops, memory_bytes=memory,
+                      memory_bandwidth=bandwidth, matmul_efficiency=1.0, memory_efficiency=1.0,
+                      kernel_overhead_s=overhead, sources=sources)
+
+
+# --- entry points -----------------------------------------------------------------------------
+
+def _plan(device: torch.device, quick: bool) -> dict[str, Any]:
+    gpu = device.type == "cuda"
+    if quick:
+        return {"matmul_sizes": [1024, 4096] if gpu else [256, 512], "repeats": 3,
+                "memory_bytes": (256 if gpu else 32) * 2**20, "overhead_count": 200,
+                "message_sizes": [2**12, 2**16, 2**20, 2**22], "comm_repeats": 3}
+    return {"matmul_sizes": [2048, 4096, 8192] if gpu else [512, 1024, 2048], "repeats": 10,
+            "memory_bytes": (1024 if gpu else 256) * 2**20, "overhead_count": 2000,
+            "message_sizes": [2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24, 2**26],
+            "comm_repeats": 5}
+
+
+def _measure_links(device: torch.device, plan: dict[str, Any],
+                   notes: list[str]) -> dict[str, LinkProfile]:
+    links: dict[str, LinkProfile] = {}
+    backends = ["gloo"]
+    if device.type == "cuda" and torch.cuda.device_count() >= 2:
+        backends.append("nccl")
+    else:
+        notes.append(f"nccl skipped: needs >= 2 CUDA devices, found "
+                     f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+        _log(notes[-1])
+    for backend in backends:
+        _log(f"{backend}: timing {', '.join(KINDS)} at world size 2 ...")
+        try:
+            points = measure_collectives(backend, plan["message_sizes"], plan["comm_repeats"])
+        except RuntimeError as exc:
+            notes.append(f"{backend} skipped: {exc}")
+            _log(notes[-1])
+            continue
+        links[backend] = _link_profile(backend, 2, points)
+    return links
+
+
+def calibrate(device: str = "auto", *, out: str | None = None, quick: bool = False) -> dict:
+    """Measure this machine and return (and, with ``out``, write) a hardware profile dict.
+
+    ``device``: ``auto`` (CUDA if present, else CPU), ``cpu``, ``cuda`` or ``cuda:N``.
+    ``quick``: small sizes and few repeats (well under 20 s on a 2-core CPU).
+    """
+    started = time.perf_counter()
+    target = _resolve_device(device)
+    plan = _plan(target, quick)
+    _log(f"device {target}, {'quick' if quick else 'full'} run, torch {torch.__version__}")
+    flops: dict[str, float] = {}
+    matmul: dict[str, dict[str, float]] = {}
+    for dtype in _DTYPES:
+        rates = measure_matmul(target, dtype, plan["matmul_sizes"], plan["repeats"])
+        if rates:
+            matmul[dtype], flops[canonical_dtype(dtype)] = rates, max(rates.values())
+    bandwidth = measure_memory(target, plan["memory_bytes"], plan["repeats"])
+    overhead = measure_kernel_overhead(target, plan["overhead_count"])
+    notes: list[str] = []
+    links = _measure_links(target, plan, notes)
+    spec = build_device_spec(target, flops, bandwidth, overhead)
+    measurements = {"matmul_flops_per_s": matmul, "copy_bandwidth": bandwidth,
+                    "kernel_overhead_s": overhead, "plan": plan, "quick": quick,
+                    "torch": torch.__version__, "host": socket.gethostname(),
+                    "seconds": round(time.perf_counter() - started, 3)}
+    profile = HardwareProfile(device=spec, links=links, measurements=measurements, notes=notes)
+    if out is not None:
+        path = profile.save(out)
+        _log(f"wrote {path} ({measurements['seconds']:.1f} s)")
+    return profile.to_dict()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``autopar calibrate [--device D] [--quick] [--out FILE]``; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="autopar calibrate",
+                                     description="Measure this machine for the cost model.")
+    parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
+    parser.add_argument("--quick", action="store_true", help="small sizes, done in seconds")
+    parser.add_argument("--out", default=None,
+                        help="write the JSON profile here (default: print it to stdout)")
+    args = parser.parse_args(argv)
+    try:
+        profile = calibrate(args.device, out=args.out, quick=args.quick)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.out is None:
+        print(json.dumps(profile, indent=2, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,317 @@
+"""Device constants for the cost model: peak FLOP/s, memory size and bandwidth, efficiencies.
+
+Every number carries its source in :attr:`DeviceSpec.sources`. Datasheet figures are facts;
+the *efficiency* factors (what fraction of a peak a real kernel reaches) are not in any
+datasheet: they are stated assumptions that ``autopar calibrate`` replaces with
+measurements on the machine it runs on (see :mod:`autopar.cost.calibrate`).
+
+Units: FLOP/s, bytes, bytes/s, seconds. "GB" and "TB" below are decimal (1e9, 1e12), as in
+NVIDIA's datasheets.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from autopar.errors import ConfigError
+
+PROFILE_FORMAT = "autopar.hardware-profile"
+PROFILE_VERSION = 1
+
+# Canonical dtype keys of DeviceSpec.peak_flops and the spellings accepted for each.
+_DTYPE_ALIASES: dict[str, str] = {
+    "fp32": "fp32", "float32": "fp32", "float": "fp32", "f32": "fp32",
+    "tf32": "tf32",
+    "bf16": "bf16", "bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", "f16": "fp16",
+    "fp8": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
+}
+_DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+def canonical_dtype(dtype: object) -> str:
+    """Return the canonical key (``fp32``, ``tf32``, ``bf16``, ``fp16``, ``fp8``) of a dtype.
+
+    Accepts those keys, common spellings (``bfloat16``, ``half``) and ``torch.dtype`` objects.
+    """
+    text = str(dtype).lower().removeprefix("torch.")
+    if text not in _DTYPE_ALIASES:
+        raise ConfigError(f"unknown dtype {dtype!r}", where="dtype",
+                          expected=", ".join(sorted(set(_DTYPE_ALIASES))), got=repr(dtype),
+                          fix="use one of the expected dtype names or a torch.dtype")
+    return _DTYPE_ALIASES[text]
+
+
+def dtype_bytes(dtype: object) -> int:
+    """Bytes per element of ``dtype`` (tf32 is stored as fp32: 4 bytes)."""
+    return _DTYPE_BYTES[canonical_dtype(dtype)]
+
+
+def _positive(value: float, what: str, where: str) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ConfigError(f"{what} must be a positive number", where=where, expected="> 0",
+                          got=repr(value), fix=f"set {what} to a positive value")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    """One accelerator (or CPU) as the cost model sees it.
+
+    ``peak_flops`` maps canonical dtype keys to dense peak FLOP/s. Achievable rates are
+    ``peak_flops[dtype] * matmul_efficiency`` and ``memory_bandwidth * memory_efficiency``.
+    ``kernel_overhead_s`` is a fixed cost per launched kernel (see
+    :func:`autopar.cost.compute.op_time`). ``sources`` says where each constant comes from,
+    keyed by field name (and ``peak_flops.<dtype>``).
+    """
+
+    name: str
+    peak_flops: Mapping[str, float] = field(hash=False)
+    memory_bytes: float
+    memory_bandwidth: float
+    matmul_efficiency: float
+    memory_efficiency: float
+    kernel_overhead_s: float = 0.0
+    sources: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        where = f"DeviceSpec {self.name!r}"
+        if not self.name:
+            raise ConfigError("a device needs a name", where=where, got=repr(self.name))
+        if not self.peak_flops:
+            raise ConfigError("a device needs at least one peak FLOP/s figure", where=where,
+                              expected="peak_flops like {'fp32': 1e12}", got=repr(self.peak_flops))
+        flops = {}
+        for key, value in self.peak_flops.items():
+            _positive(value, f"peak_flops[{key!r}]", where)
+            flops[canonical_dtype(key)] = float(value)
+        object.__setattr__(self, "peak_flops", MappingProxyType(flops))
+        object.__setattr__(self, "sources", MappingProxyType(dict(self.sources)))
+        _positive(self.memory_bytes, "memory_bytes", where)
+        _positive(self.memory_bandwidth, "memory_bandwidth", where)
+        for what in ("matmul_efficiency", "memory_efficiency"):
+            value = getattr(self, what)
+            _positive(value, what, where)
+            if value > 1:
+                raise ConfigError(f"{what} is a fraction of peak", where=where,
+                                  expected="0 < value <= 1", got=repr(value))
+        if self.kernel_overhead_s < 0:
+            raise ConfigError("kernel_overhead_s must not be negative", where=where,
+                              expected=">= 0", got=repr(self.kernel_overhead_s))
+
+    def peak(self, dtype: object) -> float:
+        """Dense peak FLOP/s for ``dtype``; a ConfigError if the device has no figure for it."""
+        key = canonical_dtype(dtype)
+        if key not in self.peak_flops:
+            raise ConfigError(f"device {self.name!r} has no peak FLOP/s for dtype {key!r}",
+                              expected=", ".join(self.peak_flops), got=key,
+                              fix="use a dtype the device lists, or add it to the hardware profile")
+        return self.peak_flops[key]
+
+    def achievable_flops(self, dtype: object) -> float:
+        """FLOP/s a large matmul reaches: peak times ``matmul_efficiency``."""
+        return self.peak(dtype) * self.matmul_efficiency
+
+    def achievable_bandwidth(self) -> float:
+        """Bytes/s a large streaming kernel reaches: peak times ``memory_efficiency``."""
+        return self.memory_bandwidth * self.memory_efficiency
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict; :meth:`from_dict` reverses it."""
+        return {"name": self.name, "peak_flops": dict(self.peak_flops),
+                "memory_bytes": self.memory_bytes, "memory_bandwidth": self.memory_bandwidth,
+                "matmul_efficiency": self.matmul_efficiency,
+                "memory_efficiency": self.memory_efficiency,
+                "kernel_overhead_s": self.kernel_overhead_s, "sources": dict(self.sources)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, where: str = "hardware profile") -> DeviceSpec:
+        """Build a DeviceSpec from :meth:`to_dict` output, with a ConfigError on missing keys."""
+        required = ("name", "peak_flops", "memory_bytes", "memory_bandwidth",
+                    "matmul_efficiency", "memory_efficiency")
+        missing = [key for key in required if key not in data]
+        if missing:
+            raise ConfigError("device entry is missing keys", where=where,
+                              expected=", ".join(required), got=f"missing {missing}",
+                              fix="regenerate the profile with `autopar calibrate --out FILE`")
+        return cls(**{key: data[key] for key in (*required, "kernel_overhead_s", "sources")
+                      if key in data})
+
+
+# --- built-in devices -------------------------------------------------------------------------
+
+_A100_SHEET = "NVIDIA A100 Tensor Core GPU datasheet (2021), SXM4 80GB column"
+_H100_SHEET = "NVIDIA H100 Tensor Core GPU datasheet (2023), H100 SXM column, dense (no sparsity)"
+_EFF_NOTE = ("assumption, not in any datasheet: large bf16/fp16 GEMMs in cuBLAS typically reach "
+             "{pct} of dense peak; `autopar calibrate` measures it")
+_MEM_NOTE = ("assumption: large device-to-device copies typically reach ~85% of HBM peak "
+             "(STREAM-like); `autopar calibrate` measures it")
+_LAUNCH_NOTE = "assumption: ~3 us minimum time per CUDA kernel (launch + tail); calibrate to refine"
+
+A100_SXM_80GB = DeviceSpec(
+    name="a100-sxm-80gb",
+    # fp32 is the non-tensor-core 19.5 TFLOP/s: PyTorch runs fp32 matmuls without TF32 by
+    # default (torch.backends.cuda.matmul.allow_tf32 = False since 1.12). TF32 is listed apart.
+    peak_flops={"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
+    memory_bytes=80e9, memory_bandwidth=2.039e12,
+    matmul_efficiency=0.70, memory_efficiency=0.85, kernel_overhead_s=3e-6,
+    sources={"peak_flops.fp32": f"{_A100_SHEET}: FP32 19.5 TFLOPS (non-tensor)",
+             "peak_flops.tf32": f"{_A100_SHEET}: TF32 Tensor Core 156 TFLOPS",
+             "peak_flops.bf16": f"{_A100_SHEET}: BFLOAT16 Tensor Core 312 TFLOPS",
+             "peak_flops.fp16": f"{_A100_SHEET}: FP16 Tensor Core 312 TFLOPS",
+             "memory_bytes": f"{_A100_SHEET}: 80GB HBM2e (decimal GB; usable is a little less)",
+             "memory_bandwidth": f"{_A100_SHEET}: 2,039 GB/s",
+             "matmul_efficiency": _EFF_NOTE.format(pct="~65-75%"),
+             "memory_efficiency": _MEM_NOTE, "kernel_overhead_s": _LAUNCH_NOTE})
+
+H100_SXM_80GB = DeviceSpec(
+    name="h100-sxm-80gb",
+    # The datasheet's headline tensor figures assume 2:4 sparsity; these are the dense halves.
+    peak_flops={"fp32": 66.9e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12,
+                "fp8": 1978.9e12},
+    memory_bytes=80e9, memory_bandwidth=3.35e12,
+    matmul_efficiency=0.65, memory_efficiency=0.85, kernel_overhead_s=3e-6,
+    sources={"peak_flops.fp32": f"{_H100_SHEET}: FP32 67 TFLOPS (non-tensor)",
+             "peak_flops.tf32": f"{_H100_SHEET}: TF32 Tensor Core 989 TFLOPS sparse / 2",
+             "peak_flops.bf16": f"{_H100_SHEET}: BFLOAT16 Tensor Core 1,979 TFLOPS sparse / 2",
+             "peak_flops.fp16": f"{_H100_SHEET}: FP16 Tensor Core 1,979 TFLOPS sparse / 2",
+             "peak_flops.fp8": f"{_H100_SHEET}: FP8 Tensor Core 3,958 TFLOPS sparse / 2",
+             "memory_bytes": f"{_H100_SHEET}: 80GB HBM3",
+             "memory_bandwidth": f"{_H100_SHEET}: 3.35 TB/s",
+             "matmul_efficiency": _EFF_NOTE.format(pct="~60-70% (power/clock limited)"),
+             "memory_efficiency": _MEM_NOTE, "kernel_overhead_s": _LAUNCH_NOTE})
+
+_CPU_NOTE = ("estimate for a small multi-core x86 host, not measured: run `autopar calibrate "
+             "--out profile.json` and pass that file as the hardware to replace it")
+CPU_DEFAULT = DeviceSpec(
+    name="cpu",
+    peak_flops={"fp32": 100e9, "bf16": 50e9, "fp16": 20e9},
+    memory_bytes=16e9, memory_bandwidth=20e9,
+    matmul_efficiency=0.5, memory_efficiency=0.7, kernel_overhead_s=5e-6,
+    sources={key: _CPU_NOTE for key in ("peak_flops.fp32", "peak_flops.bf16", "peak_flops.fp16",
+                                         "memory_bytes", "memory_bandwidth", "matmul_efficiency",
+                                         "memory_efficiency", "kernel_overhead_s")})
+
+BUILTIN_DEVICES: Mapping[str, DeviceSpec] = MappingProxyType(
+    {spec.name: spec for spec in (A100_SXM_80GB, H100_SXM_80GB, CPU_DEFAULT)})
+ALIASES: Mapping[str, str] = MappingProxyType({
+    "a100": "a100-sxm-80gb", "a100-80gb": "a100-sxm-80gb",
+    "h100": "h100-sxm-80gb", "h100-80gb": "h100-sxm-80gb"})
+
+
+# --- calibrated profiles ----------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class LinkProfile:
+    """Measured alpha-beta figures of one communication backend (e.g. gloo, nccl).
+
+    ``alpha_s`` is the latency per ring step and ``bandwidth`` the bus bandwidth (bytes/s) in
+    the sense of :mod:`autopar.cost.comm`; ``collectives`` keeps the per-collective fits.
+    """
+
+    backend: str
+    world_size: int
+    alpha_s: float
+    bandwidth: float
+    collectives: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        where = f"link profile {self.backend!r}"
+        _positive(self.bandwidth, "bandwidth", where)
+        if self.alpha_s < 0 or self.world_size < 2:
+            raise ConfigError("bad link profile", where=where,
+                              expected="alpha_s >= 0 and world_size >= 2",
+                              got=f"alpha_s={self.alpha_s!r}, world_size={self.world_size!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"backend": self.backend, "world_size": self.world_size, "alpha_s": self.alpha_s,
+                "bandwidth": self.bandwidth, "collectives": dict(self.collectives)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    """What ``autopar calibrate`` writes: a device, measured links, raw measurements, notes."""
+
+    device: DeviceSpec
+    links: Mapping[str, LinkProfile] = field(default_factory=dict, hash=False)
+    measurements: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "links", MappingProxyType(dict(self.links)))
+        object.__setattr__(self, "notes", tuple(self.notes))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION,
+                "device": self.device.to_dict(),
+                "links": {name: link.to_dict() for name, link in self.links.items()},
+                "measurements": dict(self.measurements), "notes": list(self.notes)}
+
+    def save(self, path: str | Path) -> Path:
+        """Write the profile as JSON and return its path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        return path
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *,
+                  where: str = "hardware profile") -> HardwareProfile:
+        """Build a profile from :meth:`to_dict` output, with a ConfigError on a bad layout."""
+        if data.get("format") != PROFILE_FORMAT or data.get("version") != PROFILE_VERSION:
+            raise ConfigError("not an autopar hardware profile", where=where,
+                              expected=f"format {PROFILE_FORMAT!r} version {PROFILE_VERSION}",
+                              got=f"format {data.get('format')!r} version {data.get('version')!r}",
+                              fix="regenerate it with `autopar calibrate --out FILE`")
+        try:
+            raw_links = dict(data.get("links", {}))
+            links = {name: LinkProfile(**entry) for name, entry in raw_links.items()}
+            device = DeviceSpec.from_dict(data["device"], where=where)
+        except (KeyError, TypeError) as exc:
+            raise ConfigError("hardware profile has a malformed device or link entry", where=where,
+                              got=f"{type(exc).__name__}: {exc}",
+                              fix="regenerate it with `autopar calibrate --out FILE`") from None
+        return cls(device=device, links=links,
+                   measurements=dict(data.get("measurements", {})),
+                   notes=tuple(data.get("notes", ())))
+
+
+def load_profile(path: str | Path) -> HardwareProfile:
+    """Read a JSON profile written by ``autopar calibrate``."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"hardware profile {str(path)!r} does not exist", where=str(path),
+                          fix="check the path, or run `autopar calibrate --out FILE`") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"hardware profile {str(path)!r} is not valid JSON", where=str(path),
+                          got=str(exc), fix="regenerate it with `autopar calibrate`") from None
+    if not isinstance(data, dict):
+        raise ConfigError("hardware profile must be a JSON object", where=str(path),
+                          got=type(data).__name__)
+    return HardwareProfile.from_dict(data, where=str(path))
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.endswith(".json") or "/" in name or "\\" in name or Path(name).is_file()
+
+
+def load_hardware(name_or_path: str | Path | DeviceSpec) -> DeviceSpec:
+    """A DeviceSpec from a built-in name (``a100``, ``h100-sxm-80gb``, ``cpu``, ...) or a
+    path to a JSON profile written by ``autopar calibrate``. A DeviceSpec passes through."""
+    if isinstance(name_or_path, DeviceSpec):
+        return name_or_path
+    if isinstance(name_or_path, Path) or _looks_like_path(str(name_or_path)):
+        return load_profile(name_or_path).device
+    key = str(name_or_path).strip().lower()
+    key = ALIASES.get(key, key)
+    if key in BUILTIN_DEVICES:
+        return BUILTIN_DEVICES[key]
+    choices = sorted({*BUILTIN_DEVICES, *ALIASES})
+    raise ConfigError(f"unknown hardware {str(name_or_path)!r}", where="hardware",
+                      expected=f"one of {', '.join(choices)}, or a path to a .json profile",
+                      got=repr(str(name_or_path)),
+                      fix="pick a built-in name or run `autopar calibrate --out FILE`")

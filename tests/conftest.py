@@ -1,0 +1,26 @@
+"""Shared helpers for autopar's tests."""
+from __future__ import annotations
+
+import torch
+import pytest
+
+from autopar import analyze, capture
+from autopar import models
+
+
+TOKEN_DIMS = ({0: "batch", 1: "seq"},)
+
+
+def small(name: str, **overrides):
+    """A small zoo model built on CPU (deterministic weights)."""
+    torch.manual_seed(0)
+    return models.build(name, {k: v for k, v in overrides.items()}, device="cpu")
+
+
+def analysed(model, args, dims=None, **kw):
+    return analyze(capture(model, args, dims=dims, **kw))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,89 @@
+"""Calibration: the alpha-beta fit, and a real quick run (2 gloo ranks) whose profile loads back."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from autopar.cost import calibrate as cal
+from autopar.cost import comm
+from autopar.cost.cluster import Cluster
+from autopar.cost.hardware import DeviceSpec, load_hardware, load_profile
+from autopar.errors import ConfigError
+
+
+def test_fit_recovers_exact_line() -> None:
+    points = [[x, 20e-6 + x / 5e9] for x in (4e3, 6.4e4, 1e6, 4e6)]
+    intercept, slope = cal.fit_alpha_beta(points)
+    assert intercept == pytest.approx(20e-6, rel=1e-6)
+    assert slope == pytest.approx(1 / 5e9, rel=1e-6)
+
+
+def test_fit_never_returns_negative_latency_or_bandwidth() -> None:
+    intercept, slope = cal.fit_alpha_beta([[1e3, 1e-7], [1e6, 1e-3], [2e6, 2.2e-3]])
+    assert intercept >= 0 and slope > 0
+    intercept, slope = cal.fit_alpha_beta([[1e3, 5e-5], [1e6, 4e-5]])  # noise: falling times
+    assert intercept == 0 and slope > 0
+
+
+@pytest.mark.parametrize("kind", cal.KINDS)
+def test_link_fit_inverts_the_comm_formulas(kind: str) -> None:
+    alpha, bw, world = 30e-6, 3e9, 2
+    formula = {"all_reduce": comm.all_reduce, "all_gather": comm.all_gather,
+               "reduce_scatter": comm.reduce_scatter, "all_to_all": comm.all_to_all}[kind]
+    points = [[x, formula(x, world, bw, alpha)] for x in (4096, 65536, 2**20, 2**22)]
+    fit = cal.link_fit(kind, world, points)
+    assert fit["alpha_s"] == pytest.approx(alpha, rel=1e-6)
+    assert fit["bandwidth"] == pytest.approx(bw, rel=1e-6)
+
+
+def test_unknown_device_is_config_error() -> None:
+    with pytest.raises(ConfigError, match="'tpu'"):
+        cal.calibrate("tpu", quick=True)
+    assert cal.main(["--device", "tpu", "--quick"]) == 2
+
+
+@pytest.fixture(scope="module")
+def quick_profile(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("calibrate") / "profile.json"
+    profile = cal.calibrate("cpu", out=str(out), quick=True)
+    return out, profile
+
+
+def test_quick_run_writes_a_loadable_profile(quick_profile: tuple[Path, dict]) -> None:
+    out, profile = quick_profile
+    assert json.loads(out.read_text()) == json.loads(json.dumps(profile))
+    device = load_hardware(str(out))
+    assert isinstance(device, DeviceSpec) and device.name.startswith("cpu")
+    assert device.peak("fp32") > 0 and device.memory_bandwidth > 0
+    assert "measured" in device.sources["peak_flops.fp32"]
+    assert profile["measurements"]["seconds"] < 60
+
+
+def test_quick_run_measures_gloo_collectives(quick_profile: tuple[Path, dict]) -> None:
+    out, _ = quick_profile
+    gloo = load_profile(out).links["gloo"]
+    assert gloo.world_size == 2 and gloo.bandwidth > 0 and gloo.alpha_s >= 0
+    assert set(gloo.collectives) == set(cal.KINDS)
+    for fit in gloo.collectives.values():
+        assert fit["bandwidth"] > 0 and len(fit["points"]) >= 2
+        assert all(seconds > 0 for _, seconds in fit["points"])
+
+
+def test_profile_drives_a_cluster(quick_profile: tuple[Path, dict]) -> None:
+    out, _ = quick_profile
+    cluster = Cluster.from_spec("1x2", hardware=str(out))
+    assert cluster.intra.bandwidth == load_profile(out).links["gloo"].bandwidth
+    seconds = comm.collective_time("all_reduce", 2**20, cluster, [("dp", 2)], "dp")
+    assert 0 < seconds < 1
+
+
+def test_bad_profile_is_config_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(ConfigError, match="not an autopar hardware profile"):
+        load_hardware(str(bad))
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_hardware(str(bad))

@@ -1,0 +1,98 @@
+"""Capture: module paths, original names, meta device, clear errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autopar import CaptureError, InputMismatchError, capture
+from autopar.passes.meta import graph_info, info
+from tests.conftest import TOKEN_DIMS, small
+
+
+class TwoLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.head = nn.Linear(16, 4)
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x):
+        return self.head(self.enc(x)) * self.scale
+
+
+def test_nodes_carry_module_paths_and_params_keep_their_names():
+    m = TwoLayer()
+    gm = capture(m, (torch.randn(2, 8),))
+    g = graph_info(gm)
+    assert sorted(g.param_fqns.values()) == sorted(k for k, _ in m.named_parameters())
+    assert sorted(g.buffer_fqns.values()) == ["scale"]
+    linears = [n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default]
+    assert [info(n).fqn for n in linears] == ["enc.0", "head"]
+    assert [info(n).module_type for n in linears] == ["Linear", "Linear"]
+    relu = next(n for n in gm.graph.nodes if "relu" in str(n.target))
+    assert info(relu).fqn == "enc.1"
+    # every parameter placeholder knows its original state_dict key
+    for n in gm.graph.nodes:
+        if info(n).kind == "param":
+            assert info(n).target_fqn in dict(m.named_parameters())
+
+
+def test_meta_device_capture_allocates_nothing():
+    from autopar import models
+    m = models.build("llama", {"hidden": 512, "layers": 2}, device="meta")
+    args, dims = models.example_inputs(m, 2, 8, device="meta")
+    gm = capture(m, args, dims=dims)
+    assert all(p.is_meta for p in m.parameters())
+    assert graph_info(gm).symbols.keys() == {"batch", "seq"}
+
+
+def test_symbolic_dims_are_named_batch_and_seq():
+    m = small("gpt", layers=1)
+    gm = capture(m, (torch.randint(0, 100, (2, 8)),), dims=TOKEN_DIMS)
+    x = next(n for n in gm.graph.nodes if info(n).kind == "input")
+    from autopar.passes.shapes import shape_pass
+    shape_pass(gm)
+    assert [str(s) for s in info(x).value.shape] == ["batch", "seq"]
+    assert graph_info(gm).example_sizes == {"batch": 2, "seq": 8}
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Branchy()
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+class Branchy(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent branch: not capturable
+            return x * 2
+        return x
+
+
+def test_uncapturable_model_names_module_and_source_line():
+    with pytest.raises(CaptureError) as err:
+        capture(DataDependent(), (torch.randn(3, 4),))
+    msg = str(err.value)
+    assert "inner (Branchy)" in msg
+    assert "test_capture.py" in msg and "if x.sum() > 0" in msg
+    assert "fix:" in msg
+
+
+def test_wrong_number_of_inputs_is_an_input_mismatch():
+    with pytest.raises(InputMismatchError) as err:
+        capture(TwoLayer(), (torch.randn(2, 8), torch.randn(2, 8)))
+    assert "forward" in str(err.value) and "fix:" in str(err.value)
+
+
+def test_symbolic_dim_needs_example_size_two():
+    with pytest.raises(InputMismatchError, match="at least 2"):
+        capture(TwoLayer(), (torch.randn(1, 8),), dims=({0: "batch"},))
+
+
+def test_not_a_module_is_rejected():
+    with pytest.raises(InputMismatchError, match="nn.Module"):
+        capture(lambda x: x, (torch.randn(2),))

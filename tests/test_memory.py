@@ -1,0 +1,84 @@
+"""Memory pass: saved-for-backward bytes vs what autograd really saves; state bytes."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+
+from autopar import models
+from autopar.errors import ConfigError
+from autopar.passes.capture import wrap_graph
+from autopar.passes.flops import flop_pass
+from autopar.passes.memory import memory_pass, optimizer_state_bytes, state_bytes
+from autopar.passes.meta import info
+from autopar.passes.shapes import shape_pass
+from autopar.summary import at, totals
+from tests.conftest import analysed
+
+aten = torch.ops.aten
+
+
+def measured_saved_bytes(model: torch.nn.Module, args: tuple) -> int:
+    """Bytes of distinct non-parameter storages autograd saves during one forward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*args)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("name,overrides", [("mlp", {}), ("gpt", {"layers": 2}), ("llama", {"layers": 2}),
+                                            ("moe", {"layers": 2})])
+def test_saved_bytes_match_autograd(name, overrides):
+    torch.manual_seed(0)
+    model = models.build(name, overrides, device="cpu")
+    args, dims = models.example_inputs(model, 2, 16, device="cpu")
+    predicted = at(totals(analysed(model, args, dims)).activation_bytes, {"batch": 2, "seq": 16})
+    measured = measured_saved_bytes(model, args)
+    assert predicted == pytest.approx(measured, rel=0.01)
+
+
+def _chain() -> fx.GraphModule:
+    """x -> linear(w1) -> gelu -> linear(w2): gelu's input and output are both saved."""
+    g = fx.Graph()
+    x, w1, w2 = g.placeholder("x"), g.placeholder("w1"), g.placeholder("w2")
+    x.meta["val"], w1.meta["val"], w2.meta["val"] = torch.randn(4, 8), torch.randn(16, 8), torch.randn(8, 16)
+    h = g.call_function(aten.linear.default, (x, w1))
+    a = g.call_function(aten.gelu.default, (h,))
+    g.output(g.call_function(aten.linear.default, (a, w2)))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    wrap_graph(gm, params={"w1": "fc1.weight", "w2": "fc2.weight"})
+    return memory_pass(flop_pass(shape_pass(gm)))
+
+
+def test_hand_graph_saved_values_and_liveness():
+    gm = _chain()
+    by = {n.name: info(n) for n in gm.graph.nodes}
+    assert by["x"].saved_bytes == 4 * 8 * 4          # input of linear(w1), w1 trainable
+    assert by["linear_default"].saved_bytes == 4 * 16 * 4    # gelu keeps its input
+    assert by["gelu_default"].saved_bytes == 4 * 16 * 4      # linear(w2) keeps its input
+    assert by["linear_default_1"].saved_bytes == 0           # the output is not saved
+    # liveness: after the last node, saved values plus the output are live
+    assert by["linear_default_1"].live_bytes == 4 * 16 * 4 * 2 + 4 * 8 * 4
+
+
+def test_state_bytes_by_optimizer():
+    gm = _chain()
+    n = 16 * 8 * 2
+    s = state_bytes(gm, "adamw")
+    assert (s.params, s.grads, s.optimizer) == (n * 4, n * 4, n * 8)
+    assert state_bytes(gm, "sgd").optimizer == 0
+    bf16 = state_bytes(gm, "adam", param_dtype=torch.bfloat16)
+    assert (bf16.params, bf16.grads, bf16.optimizer) == (n * 2, n * 2, n * 12)  # ZeRO's 2+2+12
+
+
+def test_unknown_optimizer_is_a_config_error():
+    with pytest.raises(ConfigError, match="lion"):
+        optimizer_state_bytes(10, "lion")
