@@ -7,7 +7,8 @@ Module boundaries only delimit candidate regions; two regions are the same class
 their subgraphs are identical: the same ATen ops in the same order, wired the same way
 inside the region, with the same shapes, dtypes and parameter shapes. Names play no part,
 so two differently named but identical layers match and two same-typed layers of
-different widths do not. Classes are taken largest first; a class member nested in a
+different widths do not. Size arithmetic nodes (``sym_size``, products of sizes) are
+shared between layers by export's CSE, so they are compared by value, not by node. Classes are taken largest first; a class member nested in a
 member already taken is dropped, and a class needs two members left to count.
 """
 from __future__ import annotations
@@ -49,8 +50,8 @@ def _regions(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
     """Every non-root module path with the op nodes made inside it (in graph order)."""
     regions: dict[str, list[fx.Node]] = defaultdict(list)
     for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
+        if node.op != "call_function" or not info(node).values:
+            continue  # size arithmetic (sym_size, mul of sizes) is shared between layers by CSE
         fqn = info(node).fqn
         parts = fqn.split(".") if fqn else []
         for i in range(1, len(parts) + 1):
@@ -74,6 +75,8 @@ def _ref(a: fx.Node, local: dict[fx.Node, int], external: dict[fx.Node, int]) ->
     if a in local:
         return f"%{local[a]}"
     rec = info(a)
+    if not rec.values and a.op == "call_function":
+        return f"size({a.meta.get('val')})"  # a symbolic size: equal by value, not by node
     shape = tuple(str(s) for s in rec.values[0].shape) if rec.values else ()
     if rec.kind in ("param", "buffer"):
         return f"{rec.kind}{shape}"

@@ -12,6 +12,7 @@ Works on the ``meta`` device: nothing is allocated.
 from __future__ import annotations
 
 import inspect
+import os
 import linecache
 import logging
 import re
@@ -28,6 +29,7 @@ from torch import nn
 from torch.export import Dim
 from torch.export.graph_signature import InputKind
 
+import autopar
 from autopar.errors import CaptureError, InputMismatchError
 from autopar.passes.meta import META_KEY, GraphInfo, NodeInfo, graph_info, set_info, symbol
 
@@ -35,7 +37,7 @@ log = logging.getLogger("autopar.capture")
 
 DimLabels = Sequence[Mapping[int, str]]
 
-_TORCH_DIR = torch.__file__.rsplit("/", 1)[0]
+_TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 def capture(model: nn.Module, example_inputs: Any, *, dims: DimLabels | None = None,
@@ -236,10 +238,9 @@ def _capture_error(model: nn.Module, exc: Exception, stack: list[str]) -> Captur
 def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
     """The innermost traceback frame outside torch and autopar: the user's line."""
     frames = traceback.extract_tb(exc.__traceback__)
-    here = __file__.rsplit("/", 2)[0]
+    ours = (os.path.dirname(__file__), os.path.dirname(autopar.__file__), _TORCH_DIR)
     for fs in reversed(frames):
-        if not fs.filename.startswith(_TORCH_DIR) and not fs.filename.startswith(here) \
-                and "site-packages/torch" not in fs.filename and not fs.filename.startswith("<"):
+        if not fs.filename.startswith(ours) and not fs.filename.startswith("<"):
             return fs
     return None
 
@@ -267,3 +268,28 @@ def _describe(arg: Any) -> str:
     if isinstance(arg, torch.Tensor):
         return f"Tensor{tuple(arg.shape)} {str(arg.dtype).replace('torch.', '')} on {arg.device}"
     return type(arg).__name__
+
+
+def wrap_graph(gm: fx.GraphModule, *, params: Mapping[str, str] | None = None,
+               trainable_inputs: Sequence[str] = ()) -> fx.GraphModule:
+    """Give a hand-built GraphModule the records capture would: placeholders named in
+    ``params`` (placeholder name -> fqn) are trainable parameters, the rest are inputs
+    (trainable when named in ``trainable_inputs``). Placeholders need an example tensor
+    in ``node.meta["val"]``; the shape pass propagates the rest."""
+    params = dict(params or {})
+    ginfo = GraphInfo(symbols={}, example_sizes={}, param_fqns=params)
+    gm.meta[META_KEY] = ginfo
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.name in params:
+            fqn = params[node.name]
+            rec = NodeInfo(kind="param", fqn=fqn.rsplit(".", 1)[0] if "." in fqn else "", target_fqn=fqn,
+                           trainable=True)
+        elif node.op == "placeholder":
+            ginfo.input_names.append(node.name)
+            rec = NodeInfo(kind="input", trainable=node.name in trainable_inputs)
+        elif node.op == "output":
+            rec = NodeInfo(kind="output")
+        else:
+            rec = NodeInfo(kind="op", made_by="hand")
+        set_info(node, rec)
+    return gm

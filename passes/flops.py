@@ -148,13 +148,13 @@ def _is_float(rec: NodeInfo) -> bool:
     return bool(rec.values) and any(v.dtype.is_floating_point or v.dtype.is_complex for v in rec.values)
 
 
-def _is_view_like(node: fx.Node) -> bool:
+def is_view_like(node: fx.Node) -> bool:
     name = getattr(node.target, "__name__", str(node.target))
     return node.target in VIEW_OPS or any(tag in name for tag in _NO_DATA)
 
 
 def _bytes_moved(node: fx.Node, rec: NodeInfo, ins: list[NodeInfo | None]) -> sympy.Expr:
-    if _is_view_like(node):
+    if is_view_like(node):
         return ZERO
     read = sympy.Add(*(r.out_bytes for r in _all_input_records(node)))
     return sympy.expand(read + rec.out_bytes)

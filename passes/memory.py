@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import ConfigError
-from autopar.passes.flops import _is_view_like
+from autopar.passes.flops import is_view_like
 from autopar.passes.meta import ZERO, NodeInfo, dtype_bytes, info
 
 log = logging.getLogger("autopar.memory")
@@ -131,7 +131,7 @@ def memory_pass(gm: fx.GraphModule) -> fx.GraphModule:
 def _saved_values(node: fx.Node) -> list[fx.Node]:
     rule = SAVE_RULES.get(node.target)
     if rule is None:
-        if _is_view_like(node):
+        if is_view_like(node):
             return []
         name = str(node.target)
         if name not in _warned:
@@ -162,7 +162,7 @@ def _extra_bytes(node: fx.Node) -> sympy.Expr:
 
 def _base(node: fx.Node) -> fx.Node:
     """Follow views back to the value whose storage they share."""
-    while node.op == "call_function" and _is_view_like(node) and node.all_input_nodes:
+    while node.op == "call_function" and is_view_like(node) and node.all_input_nodes:
         first = node.args[0]
         if not isinstance(first, fx.Node):
             break
@@ -182,7 +182,7 @@ def _liveness(gm: fx.GraphModule, saved: set[fx.Node]) -> None:
     total = ZERO
     for i, node in enumerate(nodes):
         rec = info(node)
-        if node.op == "call_function" and not _is_view_like(node):
+        if node.op == "call_function" and not is_view_like(node):
             live[node] = rec.out_bytes
             total += rec.out_bytes
         for a in set(_base(x) for x in node.all_input_nodes):

@@ -22,6 +22,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from autopar.passes.flops import is_view_like
 from autopar.passes.meta import MoERegion, graph_info, info
 
 aten = torch.ops.aten
@@ -84,7 +85,8 @@ def _assign_roles(nodes: list[fx.Node], router: set[fx.Node], expert_params: set
     """router: the top-k's ancestors; expert: expert-weight users and what lies between two
     of them; dispatch: what feeds an expert use; combine: the rest."""
     region = set(nodes)
-    uses = [n for n in nodes if any(a in expert_params for a in n.all_input_nodes)]
+    uses = [n for n in nodes if any(_param_of(a) in expert_params for a in n.all_input_nodes)
+            or n in expert_params or _param_of(n) in expert_params]
     after = _descendants_within(uses, region)
     before: set[fx.Node] = set()
     for u in uses:
@@ -122,8 +124,9 @@ def _experts_and_capacity(gm: fx.GraphModule, fqn: str, nodes: list[fx.Node],
     leads = {info(p).values[0].shape[0] for p in expert_params.values() if len(info(p).values[0].shape) == 3}
     if len(leads) == 1:
         num = int(next(iter(leads)))
+        weights = set(expert_params.values())
         for n in nodes:
-            if any(a in expert_params.values() for a in n.all_input_nodes) and n.target is aten.bmm.default:
+            if n.target is aten.bmm.default and _param_of(n.args[1]) in weights:
                 return num, info(n.args[0]).values[0].shape[1]
         return num, None
     for cls in graph_info(gm).block_classes:
@@ -131,6 +134,13 @@ def _experts_and_capacity(gm: fx.GraphModule, fqn: str, nodes: list[fx.Node],
         if len(inner) > 1:
             return len(inner), None
     return len({k.rsplit(".", 2)[0] for k in expert_params}), None
+
+
+def _param_of(node: fx.Node) -> fx.Node | None:
+    """The parameter placeholder a chain of views starts from (None if it is not one)."""
+    while node.op == "call_function" and is_view_like(node) and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node if info(node).kind == "param" else None
 
 
 def _inside(fqn: str, outer: str) -> bool:
