@@ -1,0 +1,56 @@
+"""Published-scale models analysed on the meta device, checked against analytic formulas
+(the transformer FLOP and parameter formulas of ../shared/anchors/README.md)."""
+from __future__ import annotations
+
+import pytest
+
+from autopar import models
+from autopar.summary import at, totals
+from tests.conftest import analysed
+
+B, S = 1, 2048
+
+
+def analyse(name: str, overrides=None):
+    model = models.build(name, overrides, device="meta")
+    args, dims = models.example_inputs(model, 2, 8)
+    return model.config, totals(analysed(model, args, dims, max_sizes={"seq": model.config.max_seq}))
+
+
+def test_gpt3_175b_params_and_flops():
+    cfg, t = analyse("gpt3-175b")
+    assert 174e9 <= t.params <= 176e9
+    l, h, v = cfg.layers, cfg.hidden, cfg.vocab
+    # Megatron's parameter formula (it omits the final LayerNorm's 2h)
+    assert t.params == pytest.approx(12 * l * h * h * (1 + 13 / (12 * h) + (v + S) / (12 * l * h)) + 2 * h, rel=1e-9)
+    fwd = at(t.flops_fwd, {"batch": B, "seq": S})
+    attention = 4 * B * S * S * h * l
+    assert fwd == pytest.approx(2 * t.params * B * S + attention, rel=0.02)
+    # Model FLOPs per step (forward + backward, no recompute): 72·B·s·l·h²·(1 + s/6h + V/12lh)
+    step = fwd + at(t.flops_bwd, {"batch": B, "seq": S})
+    assert step == pytest.approx(72 * B * S * l * h * h * (1 + S / (6 * h) + v / (12 * l * h)), rel=0.01)
+
+
+def test_llama3_70b_params_and_flops():
+    cfg, t = analyse("llama3-70b")
+    assert t.params == pytest.approx(70.6e9, rel=0.01)
+    fwd = at(t.flops_fwd, {"batch": B, "seq": S})
+    attention = 4 * B * S * S * cfg.hidden * cfg.layers
+    assert fwd == pytest.approx(2 * t.params * B * S + attention, rel=0.02)
+    # exactly: the input embedding is a lookup, so its parameters do no matmul work
+    lookup = cfg.vocab * cfg.hidden
+    assert fwd == pytest.approx(2 * (t.params - lookup) * B * S + attention, rel=1e-3)
+
+
+@pytest.mark.parametrize("capacity_factor", [1.0, 1.25])
+def test_mixtral_8x7b_active_params_and_flops(capacity_factor):
+    cfg, t = analyse("mixtral-8x7b", {"capacity_factor": capacity_factor})
+    assert t.params == pytest.approx(46.7e9, rel=0.01)
+    assert t.active_params == pytest.approx(models.active_param_count(cfg), rel=1e-6)
+    assert t.active_params == pytest.approx(12.9e9, rel=0.01)
+    fwd = at(t.flops_fwd, {"batch": B, "seq": S})
+    attention = 4 * B * S * S * cfg.hidden * cfg.layers
+    # fixed-capacity dispatch computes capacity_factor × the routed tokens in the experts
+    expert_active = cfg.layers * cfg.top_k * 3 * cfg.hidden * cfg.ffn
+    padded = 2 * (capacity_factor - 1) * expert_active * B * S
+    assert fwd == pytest.approx(2 * t.active_params * B * S + attention + padded, rel=0.02)
