@@ -6,6 +6,11 @@ with collectives and run on ``torch.distributed``.
 """
 from __future__ import annotations
 
+import warnings
+
+# torch warns at import when NumPy is absent; autopar never needs NumPy.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
 # Functional collectives must be imported before any graph holding them is built,
 # or their backward is silently wrong (see DESIGN.md, rule 3).
 import torch.distributed._functional_collectives  # noqa: F401

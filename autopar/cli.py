@@ -36,11 +36,6 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _calibrate(args: argparse.Namespace) -> int:
-    from autopar.cost import calibrate
-    return calibrate.main(args.rest)
-
-
 def _progress(args: argparse.Namespace, msg: str) -> None:
     if not args.quiet:
         print(f"[autopar] {msg}", file=sys.stderr, flush=True)
@@ -66,14 +61,16 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="list the model zoo")
     m.set_defaults(fn=_models)
 
-    c = sub.add_parser("calibrate", help="measure this machine and write a hardware profile",
-                       add_help=False)
-    c.add_argument("rest", nargs=argparse.REMAINDER)
-    c.set_defaults(fn=_calibrate)
+    sub.add_parser("calibrate", help="measure this machine and write a hardware profile "
+                   "(autopar calibrate --help)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["calibrate"]:  # its own flags, parsed by autopar.cost.calibrate
+        from autopar.cost import calibrate
+        return calibrate.main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="[autopar] %(name)s: %(message)s")

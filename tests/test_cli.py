@@ -88,3 +88,10 @@ def test_bad_input_is_a_clear_error(capsys, argv, needle):
 def test_models_lists_the_zoo(capsys):
     code, out, _ = run(capsys, "models")
     assert code == 0 and "gpt3-175b" in out and "mixtral-8x7b" in out
+
+
+def test_calibrate_is_reachable_from_the_cli(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["calibrate", "--help"])
+    assert done.value.code == 0
+    assert "--quick" in capsys.readouterr().out
