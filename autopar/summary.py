@@ -1,7 +1,6 @@
 """Totals and per-module summaries of an analysed graph, as formulas or at given sizes."""
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import sympy

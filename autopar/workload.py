@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-import torch
 from torch import nn
 
 from autopar.errors import ConfigError

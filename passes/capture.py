@@ -52,7 +52,7 @@ def capture(model: nn.Module, example_inputs: Any, *, dims: DimLabels | None = N
     """
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     _check_inputs(model, args, dims)
-    dynamic_shapes = _dynamic_shapes(args, dims, max_sizes or {}) if dims else None
+    dynamic_shapes = _dynamic_shapes(dims, max_sizes or {}) if dims else None
     with _module_tracker(model) as stack:
         try:
             with warnings.catch_warnings():
@@ -99,10 +99,10 @@ def _check_inputs(model: nn.Module, args: tuple, dims: DimLabels | None) -> None
                     fix=f"capture with {name} >= 2 and evaluate the formulas at {arg.shape[d]}")
 
 
-def _dynamic_shapes(args: tuple, dims: DimLabels, max_sizes: Mapping[str, int]) -> tuple:
+def _dynamic_shapes(dims: DimLabels, max_sizes: Mapping[str, int]) -> tuple:
     named: dict[str, Dim] = {}
     spec = []
-    for arg, labels in zip(args, dims):
+    for labels in dims:
         entry = {}
         for d, name in labels.items():
             if name not in named:

@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from autopar.errors import ConfigError
 from autopar.passes.flops import is_view_like
-from autopar.passes.meta import ZERO, NodeInfo, dtype_bytes, info
+from autopar.passes.meta import ZERO, dtype_bytes, info
 
 log = logging.getLogger("autopar.memory")
 aten = torch.ops.aten
