@@ -7,7 +7,7 @@ import sympy
 import torch.fx as fx
 
 from autopar.passes.memory import state_bytes
-from autopar.passes.meta import ZERO, graph_info, info
+from autopar.passes.meta import ZERO, graph_info, info, within
 
 
 @dataclass
@@ -96,7 +96,7 @@ def module_rows(gm: fx.GraphModule, depth: int = 2) -> list[ModuleRow]:
         row.flops_fwd += rec.flops_fwd
         row.flops_bwd += rec.flops_bwd
         row.activation_bytes += rec.saved_bytes
-        if rec.block_class is not None and rec.block_member is not None and _inside(key, rec.block_member):
+        if rec.block_class is not None and rec.block_member is not None and within(key, rec.block_member):
             row.block_class = rec.block_class
     return list(rows.values())
 
@@ -115,6 +115,3 @@ def at(expr: sympy.Expr | int, sizes: dict[str, int]) -> int:
 def peak_live(t: Totals, sizes: dict[str, int]) -> int:
     return max((at(e, sizes) for e in t.peak_live_bytes), default=0)
 
-
-def _inside(fqn: str, outer: str) -> bool:
-    return fqn == outer or fqn.startswith(outer + ".")

@@ -18,7 +18,7 @@ from collections import defaultdict
 
 import torch.fx as fx
 
-from autopar.passes.meta import BlockClass, graph_info, info
+from autopar.passes.meta import BlockClass, graph_info, info, within
 
 
 def block_pass(gm: fx.GraphModule) -> fx.GraphModule:
@@ -32,7 +32,7 @@ def block_pass(gm: fx.GraphModule) -> fx.GraphModule:
     taken: list[str] = []
     classes: list[BlockClass] = []
     for fp, members in groups:
-        free = [m for m in members if not any(_inside(m, t) for t in taken)]
+        free = [m for m in members if not any(within(m, t) for t in taken)]
         if len(free) < 2:
             continue
         cls = BlockClass(id=len(classes), members=tuple(free), nodes_per_member=len(regions[free[0]]),
@@ -84,6 +84,3 @@ def _ref(a: fx.Node, local: dict[fx.Node, int], external: dict[fx.Node, int]) ->
         external[a] = len(external)
     return f"in{external[a]}{shape}"
 
-
-def _inside(fqn: str, outer: str) -> bool:
-    return fqn == outer or fqn.startswith(outer + ".")

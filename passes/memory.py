@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from autopar.errors import ConfigError
 from autopar.passes.flops import is_view_like
-from autopar.passes.meta import ZERO, dtype_bytes, info
+from autopar.passes.meta import ZERO, dtype_bytes, info, within
 
 log = logging.getLogger("autopar.memory")
 aten = torch.ops.aten
@@ -233,7 +233,7 @@ def state_bytes(gm: fx.GraphModule, optimizer: str = "adamw", *, param_dtype: to
     master = False
     for node in gm.graph.nodes:
         rec = info(node)
-        if rec.kind not in ("param", "buffer") or not rec.values or not _under(rec.target_fqn or "", prefix):
+        if rec.kind not in ("param", "buffer") or not rec.values or not within(rec.target_fqn or "", prefix):
             continue
         v = rec.values[0]
         numel = int(v.numel)
@@ -249,6 +249,3 @@ def state_bytes(gm: fx.GraphModule, optimizer: str = "adamw", *, param_dtype: to
     return StateBytes(params=params, grads=grads, buffers=buffers,
                       optimizer=optimizer_state_bytes(trainable, optimizer, master_weights=master))
 
-
-def _under(fqn: str, prefix: str) -> bool:
-    return not prefix or fqn == prefix or fqn.startswith(prefix + ".")

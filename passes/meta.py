@@ -146,6 +146,11 @@ def dtype_bytes(dtype: torch.dtype) -> int:
     return _DTYPE_BYTES[dtype]
 
 
+def within(fqn: str, outer: str) -> bool:
+    """Is module path ``fqn`` the module ``outer`` or inside it (every path is inside the root "")?"""
+    return not outer or fqn == outer or fqn.startswith(outer + ".")
+
+
 def symbol(name: str) -> sympy.Symbol:
     """The sympy symbol autopar uses for a named size (``batch``, ``seq``)."""
     return sympy.Symbol(name, positive=True, integer=True)

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from autopar.passes.flops import is_view_like
-from autopar.passes.meta import MoERegion, graph_info, info
+from autopar.passes.meta import MoERegion, graph_info, info, within
 
 aten = torch.ops.aten
 
@@ -51,7 +51,7 @@ def _params_used(nodes: list[fx.Node]) -> dict[str, fx.Node]:
 def _mark_region(gm: fx.GraphModule, topk: fx.Node) -> MoERegion | None:
     fqn = info(topk).fqn
     while True:
-        nodes = [n for n in gm.graph.nodes if n.op == "call_function" and _inside(info(n).fqn, fqn)]
+        nodes = [n for n in gm.graph.nodes if n.op == "call_function" and within(info(n).fqn, fqn)]
         router = _ancestors_within(topk, set(nodes))
         router_params = _params_used(router + [topk])
         expert_params = {k: v for k, v in _params_used(nodes).items() if k not in router_params}
@@ -130,7 +130,7 @@ def _experts_and_capacity(gm: fx.GraphModule, fqn: str, nodes: list[fx.Node],
                 return num, info(n.args[0]).values[0].shape[1]
         return num, None
     for cls in graph_info(gm).block_classes:
-        inner = [m for m in cls.members if _inside(m, fqn) and m != fqn]
+        inner = [m for m in cls.members if within(m, fqn) and m != fqn]
         if len(inner) > 1:
             return len(inner), None
     return len({k.rsplit(".", 2)[0] for k in expert_params}), None
@@ -142,6 +142,3 @@ def _param_of(node: fx.Node) -> fx.Node | None:
         node = node.args[0]
     return node if info(node).kind == "param" else None
 
-
-def _inside(fqn: str, outer: str) -> bool:
-    return not outer or fqn == outer or fqn.startswith(outer + ".")
