@@ -12,6 +12,7 @@ without re-capturing. For a static capture they are plain integers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Literal
 
 import sympy
@@ -158,9 +159,16 @@ def symbol(name: str) -> sympy.Symbol:
 
 def evaluate(expr: sympy.Expr | int, sizes: dict[str, int]) -> int:
     """Evaluate a size/FLOP/byte formula at concrete symbol values, e.g. ``{"batch": 8}``."""
-    expr = sympy.sympify(expr)
-    subs = {symbol(k): v for k, v in sizes.items()}
-    value = expr.subs(subs)
+    if isinstance(expr, int):
+        return expr
+    if isinstance(expr, sympy.Integer):
+        return int(expr)
+    return _evaluate(sympy.sympify(expr), tuple(sorted(sizes.items())))
+
+
+@lru_cache(maxsize=65536)
+def _evaluate(expr: sympy.Expr, sizes: tuple[tuple[str, int], ...]) -> int:
+    value = expr.xreplace({symbol(k): sympy.Integer(v) for k, v in sizes})
     if value.free_symbols:
         missing = ", ".join(sorted(str(s) for s in value.free_symbols))
         raise AutoparInternalError(f"formula {expr} still has free symbols ({missing}) after substitution")
