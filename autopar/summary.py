@@ -8,6 +8,7 @@ import torch.fx as fx
 
 from autopar.passes.memory import state_bytes
 from autopar.passes.meta import ZERO, graph_info, info, within
+from autopar.passes.meta import evaluate as at  # noqa: F401 - re-exported: formula at sizes
 
 
 @dataclass
@@ -104,12 +105,6 @@ def module_rows(gm: fx.GraphModule, depth: int = 2) -> list[ModuleRow]:
 def state_memory(gm: fx.GraphModule, optimizer: str = "adamw") -> dict[str, int]:
     s = state_bytes(gm, optimizer)
     return {"params": s.params, "grads": s.grads, "optimizer": s.optimizer, "buffers": s.buffers}
-
-
-def at(expr: sympy.Expr | int, sizes: dict[str, int]) -> int:
-    """Evaluate a formula at sizes; symbols missing from ``sizes`` are an error."""
-    from autopar.passes.meta import evaluate
-    return evaluate(expr, sizes)
 
 
 def peak_live(t: Totals, sizes: dict[str, int]) -> int:

@@ -46,7 +46,9 @@ def test_dump_moe_marks_regions(capsys):
     code, out, _ = run(capsys, "dump", "--model", "moe", "--set", "layers=1", "--format", "json", "-q",
                        "--batch", "2", "--seq", "8")
     data = json.loads(out)
-    assert data["moe_regions"][0]["num_experts"] == 4 or data["moe_regions"][0]["num_experts"] > 1
+    from autopar import models
+    cfg = models.get_config("moe")
+    assert (data["moe_regions"][0]["num_experts"], data["moe_regions"][0]["top_k"]) == (cfg.experts, cfg.top_k)
     assert {n["moe_role"] for n in data["nodes"]} >= {"router", "dispatch", "expert", "combine"}
 
 
