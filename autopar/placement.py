@@ -1,0 +1,168 @@
+"""Placements of values and of their gradients along one mesh axis, and the one rule
+that turns a placement mismatch into a collective.
+
+Along a mesh axis of ``n`` ranks a tensor is
+
+- ``Replicate`` (``R``): every rank holds the whole tensor;
+- ``Shard(dim)`` (``S(d)``): rank ``r`` holds the ``r``-th of ``n`` equal slices along ``d``;
+- ``Partial`` (``P``): every rank holds a tensor of the whole shape; their sum is the value.
+
+A :class:`Spec` pairs a value's placement with its gradient's. The gradient of a
+``Shard(d)`` value is ``Shard(d)``; of a ``Partial`` value, ``Replicate`` (the loss's
+derivative with respect to each summand is the whole gradient); a ``Replicate`` value
+may have a ``Replicate`` or a ``Partial`` gradient (the input of a column-parallel
+matmul gets a ``Partial`` one). :func:`transition` is the single place where a mismatch
+becomes a collective: forward converts the value from the producer's placement to the
+consumer's; backward converts the gradient the consumer emits to the one the producer
+needs, with the same table.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Union
+
+from autopar.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Replicate:
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True)
+class Partial:
+    def __str__(self) -> str:
+        return "P"
+
+
+Placement = Union[Replicate, Shard, Partial]
+R, P = Replicate(), Partial()
+
+_SHARD = re.compile(r"^S\((-?\d+)\)$")
+
+
+def parse(text: str) -> Placement:
+    """``"R"``, ``"P"`` or ``"S(d)"`` to a placement."""
+    text = text.strip()
+    if text == "R":
+        return R
+    if text == "P":
+        return P
+    m = _SHARD.match(text)
+    if m:
+        return Shard(int(m.group(1)))
+    raise ConfigError(f"unknown placement {text!r}", expected='"R", "P" or "S(dim)"', got=text,
+                      fix="write placements as R, P or S(0), S(1), ...")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A value's placement and its gradient's, along one axis."""
+
+    value: Placement
+    grad: Placement
+
+    def __str__(self) -> str:
+        return str(self.value) if self.grad == default_grad(self.value) else f"{self.value}/g{self.grad}"
+
+    @staticmethod
+    def parse(text: str) -> "Spec":
+        if "/g" in text:
+            value, grad = text.split("/g", 1)
+            return Spec(parse(value), parse(grad))
+        value = parse(text)
+        return Spec(value, default_grad(value))
+
+
+def default_grad(value: Placement) -> Placement:
+    """The gradient placement a value has when nothing asks otherwise."""
+    return R if isinstance(value, Partial) else value
+
+
+def spec(value: Placement, grad: Placement | None = None) -> Spec:
+    return Spec(value, default_grad(value) if grad is None else grad)
+
+
+REP = Spec(R, R)
+
+
+def shard(dim: int) -> Spec:
+    return Spec(Shard(dim), Shard(dim))
+
+
+@dataclass(frozen=True)
+class Step:
+    """What converting a tensor from one placement to another takes on each rank.
+
+    ``kind`` is ``none`` / ``chunk`` (local slice) / ``mask`` (rank 0 keeps, others
+    zero) / ``all_reduce`` / ``all_gather`` / ``reduce_scatter`` / ``all_to_all``;
+    ``src_dim``/``dst_dim`` are the tensor dims involved.
+    """
+
+    kind: str
+    src_dim: int | None = None
+    dst_dim: int | None = None
+
+    @property
+    def is_comm(self) -> bool:
+        return self.kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+NONE = Step("none")
+
+
+def transition(src: Placement, dst: Placement) -> Step:
+    """The step that turns a tensor placed ``src`` into one placed ``dst``.
+
+    Used for values in forward (producer → consumer) and for gradients in backward
+    (consumer's emitted gradient → producer's expected gradient)."""
+    if src == dst:
+        return NONE
+    if isinstance(dst, Replicate):
+        if isinstance(src, Partial):
+            return Step("all_reduce")
+        return Step("all_gather", src_dim=src.dim)
+    if isinstance(dst, Shard):
+        if isinstance(src, Replicate):
+            return Step("chunk", dst_dim=dst.dim)
+        if isinstance(src, Partial):
+            return Step("reduce_scatter", dst_dim=dst.dim)
+        return Step("all_to_all", src_dim=src.dim, dst_dim=dst.dim)
+    # dst is Partial
+    if isinstance(src, Replicate):
+        return Step("mask")
+    return Step("all_gather", src_dim=src.dim)  # gather, then keep on rank 0 only
+
+
+def comm_bytes(step: Step, full_bytes: float, n: int) -> float:
+    """Bytes of the *whole* tensor a collective step moves (cost/comm's convention:
+    all-reduce and all-to-all take the full size, all-gather its output, reduce-scatter
+    its input)."""
+    return float(full_bytes) if step.is_comm and n > 1 else 0.0
+
+
+def local_shape(shape: tuple[int, ...], placement: Placement, n: int) -> tuple[int, ...]:
+    """The shape one rank holds of a tensor of global ``shape``."""
+    if not isinstance(placement, Shard):
+        return tuple(shape)
+    dim = placement.dim % len(shape)
+    out = list(shape)
+    out[dim] //= n
+    return tuple(out)
+
+
+def normalize(placement: Placement, ndim: int) -> Placement:
+    """``Shard(-1)`` on a 3-d tensor is ``Shard(2)``."""
+    if isinstance(placement, Shard) and placement.dim < 0:
+        return Shard(placement.dim % ndim)
+    return placement

@@ -1,0 +1,66 @@
+"""autopar.runtime.launch: real multi-process gloo worlds on one machine."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from autopar.runtime.launch import run_ranks
+
+from autopar.errors import AutoparError
+
+# --- rank workers (module level so they pickle) -------------------------------------------
+
+def _all_reduce(rank: int, world: int) -> torch.Tensor:
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    return t
+
+
+def _raise_on_one(rank: int, world: int) -> int:
+    if rank == 1:
+        raise ValueError("boom from the test worker")
+    dist.barrier()  # the other ranks get stuck here: the parent must terminate them
+    return rank
+
+
+def _exit_on_one(rank: int, world: int) -> int:
+    if rank == 1:
+        os._exit(3)
+    dist.barrier()
+    return rank
+
+
+# --- tests ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_reduce_sum_on_every_rank(world: int) -> None:
+    results = run_ranks(_all_reduce, world, timeout_s=60)
+    expected = world * (world + 1) / 2
+    assert len(results) == world
+    for t in results:
+        assert isinstance(t, torch.Tensor)
+        assert t.tolist() == [expected]
+
+
+def test_raising_rank_is_reported() -> None:
+    start = time.monotonic()
+    with pytest.raises(AutoparError) as info:
+        run_ranks(_raise_on_one, 2, timeout_s=60)
+    assert time.monotonic() - start < 15
+    msg = str(info.value)
+    assert "rank 1" in msg
+    assert "boom from the test worker" in msg
+    assert "ValueError" in msg
+
+
+def test_exiting_rank_is_reported_not_hung() -> None:
+    start = time.monotonic()
+    with pytest.raises(AutoparError) as info:
+        run_ranks(_exit_on_one, 2, timeout_s=20)
+    assert time.monotonic() - start < 15
+    msg = str(info.value)
+    assert "rank 1" in msg
+    assert "code 3" in msg
