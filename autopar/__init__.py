@@ -18,8 +18,10 @@ import torch.distributed._functional_collectives  # noqa: F401
 from autopar.errors import AutoparError, AutoparInternalError, CaptureError, ConfigError, InputMismatchError
 from autopar.passes.capture import capture
 from autopar.passes.pipeline import analyze
+from autopar.plans import Plan
+from autopar.api import parallelize, plan
 
 __version__ = "0.1.0"
 
 __all__ = ["AutoparError", "AutoparInternalError", "CaptureError", "ConfigError", "InputMismatchError",
-           "analyze", "capture", "__version__"]
+           "Plan", "analyze", "capture", "parallelize", "plan", "__version__"]

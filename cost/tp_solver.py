@@ -35,7 +35,7 @@ from autopar.passes.sharding import Strategy, is_decision, strategies, tensor_in
 from autopar.placement import REP, Shard, Spec, comm_bytes, shard, transition
 
 log = logging.getLogger("autopar.solver")
-BEAM = 400  # states kept per step (lowest cost first); see solve()
+BEAM = 200  # states kept per step (lowest cost first); see solve()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -465,6 +465,9 @@ def _solve_block(block: _Block, pricer: _Pricer) -> None:
             for s0, s in zip(first, member):
                 if s0.name in chosen:
                     plan[s.name] = chosen[s0.name]
+                for u0, u in zip(tensor_inputs(s0), tensor_inputs(s)):
+                    if is_folded(u0) and u0.name in chosen:
+                        plan[u.name] = chosen[u0.name]
         block.plans[tuple(sigma)] = (comp * k, comm * k, state * k, plan)
 
 
@@ -472,12 +475,17 @@ def solve(gm: fx.GraphModule, cfg: SolverConfig) -> Solution:
     """The cheapest strategy for every node of an analysed graph (see the module docstring)."""
     if cfg.memory_budget is None:
         return _solve_once(gm, cfg)
-    weight = cfg.mem_weight
-    for _ in range(12):
-        sol = _solve_once(gm, cfg if weight == cfg.mem_weight else _with_weight(cfg, weight))
+    sol = _solve_once(gm, cfg)
+    # Charge memory in seconds: start where the state is worth the whole step time, then
+    # raise the price tenfold until the plan fits or stops shrinking.
+    weight = max(sol.time_s, 1e-9) / max(sol.state_bytes, 1.0)
+    for _ in range(6):
         if sol.state_bytes <= cfg.memory_budget:
             return sol
-        weight = max(weight * 10, 1e-12)
+        smaller = _solve_once(gm, _with_weight(cfg, weight))
+        if smaller.state_bytes >= sol.state_bytes:
+            return smaller
+        sol, weight = smaller, weight * 10
     return sol
 
 

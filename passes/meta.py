@@ -11,6 +11,7 @@ without re-capturing. For a static capture they are plain integers.
 """
 from __future__ import annotations
 
+from typing import Any
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal
@@ -68,6 +69,9 @@ class NodeInfo:
     moe_region: str | None = None      # fqn of that region
     trainable: bool = False            # for param placeholders: requires_grad in the model
     made_by: str = "capture"           # which pass created the node
+    placement: str | None = None       # tensor-axis placement of the output(s) (plan / rewrite)
+    strategy: str | None = None        # the chosen strategy's name and specs (plan)
+    collective: "CollectiveInfo | None" = None  # for nodes the rewrite inserted
 
     @property
     def value(self) -> TensorInfo | None:
@@ -77,6 +81,20 @@ class NodeInfo:
     @property
     def out_bytes(self) -> sympy.Expr:
         return sympy.Add(*(v.nbytes for v in self.values)) if self.values else ZERO
+
+
+@dataclass(frozen=True)
+class CollectiveInfo:
+    """A placement conversion the rewrite inserted: what it does forward and backward."""
+
+    axis: str
+    forward: str                       # step kind: all_reduce, all_gather, chunk, none, ...
+    backward: str
+    src: str                           # spec the producer has
+    dst: str                           # spec the consumer needs
+    nbytes: float                      # the whole tensor's bytes at the planning sizes
+    time_fwd_s: float
+    time_bwd_s: float
 
 
 @dataclass(frozen=True)
@@ -116,6 +134,9 @@ class GraphInfo:
     block_classes: list[BlockClass] = field(default_factory=list)
     moe_regions: list[MoERegion] = field(default_factory=list)
     passes_run: list[str] = field(default_factory=list)
+    in_spec: Any = None                        # pytree spec of the user's inputs (export's)
+    out_spec: Any = None                       # pytree spec of the user's outputs
+    output_targets: list[tuple[str, str | None]] = field(default_factory=list)  # (kind, buffer fqn)
 
 
 def info(node: fx.Node) -> NodeInfo:

@@ -1,0 +1,118 @@
+"""The collective node the rewrite inserts: ``torch.ops.autopar.redistribute``.
+
+One op converts a tensor between placements on one mesh axis. Forward runs the step
+:func:`autopar.placement.transition` gives for the value (producer's placement to the
+consumer's); backward runs the step it gives for the gradient (the gradient the consumer
+emits to the one the producer needs). The communication itself is torch's functional
+collectives (``torch.ops._c10d_functional.*`` followed by ``wait_tensor``), called with
+autograd off: their own registered backward assumes every gradient is partial, which is
+wrong for a replicated value with a replicated gradient (it would multiply by the axis
+size), so the backward here is chosen by placement instead.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives  # noqa: F401 - registers the c10d functional ops
+
+from autopar.placement import Spec, Step, transition
+
+_c10d = torch.ops._c10d_functional
+
+
+def _group_rank(group_name: str) -> int:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return dist.get_rank(_resolve_process_group(group_name))
+
+
+def apply_step(x: torch.Tensor, step: Step, group_name: str, n: int) -> torch.Tensor:
+    """Run one conversion step on this rank's piece ``x``."""
+    if step.kind == "none" or n == 1:
+        return x if step.kind == "none" else _single_rank(x, step)
+    if step.kind == "chunk":
+        return x.chunk(n, step.dst_dim)[_group_rank(group_name)].contiguous()
+    if step.kind == "mask":
+        return x.clone() if _group_rank(group_name) == 0 else torch.zeros_like(x)
+    if step.kind == "all_reduce":
+        return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group_name))
+    if step.kind == "all_gather":
+        return _all_gather(x, step.src_dim, group_name, n)
+    if step.kind == "reduce_scatter":
+        d = step.dst_dim
+        moved = x.movedim(d, 0).contiguous()
+        out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(moved, "sum", n, group_name))
+        return out.movedim(0, d).contiguous()
+    if step.kind == "all_to_all":
+        pieces = torch.stack(x.chunk(n, step.dst_dim)).contiguous()
+        got = _c10d.wait_tensor(_c10d.all_to_all_single(pieces, [1] * n, [1] * n, group_name))
+        return torch.cat(got.unbind(0), dim=step.src_dim).contiguous()
+    raise ValueError(f"unknown redistribute step {step.kind!r}")
+
+
+def _single_rank(x: torch.Tensor, step: Step) -> torch.Tensor:
+    return x.clone() if step.kind != "none" else x
+
+
+def _all_gather(x: torch.Tensor, dim: int, group_name: str, n: int) -> torch.Tensor:
+    moved = x.movedim(dim, 0).contiguous()
+    out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(moved, n, group_name))
+    return out.movedim(0, dim).contiguous()
+
+
+def _out_shape(shape: list[int], step: Step, n: int) -> list[int]:
+    shape = list(shape)
+    if step.kind in ("chunk", "reduce_scatter"):
+        shape[step.dst_dim] //= n
+    elif step.kind == "all_gather":
+        shape[step.src_dim] *= n
+    elif step.kind == "all_to_all":
+        shape[step.src_dim] *= n
+        shape[step.dst_dim] //= n
+    return shape
+
+
+@torch.library.custom_op("autopar::redistribute", mutates_args=())
+def redistribute(x: torch.Tensor, src: str, dst: str, group_name: str, n: int) -> torch.Tensor:
+    """Convert ``x`` from spec ``src`` to spec ``dst`` (strings like ``"R/gP"``, ``"S(1)"``)
+    along the axis whose process group is ``group_name`` (``n`` ranks)."""
+    step = transition(Spec.parse(src).value, Spec.parse(dst).value)
+    out = apply_step(x, step, group_name, n)
+    return out.clone() if _aliases(out, x) else out
+
+
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+@redistribute.register_fake
+def _(x: torch.Tensor, src: str, dst: str, group_name: str, n: int) -> torch.Tensor:
+    step = transition(Spec.parse(src).value, Spec.parse(dst).value)
+    return x.new_empty(_out_shape(list(x.shape), step, n))
+
+
+def _setup(ctx, inputs, output) -> None:
+    _, ctx.src, ctx.dst, ctx.group_name, ctx.n = inputs
+
+
+def _backward(ctx, grad: torch.Tensor):
+    src, dst = Spec.parse(ctx.src), Spec.parse(ctx.dst)
+    step = transition(dst.grad, src.grad)
+    out = apply_step(grad.contiguous(), step, ctx.group_name, ctx.n)
+    return out, None, None, None, None
+
+
+redistribute.register_autograd(_backward, setup_context=_setup)
+
+
+def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Look up ``indices`` in this rank's rows ``[r*V/n, (r+1)*V/n)`` of the embedding;
+    ids owned by other ranks give zeros. Summed over ranks (a ``Partial`` value) this is
+    the whole embedding lookup."""
+    rows = weight.shape[0]
+    start = _group_rank(group_name) * rows
+    owned = (indices >= start) & (indices < start + rows)
+    local = torch.where(owned, indices - start, torch.zeros_like(indices))
+    return torch.nn.functional.embedding(local, weight) * owned.unsqueeze(-1).to(weight.dtype)
+
+
+LOCAL_OPS = {"vocab_parallel_embedding": vocab_parallel_embedding}
