@@ -1,7 +1,9 @@
 """Render an analysed graph for people: text (terminal), JSON (tools), DOT (Graphviz).
 
 Every figure is evaluated at the sizes asked for (``batch``, ``seq``); JSON also carries
-the formulas, so a tool can evaluate them elsewhere.
+the formulas, so a tool can evaluate them elsewhere. A planned or rewritten graph
+(``autopar dump --mesh tp=N --after plan|rewrite``) also shows each node's placement and
+strategy, the collectives the rewrite inserted, and a summary of their predicted cost.
 """
 from __future__ import annotations
 
@@ -62,11 +64,50 @@ def node_rows(gm: fx.GraphModule, sizes: dict[str, int]) -> list[dict[str, Any]]
             "block_class": rec.block_class, "block_member": rec.block_member,
             "moe_role": rec.moe_role, "moe_region": rec.moe_region,
         })
+        _add_parallel_fields(rows[-1], rec)
     return rows
 
 
+def _add_parallel_fields(row: dict[str, Any], rec: NodeInfo) -> None:
+    """Placement, strategy and inserted collective of a planned/rewritten node, only when set."""
+    if rec.placement is not None:
+        row["placement"] = rec.placement
+    if rec.strategy is not None:
+        row["strategy"] = rec.strategy
+    c = rec.collective
+    if c is not None:
+        row["collective"] = {"axis": c.axis, "forward": c.forward, "backward": c.backward, "src": c.src,
+                             "dst": c.dst, "bytes": c.nbytes, "time_fwd_s": c.time_fwd_s,
+                             "time_bwd_s": c.time_bwd_s}
+
+
+def collective_summary(gm: fx.GraphModule) -> dict[str, Any]:
+    """Inserted collectives counted by forward and by backward step kind, with total predicted seconds."""
+    fwd: dict[str, int] = {}
+    bwd: dict[str, int] = {}
+    axes: set[str] = set()
+    count, t_fwd, t_bwd, nbytes = 0, 0.0, 0.0, 0.0
+    for n in gm.graph.nodes:
+        c = info(n).collective
+        if c is None:
+            continue
+        count += 1
+        axes.add(c.axis)
+        fwd[c.forward] = fwd.get(c.forward, 0) + 1
+        bwd[c.backward] = bwd.get(c.backward, 0) + 1
+        t_fwd += c.time_fwd_s
+        t_bwd += c.time_bwd_s
+        nbytes += c.nbytes
+    return {"count": count, "axes": sorted(axes),
+            "forward": dict(sorted(fwd.items(), key=lambda kv: (-kv[1], kv[0]))),
+            "backward": dict(sorted(bwd.items(), key=lambda kv: (-kv[1], kv[0]))),
+            "bytes": nbytes, "time_fwd_s": t_fwd, "time_bwd_s": t_bwd}
+
+
 def to_json(gm: fx.GraphModule, sizes: dict[str, int], *, model: str = "", optimizer: str = "adamw",
-            nodes: bool = True) -> dict[str, Any]:
+            nodes: bool = True, parallel: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``parallel`` (``{"mesh": {...}, "after": "plan"|"rewrite", "predicted": {...}}``) is set for a
+    planned graph: it is copied to the output, and after the rewrite a ``collectives`` summary is added."""
     t = totals(gm)
     ginfo = graph_info(gm)
     out: dict[str, Any] = {
@@ -86,6 +127,10 @@ def to_json(gm: fx.GraphModule, sizes: dict[str, int], *, model: str = "", optim
                         for r in ginfo.moe_regions],
         "passes": list(ginfo.passes_run),
     }
+    if parallel is not None:
+        out["parallel"] = dict(parallel)
+        if parallel.get("after") == "rewrite":
+            out["collectives"] = collective_summary(gm)
     if nodes:
         out["nodes"] = node_rows(gm, sizes)
     return out
@@ -103,12 +148,15 @@ def _totals_json(t: Totals, sizes: dict[str, int], gm: fx.GraphModule, optimizer
 
 
 def to_text(gm: fx.GraphModule, sizes: dict[str, int], *, model: str = "", optimizer: str = "adamw",
-            nodes: bool = True) -> str:
-    data = to_json(gm, sizes, model=model, optimizer=optimizer, nodes=nodes)
-    lines = [f"autopar dump: {model}  at {', '.join(f'{k}={v}' for k, v in sizes.items()) or 'static sizes'}"]
+            nodes: bool = True, parallel: dict[str, Any] | None = None) -> str:
+    data = to_json(gm, sizes, model=model, optimizer=optimizer, nodes=nodes, parallel=parallel)
+    lines = [f"autopar dump: {model}  at {', '.join(f'{k}={v}' for k, v in sizes.items()) or 'static sizes'}"
+             + (f"  on {_mesh_str(parallel['mesh'])}, after {parallel['after']} "
+                f"(shapes and figures are whole tensors; placement says how each is split)" if parallel else "")]
     if nodes:
+        placed = any("placement" in r or "strategy" in r for r in data["nodes"])
         lines.append(f"{'node':<24} {'op':<28} {'module':<22} {'shape':<28} {'fwd FLOP':>9} {'bwd FLOP':>9} "
-                     f"{'bytes':>9} {'saved':>9}")
+                     f"{'bytes':>9} {'saved':>9}" + (f" {'placement':<10} strategy / collective" if placed else ""))
         for r in data["nodes"]:
             if r["kind"] == "output":
                 continue
@@ -116,8 +164,49 @@ def to_text(gm: fx.GraphModule, sizes: dict[str, int], *, model: str = "", optim
             tag = f" #{r['moe_role']}" if r["moe_role"] else ""
             lines.append(f"{r['name'][:24]:<24} {r['op'][:28]:<28} {(r['fqn'] or '.')[:22]:<22} {shape[:28]:<28} "
                          f"{human(r['flops_fwd']):>9} {human(r['flops_bwd']):>9} {human(r['bytes_fwd'], 'B'):>9} "
-                         f"{human(r['saved_bytes'], 'B'):>9}{tag}")
+                         f"{human(r['saved_bytes'], 'B'):>9}" + (_parallel_cells(r) if placed else "") + tag)
     lines += ["", _module_table(data), "", _totals_text(data)]
+    if parallel:
+        lines.append(_parallel_text(data))
+    return "\n".join(lines)
+
+
+def _mesh_str(mesh: dict[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in mesh.items())
+
+
+def seconds(x: float) -> str:
+    """0.000139 -> '139.0us'."""
+    for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
+        if abs(x) >= scale:
+            return f"{x / scale:.1f}{unit}" if unit != "s" else f"{x:.3g}s"
+    return "0" if x == 0 else f"{x * 1e9:.0f}ns"
+
+
+def _parallel_cells(r: dict[str, Any]) -> str:
+    c = r.get("collective")
+    if c is not None:
+        what = (f"{c['axis']}: {c['forward']} / {c['backward']}  {c['src']} -> {c['dst']}  {human(c['bytes'], 'B')}"
+                f"  fwd {seconds(c['time_fwd_s'])} bwd {seconds(c['time_bwd_s'])}")
+    else:
+        what = r.get("strategy") or ""
+    return f" {(r.get('placement') or '-')[:10]:<10} {what}".rstrip()
+
+
+def _parallel_text(data: dict[str, Any]) -> str:
+    p = data["parallel"]
+    pred = p.get("predicted") or {}
+    lines = [f"plan            {_mesh_str(p['mesh'])}: predicted step {seconds(pred.get('step_time_s', 0.0))} "
+             f"(compute {seconds(pred.get('compute_s', 0.0))}, comm {seconds(pred.get('comm_s', 0.0))}), "
+             f"state {human(pred.get('state_bytes_per_rank', 0.0), 'B')} per rank"]
+    c = data.get("collectives")
+    if c is not None:
+        def kinds(d: dict[str, int]) -> str:
+            return ", ".join(f"{k} {v}" for k, v in d.items()) or "-"
+        lines += [f"collectives     {c['count']} inserted on {', '.join(c['axes']) or '-'}; "
+                  f"forward: {kinds(c['forward'])}; backward: {kinds(c['backward'])}",
+                  f"comm time       forward {seconds(c['time_fwd_s'])}, backward {seconds(c['time_bwd_s'])} "
+                  f"(predicted, sum over inserted collectives)"]
     return "\n".join(lines)
 
 
@@ -177,6 +266,10 @@ def to_dot(gm: fx.GraphModule, sizes: dict[str, int], *, model: str = "") -> str
         shape = ",".join(str(at(s, sizes)) for s in rec.values[0].shape) if rec.values else ""
         flops = f"\\n{human(at(rec.flops_fwd, sizes))}FLOP" if rec.flops_fwd != 0 else ""
         color = ', style=filled, fillcolor="#ffe0b0"' if rec.moe_role else ""
+        if rec.collective is not None:
+            c = rec.collective
+            flops = f"\\n{c.axis}: {c.forward} / {c.backward}\\n{c.src} -> {c.dst}"
+            color = ', style=filled, fillcolor="#c0e0ff"'
         decl = f'    "{n.name}" [label="{_op_name(n)}\\n[{shape}]{flops}"{color}];'
         key = ".".join(rec.fqn.split(".")[:2]) if rec.fqn else ""
         clusters.setdefault(key, []).append(decl)
@@ -197,11 +290,12 @@ def to_dot(gm: fx.GraphModule, sizes: dict[str, int], *, model: str = "") -> str
     return "\n".join(lines)
 
 
-def render(gm: fx.GraphModule, sizes: dict[str, int], fmt: str, *, model: str = "", nodes: bool = True) -> str:
+def render(gm: fx.GraphModule, sizes: dict[str, int], fmt: str, *, model: str = "", nodes: bool = True,
+           parallel: dict[str, Any] | None = None) -> str:
     if fmt == "json":
-        return json.dumps(to_json(gm, sizes, model=model, nodes=nodes), indent=1)
+        return json.dumps(to_json(gm, sizes, model=model, nodes=nodes, parallel=parallel), indent=1)
     if fmt == "dot":
         return to_dot(gm, sizes, model=model)
-    return to_text(gm, sizes, model=model, nodes=nodes)
+    return to_text(gm, sizes, model=model, nodes=nodes, parallel=parallel)
 
 

@@ -476,16 +476,19 @@ def solve(gm: fx.GraphModule, cfg: SolverConfig) -> Solution:
     if cfg.memory_budget is None:
         return _solve_once(gm, cfg)
     sol = _solve_once(gm, cfg)
-    # Charge memory in seconds: start where the state is worth the whole step time, then
-    # raise the price tenfold until the plan fits or stops shrinking.
+    # Charge memory in seconds: start where the whole state is worth the whole step time,
+    # then raise the price a hundredfold at a time until the plan fits.
     weight = max(sol.time_s, 1e-9) / max(sol.state_bytes, 1.0)
-    for _ in range(6):
+    for _ in range(4):
         if sol.state_bytes <= cfg.memory_budget:
-            return sol
+            break
         smaller = _solve_once(gm, _with_weight(cfg, weight))
-        if smaller.state_bytes >= sol.state_bytes:
-            return smaller
-        sol, weight = smaller, weight * 10
+        if smaller.state_bytes < sol.state_bytes:
+            sol = smaller
+        weight *= 100
+    if sol.state_bytes > cfg.memory_budget:
+        log.warning("tensor-axis plan needs %.3g GB of state per rank, over the budget of %.3g GB",
+                    sol.state_bytes / 1e9, cfg.memory_budget / 1e9)
     return sol
 
 

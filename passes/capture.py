@@ -280,8 +280,6 @@ def wrap_graph(gm: fx.GraphModule, *, params: Mapping[str, str] | None = None,
     in ``node.meta["val"]``; the shape pass propagates the rest."""
     params = dict(params or {})
     ginfo = GraphInfo(symbols={}, example_sizes={}, param_fqns=params)
-    ginfo.in_spec, ginfo.out_spec = ep.call_spec.in_spec, ep.call_spec.out_spec
-    ginfo.output_targets = [(spec.kind.name, getattr(spec, "target", None)) for spec in ep.graph_signature.output_specs]
     gm.meta[META_KEY] = ginfo
     for node in gm.graph.nodes:
         if node.op == "placeholder" and node.name in params:
