@@ -86,7 +86,6 @@ def _dtype_of(gm: fx.GraphModule) -> str:
 
 
 def _plan_of(gm: fx.GraphModule, sol: Solution, axes: tuple[tuple[str, int], ...], name: str) -> Plan:
-    ginfo = graph_info(gm)
     params = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder" and info(node).kind in ("param", "buffer"):
@@ -95,7 +94,6 @@ def _plan_of(gm: fx.GraphModule, sol: Solution, axes: tuple[tuple[str, int], ...
     nodes = {k: NodeStrategy.of(v) for k, v in sol.strategies.items()}
     predicted = {"compute_s": sol.compute_s, "comm_s": sol.comm_s, "step_time_s": sol.time_s,
                  "state_bytes_per_rank": sol.state_bytes}
-    del ginfo
     return Plan(mesh=dict(axes), tp_axis=axes[0][0], params=params, nodes=nodes, predicted=predicted, model=name)
 
 
@@ -187,9 +185,7 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
                 dist.broadcast(t.data, src=0)
     trainable = {k: p.requires_grad for k, p in model.named_parameters()}
     used = {info(n).target_fqn for n in gm.graph.nodes if n.op == "placeholder" and info(n).target_fqn}
-    ginfo = graph_info(gm)
     dim_map = _dim_map(example_inputs, dims)
-    del ginfo
     return ParallelModule(gm, the_plan.params, {k: v for k, v in tensors.items() if k in used}, trainable, mesh,
                           the_plan, dim_map)
 

@@ -157,11 +157,8 @@ def _localize_sizes(graph: fx.Graph, node: fx.Node, strategy: Strategy, n: int) 
     out = strategy.outputs[0].value
     if not isinstance(out, Shard):
         return
-    shape = list(node.args[1])
-    lead = 0
-    if node.target is aten.expand.default:
-        lead = 0  # expand's size list is the full output shape
-    d = out.dim + lead
+    shape = list(node.args[1])  # every op here names the whole output shape
+    d = out.dim
     size = shape[d]
     if isinstance(size, int):
         if size == -1:
