@@ -19,9 +19,9 @@ from autopar.errors import AutoparError, AutoparInternalError, CaptureError, Con
 from autopar.passes.capture import capture
 from autopar.passes.pipeline import analyze
 from autopar.plans import Plan
-from autopar.api import parallelize, plan
+from autopar.api import optimizer, parallelize, plan
 
 __version__ = "0.1.0"
 
 __all__ = ["AutoparError", "AutoparInternalError", "CaptureError", "ConfigError", "InputMismatchError",
-           "Plan", "analyze", "capture", "parallelize", "plan", "__version__"]
+           "Plan", "analyze", "capture", "optimizer", "parallelize", "plan", "__version__"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Mapping
 
 import torch
@@ -17,10 +18,12 @@ from autopar.passes.capture import capture
 from autopar.passes.meta import graph_info, info
 from autopar.passes.pipeline import analyze
 from autopar.passes.tp_rewrite import tp_rewrite
+from autopar.placement import Shard, parse
 from autopar.plans import NodeStrategy, Plan
 
 log = logging.getLogger("autopar")
-_FIXED_ROLES = ("dp", "pp", "ep")
+_FIXED_ROLES = ("pp", "ep")
+_SUPPORTED = ("dp", "tp")
 
 
 def default_dims(example_inputs: tuple) -> tuple[dict[int, str], ...]:
@@ -37,22 +40,34 @@ def default_dims(example_inputs: tuple) -> tuple[dict[int, str], ...]:
 
 
 def mesh_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
-    """``[(axis name, size)]`` of a DeviceMesh, an int (one ``tp`` axis) or a ``{name: size}``."""
+    """``[(axis name, size)]`` of a DeviceMesh, an int (one ``tp`` axis) or a ``{name: size}``
+    (axes ``dp`` and/or ``tp``; ``dp`` is the outer one)."""
     if isinstance(mesh, int) and not isinstance(mesh, bool):
         axes = (("tp", mesh),)
     elif isinstance(mesh, Mapping):
         axes = tuple((str(k), int(v)) for k, v in mesh.items())
     elif hasattr(mesh, "mesh_dim_names") and hasattr(mesh, "size"):
-        names = mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(mesh.ndim))
+        names = mesh.mesh_dim_names or (("tp",) if mesh.ndim == 1 else tuple(f"axis{i}" for i in range(mesh.ndim)))
         axes = tuple((names[i], mesh.size(i)) for i in range(mesh.ndim))
     else:
         raise ConfigError("mesh must be a DeviceMesh, an int or a {axis: size} mapping", got=type(mesh).__name__,
-                          fix="pass e.g. init_device_mesh('cpu', (4,), mesh_dim_names=('tp',)) or 4")
-    if len(axes) != 1 or axes[0][0] in _FIXED_ROLES or axes[0][1] < 1:
-        raise ConfigError("this version parallelizes over one tensor-parallel mesh axis", where="mesh",
-                          expected="a 1-d mesh whose axis is named tp (or unnamed)", got=str(axes),
-                          fix="pass a 1-d mesh; data, pipeline and expert axes are not supported yet")
+                          fix="pass e.g. {'dp': 2, 'tp': 2}, init_device_mesh('cpu', (2, 2), "
+                              "mesh_dim_names=('dp', 'tp')) or 4")
+    names = [a for a, _ in axes]
+    if not axes or len(set(names)) != len(names) or any(a not in _SUPPORTED for a in names) \
+            or any(size < 1 for _, size in axes):
+        raise ConfigError("this version parallelizes over a data axis and/or a tensor axis", where="mesh",
+                          expected="axes named dp and/or tp (dp outermost), each of size >= 1", got=str(axes),
+                          fix="e.g. {'dp': 2, 'tp': 2}; pipeline and expert axes are not supported yet"
+                          if any(a in _FIXED_ROLES for a in names) else "name the axes dp and tp")
+    if names == ["tp", "dp"]:
+        raise ConfigError("the data axis must be the outer mesh axis", where="mesh", got=str(axes),
+                          fix="list dp before tp, e.g. {'dp': 2, 'tp': 2}: tensor-parallel ranks are neighbours")
     return axes
+
+
+def _tp_axes(axes: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
+    return tuple(a for a in axes if a[0] == "tp")
 
 
 def _capture(model: nn.Module, example_inputs: Any, dims: Any) -> fx.GraphModule:
@@ -68,8 +83,15 @@ def _capture(model: nn.Module, example_inputs: Any, dims: Any) -> fx.GraphModule
 
 def _solve(gm: fx.GraphModule, axes: tuple[tuple[str, int], ...], *, hardware: str | None,
            memory_budget: float | None, sizes: Mapping[str, int] | None, dtype: str | None) -> tuple[Solution, Cluster]:
-    (axis, n), = axes
-    cluster = Cluster.from_spec(f"1x{n}", hardware=hardware or ("h100" if torch.cuda.is_available() else "cpu"))
+    """Tensor-axis strategies for ``axes`` (an empty solution when there is no tensor axis)."""
+    world = 1
+    for _, size in axes:
+        world *= size
+    cluster = Cluster.from_spec(f"1x{world}", hardware=hardware or ("h100" if torch.cuda.is_available() else "cpu"))
+    tp = _tp_axes(axes)
+    if not tp or tp[0][1] == 1:
+        return Solution(strategies={}, compute_s=0.0, comm_s=0.0, state_bytes=0.0, conversions=[]), cluster
+    (axis, n), = tp
     ginfo = graph_info(gm)
     plan_sizes = {**ginfo.example_sizes, **dict(sizes or {})}
     cfg = SolverConfig(n=n, cluster=cluster, mesh_axes=axes, axis=axis, sizes=plan_sizes,
@@ -85,7 +107,9 @@ def _dtype_of(gm: fx.GraphModule) -> str:
     return "fp32"
 
 
-def _plan_of(gm: fx.GraphModule, sol: Solution, axes: tuple[tuple[str, int], ...], name: str) -> Plan:
+def _plan_of(gm: fx.GraphModule, sol: Solution, axes: tuple[tuple[str, int], ...], name: str, *,
+             zero_stage: int = 0, bucket_bytes: int = 0, overlap: bool = True,
+             mixed_precision: str | None = None) -> Plan:
     params = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder" and info(node).kind in ("param", "buffer"):
@@ -94,46 +118,147 @@ def _plan_of(gm: fx.GraphModule, sol: Solution, axes: tuple[tuple[str, int], ...
     nodes = {k: NodeStrategy.of(v) for k, v in sol.strategies.items()}
     predicted = {"compute_s": sol.compute_s, "comm_s": sol.comm_s, "step_time_s": sol.time_s,
                  "state_bytes_per_rank": sol.state_bytes}
-    return Plan(mesh=dict(axes), tp_axis=axes[0][0], params=params, nodes=nodes, predicted=predicted, model=name)
+    tp = _tp_axes(axes)
+    dp_axis = "dp" if any(a == "dp" for a, _ in axes) else None
+    return Plan(mesh=dict(axes), tp_axis=tp[0][0] if tp else None, params=params, nodes=nodes, predicted=predicted,
+                model=name, dp_axis=dp_axis, zero_stage=zero_stage if dp_axis else 0, bucket_bytes=bucket_bytes,
+                overlap=overlap, mixed_precision=mixed_precision)
 
 
 def plan(model: nn.Module, mesh: Any, example_inputs: Any, *, dims: Any = None, hardware: str | None = None,
          memory_budget: float | None = None, sizes: Mapping[str, int] | None = None,
-         dtype: str | None = None) -> Plan:
+         dtype: str | None = None, zero_stage: int | None = None, overlap: bool = True,
+         mixed_precision: str | None = None, bucket_bytes: int = 0) -> Plan:
     """Find a plan for ``model`` on ``mesh`` without building anything (the model may live on
     the meta device). ``sizes`` overrides the planning sizes (e.g. ``{"batch": 8, "seq": 2048}``);
-    ``memory_budget`` bounds per-rank parameter+gradient+optimizer bytes."""
+    ``memory_budget`` bounds per-device bytes; ``zero_stage=None`` lets the planner choose the
+    ZeRO stage on a data axis (the lowest one that fits the budget)."""
     axes = mesh_axes(mesh)
     gm = _capture(model, example_inputs, dims)
-    sol, _ = _solve(gm, axes, hardware=hardware, memory_budget=memory_budget, sizes=sizes, dtype=dtype)
-    return _plan_of(gm, sol, axes, type(model).__name__)
+    sol, cluster = _solve(gm, axes, hardware=hardware, memory_budget=memory_budget, sizes=sizes, dtype=dtype)
+    the_plan = _plan_of(gm, sol, axes, type(model).__name__, zero_stage=zero_stage or 0, overlap=overlap,
+                        mixed_precision=mixed_precision, bucket_bytes=bucket_bytes)
+    return _with_memory(gm, the_plan, cluster, memory_budget, choose_stage=zero_stage is None)
+
+
+def _with_memory(gm: fx.GraphModule, the_plan: Plan, cluster: Cluster, memory_budget: float | None, *,
+                 choose_stage: bool) -> Plan:
+    """Fill in the predicted per-device memory split (and choose the ZeRO stage if asked)."""
+    from dataclasses import replace
+
+    from autopar.cost.dp_planner import memory_split
+
+    trainable, frozen, buffers = _local_numels(gm, the_plan)
+    budget = memory_budget or cluster.device.memory_bytes
+
+    def split(stage: int):
+        return memory_split(trainable_numel=trainable, frozen_numel=frozen, dp=the_plan.dp, zero_stage=stage,
+                            mixed_precision=the_plan.mixed_precision, buffer_bytes=buffers,
+                            param_bytes=_param_bytes(gm))
+    stage = the_plan.zero_stage
+    if choose_stage and the_plan.dp > 1:
+        stage = next((k for k in range(4) if split(k).total <= budget), 3)
+    mem = split(stage)
+    predicted = {**the_plan.predicted, "memory_bytes": mem.as_dict()}
+    return replace(the_plan, zero_stage=stage, predicted=predicted)
+
+
+def _param_bytes(gm: fx.GraphModule) -> int:
+    return {"fp32": 4, "bf16": 2, "fp16": 2}.get(_dtype_of(gm), 4)
+
+
+def _local_numels(gm: fx.GraphModule, the_plan: Plan) -> tuple[int, int, int]:
+    """Per-rank (tensor-axis-local) trainable and frozen parameter elements, and buffer bytes."""
+    trainable = frozen = buffers = 0
+    for node in gm.graph.nodes:
+        rec = info(node)
+        if node.op != "placeholder" or rec.kind not in ("param", "buffer") or not rec.values:
+            continue
+        numel = math.prod(_local_shape(rec.values[0].shape, the_plan.params.get(rec.target_fqn, "R"), the_plan.tp))
+        if rec.kind == "buffer":
+            buffers += numel * rec.values[0].dtype.itemsize
+        elif rec.requires_grad:
+            trainable += numel
+        else:
+            frozen += numel
+    return trainable, frozen, buffers
+
+
+def _local_shape(shape: Any, placement: str, tp: int) -> tuple[int, ...]:
+    out = [int(d) for d in shape]
+    p = parse(placement)
+    if isinstance(p, Shard):
+        out[p.dim] //= tp
+    return tuple(out)
 
 
 def planned_graph(model: nn.Module, mesh: Any, example_inputs: Any, *, dims: Any = None, plan: Plan | None = None,
                   hardware: str | None = None, memory_budget: float | None = None,
-                  sizes: Mapping[str, int] | None = None, rewrite: bool = False,
-                  group_name: str = "tp") -> tuple[fx.GraphModule, Plan]:
-    """Capture, plan (or take ``plan``) and annotate every node with its placement; with
-    ``rewrite`` also produce the per-rank graph (what ``autopar dump --after`` shows)."""
+                  sizes: Mapping[str, int] | None = None, rewrite: bool = False, after: str | None = None,
+                  group_name: str = "tp", zero_stage: int | None = None, overlap: bool = True,
+                  bucket_bytes: int = 0) -> tuple[fx.GraphModule, Plan]:
+    """Capture, plan (or take ``plan``) and annotate every node with its placement; ``after``
+    = ``"rewrite"`` (or ``rewrite=True``) also produces the per-rank graph and ``"schedule"``
+    additionally inserts the data-axis collectives and schedules them (what ``autopar dump
+    --after`` shows)."""
+    after = after or ("rewrite" if rewrite else "plan")
     axes = mesh_axes(mesh)
     gm = _capture(model, example_inputs, dims)
-    sol, cluster = _solve(gm, axes, hardware=hardware, memory_budget=memory_budget, sizes=sizes, dtype=None) \
-        if plan is None else (None, Cluster.from_spec(f"1x{axes[0][1]}", hardware=hardware or "cpu"))
-    the_plan = plan or _plan_of(gm, sol, axes, type(model).__name__)
-    strategies = _checked(gm, the_plan)
-    (axis, n), = axes
-    ginfo = graph_info(gm)
-    plan_sizes = {**ginfo.example_sizes, **dict(sizes or {})}
-    if rewrite:
-        tp_rewrite(gm, strategies, n=n, axis=axis, group_name=group_name, sizes=plan_sizes,
-                   comm_time=lambda kind, nbytes: collective_time(kind, nbytes, cluster, axes, axis))
+    sol, cluster = _solve(gm, axes if plan is None else (), hardware=hardware, memory_budget=memory_budget,
+                          sizes=sizes, dtype=None)
+    if plan is None:
+        the_plan = _plan_of(gm, sol, axes, type(model).__name__, zero_stage=zero_stage or 0, overlap=overlap,
+                            bucket_bytes=bucket_bytes)
+        the_plan = _with_memory(gm, the_plan, cluster, memory_budget, choose_stage=zero_stage is None)
     else:
+        the_plan = plan
+        cluster = Cluster.from_spec(f"1x{math.prod(n for _, n in axes)}", hardware=hardware or "cpu")
+    strategies = _checked(gm, the_plan)
+    if after == "plan":
         for node in gm.graph.nodes:
             s = strategies.get(node.name)
             if s is not None:
                 info(node).strategy = str(s)
                 info(node).placement = ",".join(str(x) for x in s.outputs)
+        return gm, the_plan
+    _rewrite(gm, the_plan, strategies, cluster, sizes, group_name)
+    if after == "schedule":
+        _dp_rewrite(gm, the_plan, cluster, rid=-1, trainable=None)
     return gm, the_plan
+
+
+def _rewrite(gm: fx.GraphModule, the_plan: Plan, strategies: dict, cluster: Cluster,
+             sizes: Mapping[str, int] | None, group_name: str) -> None:
+    axes = tuple(the_plan.mesh.items())
+    plan_sizes = {**graph_info(gm).example_sizes, **dict(sizes or {})}
+    axis = the_plan.tp_axis or "tp"
+    tp_rewrite(gm, strategies, n=the_plan.tp, axis=axis, group_name=group_name, sizes=plan_sizes,
+               comm_time=lambda kind, nbytes: collective_time(kind, nbytes, cluster, axes, axis))
+
+
+def _dp_rewrite(gm: fx.GraphModule, the_plan: Plan, cluster: Cluster, *, rid: int,
+                trainable: Mapping[str, bool] | None) -> list[tuple[list[str], list[tuple[int, ...]], list[bool]]]:
+    """Bucket the parameters, insert the data-axis nodes and schedule them. Returns the
+    buckets as (state_dict keys, tensor-axis-local shapes, trainable flags)."""
+    from autopar.cost.dp_planner import bucket_bytes as default_bucket_bytes
+    from autopar.passes.dp_rewrite import bucket_params, dp_rewrite, param_placeholders, schedule
+
+    if the_plan.dp_axis is None or the_plan.dp == 1:
+        return []
+    axes = tuple(the_plan.mesh.items())
+    phs = param_placeholders(gm)
+    shapes = {f: _local_shape(info(n).values[0].shape, the_plan.params.get(f, "R"), the_plan.tp)
+              for f, n in phs.items()}
+    nbytes = {f: math.prod(shape) * info(phs[f]).values[0].dtype.itemsize for f, shape in shapes.items()}
+    grad = dict(trainable) if trainable is not None else {f: info(n).requires_grad for f, n in phs.items()}
+    size = the_plan.bucket_bytes or default_bucket_bytes(cluster, axes, the_plan.dp_axis)
+    stage = the_plan.zero_stage
+    buckets = bucket_params(gm, nbytes=nbytes, bucket_bytes=size,
+                            include=(lambda f: True) if stage == 3 else (lambda f: grad.get(f, False)))
+    dp_rewrite(gm, rid=rid, stage=stage, buckets=buckets, axis=the_plan.dp_axis, n=the_plan.dp, nbytes=nbytes,
+               comm_time=lambda kind, b: collective_time(kind, b, cluster, axes, the_plan.dp_axis))
+    schedule(gm, overlap=the_plan.overlap)
+    return [(fqns, [shapes[f] for f in fqns], [grad.get(f, False) for f in fqns]) for fqns in buckets]
 
 
 def _checked(gm: fx.GraphModule, plan: Plan) -> dict:
@@ -153,30 +278,46 @@ def _checked(gm: fx.GraphModule, plan: Plan) -> dict:
 
 def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan | str | None = None,
                 dims: Any = None, hardware: str | None = None, memory_budget: float | None = None,
-                sizes: Mapping[str, int] | None = None, sync_params: bool = True):
+                sizes: Mapping[str, int] | None = None, sync_params: bool = True, zero_stage: int | None = None,
+                overlap: bool = True, bucket_bytes: int = 0):
     """Split ``model`` over ``mesh`` and return this rank's :class:`ParallelModule`.
 
     Call on every rank after ``torch.distributed.init_process_group`` with the same model
-    and example inputs. ``mesh`` is a 1-d DeviceMesh or its size; ``plan`` a Plan or a
-    path to one (otherwise one is found by cost). With ``sync_params`` every rank first
-    takes rank 0's parameters, so differently seeded ranks cannot silently disagree."""
+    and example inputs (one rank's call: under data parallelism, its share of the batch).
+    ``mesh`` is a DeviceMesh with axes ``dp`` and/or ``tp``, a ``{"dp": 2, "tp": 2}``
+    mapping, or an int (a tensor axis of that size); ``plan`` a Plan or a path to one
+    (otherwise one is found by cost, with ``zero_stage``, ``overlap`` and ``bucket_bytes``
+    as given). With ``sync_params`` every rank first takes rank 0's parameters, so
+    differently seeded ranks cannot silently disagree. Step it with the optimizer from
+    :func:`autopar.optimizer`."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from autopar.runtime.dp import DPRuntime
     from autopar.runtime.tp_module import ParallelModule
 
     if not dist.is_initialized():
         raise ConfigError("parallelize needs an initialised process group", where="parallelize",
                           fix="call torch.distributed.init_process_group (torchrun sets the environment) first")
-    axes = mesh_axes(mesh)
-    if not hasattr(mesh, "get_group"):
-        device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-        mesh = init_device_mesh(device, (axes[0][1],), mesh_dim_names=(axes[0][0],))
     if isinstance(plan, str):
         plan = Plan.load(plan)
-    group = mesh.get_group(0)
+    axes = mesh_axes(mesh) if plan is None or not isinstance(mesh, int) else tuple(plan.mesh.items())
+    if plan is not None and dict(axes) != plan.mesh:
+        raise ConfigError("the mesh does not match the plan's", where="parallelize", expected=str(plan.mesh),
+                          got=str(dict(axes)), fix="pass the mesh the plan was made for, or re-plan for this mesh")
+    world = math.prod(n for _, n in axes)
+    if world != dist.get_world_size():
+        raise ConfigError("the mesh does not cover the process group", where="parallelize",
+                          expected=f"{world} ranks ({dict(axes)})", got=f"world size {dist.get_world_size()}",
+                          fix="launch as many ranks as the mesh has devices, or pass a mesh of that size")
+    if not hasattr(mesh, "get_group"):
+        device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+        mesh = init_device_mesh(device, tuple(n for _, n in axes), mesh_dim_names=tuple(a for a, _ in axes))
+    names = list(mesh.mesh_dim_names or ("tp",))
+    tp_group = mesh.get_group(names.index("tp")) if "tp" in names else None
     gm, the_plan = planned_graph(model, mesh, example_inputs, dims=dims, plan=plan, hardware=hardware,
-                                 memory_budget=memory_budget, sizes=sizes, rewrite=True,
-                                 group_name=group.group_name)
+                                 memory_budget=memory_budget, sizes=sizes, after="rewrite",
+                                 group_name=tp_group.group_name if tp_group is not None else "tp",
+                                 zero_stage=zero_stage, overlap=overlap, bucket_bytes=bucket_bytes)
     tensors = dict(model.named_parameters())
     tensors.update(dict(model.named_buffers()))
     if sync_params and dist.get_world_size() > 1:
@@ -184,10 +325,32 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
             for t in tensors.values():
                 dist.broadcast(t.data, src=0)
     trainable = {k: p.requires_grad for k, p in model.named_parameters()}
+    rt = None
+    if the_plan.dp_axis is not None and the_plan.dp > 1:
+        dim = names.index(the_plan.dp_axis)
+        device = torch.device(mesh.device_type if mesh.device_type != "cuda" else f"cuda:{torch.cuda.current_device()}")
+        rt = DPRuntime(stage=the_plan.zero_stage, n=mesh.size(dim), rank=mesh.get_local_rank(dim),
+                       group_name=mesh.get_group(dim).group_name, device=device,
+                       param_dtype=_torch_dtype(_dtype_of(gm)), prefetch=the_plan.overlap)
+        cluster = Cluster.from_spec(f"1x{world}", hardware=hardware or ("h100" if torch.cuda.is_available() else "cpu"))
+        for fqns, shapes, flags in _dp_rewrite(gm, the_plan, cluster, rid=rt.id, trainable=trainable):
+            rt.add_bucket(fqns, shapes, flags)
     used = {info(n).target_fqn for n in gm.graph.nodes if n.op == "placeholder" and info(n).target_fqn}
     dim_map = _dim_map(example_inputs, dims)
     return ParallelModule(gm, the_plan.params, {k: v for k, v in tensors.items() if k in used}, trainable, mesh,
-                          the_plan, dim_map)
+                          the_plan, dim_map, dp=rt)
+
+
+def optimizer(module: Any, optimizer_cls: type, params: Any = None, **kwargs: Any):
+    """The optimizer for a model from :func:`parallelize`: ``optimizer_cls`` (any elementwise
+    ``torch.optim`` optimizer) over this rank's share of the parameters, as the model's
+    ZeRO stage says. ``params`` optionally gives parameter groups of ``module``'s parameters."""
+    from autopar.runtime.optim import ShardedOptimizer
+    return ShardedOptimizer(module, optimizer_cls, params, **kwargs)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name, torch.float32)
 
 
 def _dim_map(example_inputs: Any, dims: Any) -> dict[str, tuple[int, int]]:

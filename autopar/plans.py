@@ -2,7 +2,9 @@
 
 A plan names the mesh axes, the tensor axis, how every parameter is stored (its
 placement on the tensor axis, by original ``state_dict`` key) and the strategy of every
-graph node, plus the predicted costs. Finding a plan (:func:`autopar.plan`) is separate
+graph node; the data axis with its ZeRO stage, gradient bucket size, overlap and mixed
+precision; plus the predicted costs (seconds, and bytes per device split into
+parameters / gradients / optimizer / activations / buffers). Finding a plan (:func:`autopar.plan`) is separate
 from applying one (:func:`autopar.parallelize` with ``plan=``).
 """
 from __future__ import annotations
@@ -16,7 +18,8 @@ from autopar.errors import ConfigError
 from autopar.passes.sharding import Strategy
 from autopar.placement import Spec
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+_READABLE = (1, 2)   # version-1 plans (tensor axis only) read with data-axis defaults
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,15 +48,40 @@ def _spec(s: Spec) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
-    """A tensor-parallel plan (see the module docstring)."""
+    """A plan over a dp x tp mesh (see the module docstring)."""
 
-    mesh: dict[str, int]
-    tp_axis: str
-    params: dict[str, str]                       # state_dict key -> stored placement ("R", "S(0)")
-    nodes: dict[str, NodeStrategy]               # graph node name -> strategy
-    predicted: dict[str, float] = field(default_factory=dict)
+    mesh: dict[str, int]                         # axis name -> size, outermost first
+    tp_axis: str | None
+    params: dict[str, str]                       # state_dict key -> stored placement on the tp axis ("R", "S(0)")
+    nodes: dict[str, NodeStrategy]               # graph node name -> strategy on the tp axis
+    predicted: dict[str, Any] = field(default_factory=dict)
     model: str = ""
+    dp_axis: str | None = None                   # the axis that splits the batch
+    zero_stage: int = 0                          # 0 (replicated) .. 3 (parameters sharded)
+    bucket_bytes: int = 0                        # gradient/gather bucket size; 0: from the cost model
+    overlap: bool = True                         # schedule collectives early/late (False: at their consumer)
+    mixed_precision: str | None = None           # None (fp32) | "bf16" | "fp16": compute dtype, fp32 master
     version: int = PLAN_VERSION
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError("zero_stage must be 0, 1, 2 or 3", where="plan", got=repr(self.zero_stage),
+                              fix="pick a ZeRO stage between 0 and 3")
+        if self.mixed_precision not in (None, "bf16", "fp16"):
+            raise ConfigError("mixed_precision must be None, 'bf16' or 'fp16'", where="plan",
+                              got=repr(self.mixed_precision), fix="use bf16 (or fp16) compute, or None for fp32")
+        for axis in (self.tp_axis, self.dp_axis):
+            if axis is not None and axis not in self.mesh:
+                raise ConfigError(f"plan axis {axis!r} is not a mesh axis", where="plan", got=str(self.mesh),
+                                  fix="name the tp/dp axes among the mesh axes")
+
+    @property
+    def dp(self) -> int:
+        return self.mesh.get(self.dp_axis, 1) if self.dp_axis else 1
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.get(self.tp_axis, 1) if self.tp_axis else 1
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -65,7 +93,7 @@ class Plan:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"plan is not valid JSON: {exc}", where="plan", fix="pass a file written by Plan.save") from exc
-        if not isinstance(data, dict) or data.get("version") != PLAN_VERSION:
+        if not isinstance(data, dict) or data.get("version") not in _READABLE:
             raise ConfigError("plan has an unknown version", where="plan", expected=f"version {PLAN_VERSION}",
                               got=repr(data.get("version") if isinstance(data, dict) else data),
                               fix="re-plan with this autopar version (autopar.plan(...).save(path))")
@@ -73,7 +101,10 @@ class Plan:
             nodes = {k: NodeStrategy(**{**v, "inputs": tuple(v["inputs"]), "outputs": tuple(v["outputs"])})
                      for k, v in data["nodes"].items()}
             return cls(mesh=dict(data["mesh"]), tp_axis=data["tp_axis"], params=dict(data["params"]), nodes=nodes,
-                       predicted=dict(data.get("predicted", {})), model=data.get("model", ""))
+                       predicted=dict(data.get("predicted", {})), model=data.get("model", ""),
+                       dp_axis=data.get("dp_axis"), zero_stage=int(data.get("zero_stage", 0)),
+                       bucket_bytes=int(data.get("bucket_bytes", 0)), overlap=bool(data.get("overlap", True)),
+                       mixed_precision=data.get("mixed_precision"))
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"plan is missing or mistypes a field: {exc}", where="plan",
                               fix="pass a file written by Plan.save") from exc
@@ -90,5 +121,6 @@ class Plan:
 
     def summary(self) -> dict[str, Any]:
         sharded = {k: v for k, v in self.params.items() if v != "R"}
-        return {"mesh": self.mesh, "tp_axis": self.tp_axis, "sharded_params": len(sharded),
+        return {"mesh": self.mesh, "tp_axis": self.tp_axis, "dp_axis": self.dp_axis, "zero_stage": self.zero_stage,
+                "mixed_precision": self.mixed_precision, "sharded_params": len(sharded),
                 "replicated_params": len(self.params) - len(sharded), **self.predicted}

@@ -95,6 +95,8 @@ class CollectiveInfo:
     nbytes: float                      # the whole tensor's bytes at the planning sizes
     time_fwd_s: float
     time_bwd_s: float
+    bucket: str = ""                   # data-axis nodes: which bucket ("dp.b3") they issue or wait for
+    params: tuple[str, ...] = ()       # data-axis nodes: the parameters (state_dict keys) of the bucket
 
 
 @dataclass(frozen=True)

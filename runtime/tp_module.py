@@ -5,9 +5,15 @@ runs the rewritten graph on the original inputs and returns the original (replic
 outputs. ``state_dict()`` gives DTensors for split parameters (whole values on demand
 with ``.full_tensor()``) and plain tensors for replicated ones; ``load_state_dict``
 accepts whole tensors or DTensors and keeps this rank's slice.
+
+Under data parallelism each data-axis rank is called with its own share of the batch
+(as with DDP); gradients are averaged over the data axis. Under ZeRO-3 a parameter is
+stored as this rank's flat piece (``runtime.dp``); ``state_dict()`` still returns the
+whole tensor-axis-local value under the original key.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import sympy
@@ -21,28 +27,40 @@ from torch.distributed.tensor import Shard as DShard
 from torch.utils import _pytree as pytree
 
 from autopar.errors import InputMismatchError
+from autopar.runtime.dp import DPRuntime, shard_range
 from autopar.passes.meta import evaluate, graph_info, info
 from autopar.placement import Shard, parse
+from autopar.runtime.collectives import _c10d
 
 
 class ParallelModule(nn.Module):
     """One rank's share of a model parallelized by autopar (see the module docstring)."""
 
     def __init__(self, gm: fx.GraphModule, placements: dict[str, str], tensors: dict[str, torch.Tensor],
-                 trainable: dict[str, bool], mesh: DeviceMesh, plan: Any, dims: dict[str, tuple[int, int]]) -> None:
+                 trainable: dict[str, bool], mesh: DeviceMesh, plan: Any, dims: dict[str, tuple[int, int]],
+                 dp: DPRuntime | None = None) -> None:
         super().__init__()
         self._graph = [gm]                       # not a submodule: keeps state_dict keys original
         self._mesh = mesh
         self.plan = plan
         self._placements = {k: parse(v) for k, v in placements.items()}
         self._dims = dims                        # symbol -> (input index, dim)
-        self._rank = mesh.get_local_rank(0)
-        self._n = mesh.size(0)
+        names = list(mesh.mesh_dim_names or ())
+        self._tp_dim = names.index(plan.tp_axis) if plan.tp_axis in names else None
+        self._dp_dim = names.index(plan.dp_axis) if plan.dp_axis in names else None
+        self._rank = mesh.get_local_rank(self._tp_dim) if self._tp_dim is not None else 0
+        self._n = mesh.size(self._tp_dim) if self._tp_dim is not None else 1
+        self._dp = [dp]                          # not a submodule either
         ginfo = graph_info(gm)
         for fqn, full in tensors.items():
             local = self._local(fqn, full)
             if fqn in ginfo.param_fqns.values():
-                _set(self, fqn, nn.Parameter(local, requires_grad=trainable.get(fqn, True)))
+                if self.zero3 and fqn in dp.where:
+                    local = self._piece(local)
+                p = nn.Parameter(local, requires_grad=trainable.get(fqn, True))
+                _set(self, fqn, p)
+                if self.zero3 and fqn in dp.where:
+                    dp.shard_params[fqn] = p
             else:
                 _set(self, fqn, local, buffer=True)
         self._order = [(n.op, info(n).kind, info(n).target_fqn) for n in gm.graph.nodes if n.op == "placeholder"]
@@ -53,6 +71,40 @@ class ParallelModule(nn.Module):
     @property
     def graph_module(self) -> fx.GraphModule:
         return self._graph[0]
+
+    @property
+    def dp_runtime(self) -> DPRuntime | None:
+        return self._dp[0]
+
+    @property
+    def zero3(self) -> bool:
+        return self._dp[0] is not None and self._dp[0].stage == 3
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index on the data axis: which share of the batch it should be called with."""
+        return self._mesh.get_local_rank(self._dp_dim) if self._dp_dim is not None else 0
+
+    @property
+    def dp_size(self) -> int:
+        return self._mesh.size(self._dp_dim) if self._dp_dim is not None else 1
+
+    def _piece(self, local: torch.Tensor) -> torch.Tensor:
+        """This data-axis rank's flat, zero-padded piece of a tensor-axis-local value (ZeRO-3)."""
+        rt = self._dp[0]
+        flat = local.detach().reshape(-1)
+        lo, hi = shard_range(flat.numel(), rt.n, rt.rank)
+        out = flat.new_zeros(math.ceil(flat.numel() / rt.n))
+        out[:hi - lo] = flat[lo:hi]
+        return out
+
+    def _whole_local(self, fqn: str, piece: torch.Tensor) -> torch.Tensor:
+        """Gather a ZeRO-3 piece back into the tensor-axis-local value (a collective on the data axis)."""
+        rt = self._dp[0]
+        b, i = rt.where[fqn]
+        bucket = rt.buckets[b]
+        got = _c10d.wait_tensor(_c10d.all_gather_into_tensor(piece.detach().contiguous(), rt.n, rt.group_name))
+        return got.view(-1)[:bucket.numels[i]].view(bucket.shapes[i]).clone()
 
     def placement_of(self, fqn: str):
         return self._placements.get(fqn)
@@ -77,7 +129,12 @@ class ParallelModule(nn.Module):
         state.update(dict(self.named_buffers()))
         inputs = iter(flat)
         call = [state[fqn] if kind in ("param", "buffer") else next(inputs) for _, kind, fqn in self._order]
-        outs = gm(*call)
+        rt = self._dp[0]
+        if rt is not None:
+            with rt.saving():
+                outs = gm(*call)
+        else:
+            outs = gm(*call)
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         user = []
         for (kind, target), value in zip(ginfo.output_targets, outs):
@@ -112,7 +169,14 @@ class ParallelModule(nn.Module):
             if isinstance(value, DTensor):
                 value = value.full_tensor()
             p = self._placements.get(fqn)
-            if isinstance(p, Shard) and isinstance(value, torch.Tensor):
+            rt = self._dp[0]
+            zero3 = self.zero3 and fqn in rt.where
+            if isinstance(value, torch.Tensor) and zero3:
+                b, i = rt.where[fqn]
+                if tuple(value.shape) != rt.buckets[b].shapes[i]:
+                    value = self._local(fqn, value)
+                state_dict[key] = self._piece(value)
+            elif isinstance(p, Shard) and isinstance(value, torch.Tensor):
                 mine = dict(self.named_parameters()).get(fqn)
                 if mine is not None and value.shape != mine.shape:
                     state_dict[key] = self._local(fqn, value)
@@ -121,10 +185,16 @@ class ParallelModule(nn.Module):
 
 
 def _to_dtensors(module: ParallelModule, state_dict: dict, prefix: str, local_metadata: Any) -> dict:
+    rt = module.dp_runtime
     for key in list(state_dict):
-        p = module._placements.get(key[len(prefix):])
-        if isinstance(p, Shard):
-            state_dict[key] = DTensor.from_local(state_dict[key], module._mesh, [DShard(p.dim)], run_check=False)
+        fqn = key[len(prefix):]
+        if module.zero3 and fqn in rt.where:
+            state_dict[key] = module._whole_local(fqn, state_dict[key])
+        p = module._placements.get(fqn)
+        if isinstance(p, Shard) and module._tp_dim is not None:
+            places = [DReplicate()] * module._mesh.ndim
+            places[module._tp_dim] = DShard(p.dim)
+            state_dict[key] = DTensor.from_local(state_dict[key], module._mesh, places, run_check=False)
     return state_dict
 
 

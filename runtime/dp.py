@@ -1,0 +1,347 @@
+"""Data parallelism on one mesh axis: gradient buckets, ZeRO sharding, and the graph nodes
+the data-parallel rewrite inserts.
+
+Every parameter communicated over the data axis belongs to one :class:`Bucket` (the
+parameters first used close together in forward). Sharded stages split each parameter
+flat: rank ``r`` of ``n`` owns elements ``[r*c, (r+1)*c)`` of the flattened tensor, with
+``c = ceil(numel / n)`` (the last owner's piece is padded with zeros on the wire). A
+bucket's wire layout is ``(n, C)``, row ``r`` holding rank ``r``'s pieces of every
+parameter, so one ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` moves a whole
+bucket.
+
+The graph nodes come in issue/wait pairs so the scheduling pass can move each half:
+
+- ``grad_reduce_wait`` (placed at the top of forward) and ``grad_reduce_issue`` (placed
+  just before the bucket's first use) are identities in forward. In backward the issue
+  node runs once every gradient of its bucket is complete and starts the reduction
+  (all_reduce for ZeRO-0, reduce_scatter for ZeRO-2); the wait node runs at the end of
+  backward and waits for it, so the reduction overlaps the rest of backward.
+- ``param_gather_issue`` starts the all_gather of a bucket's shards (ZeRO-3) and
+  ``param_gather_wait`` waits and unpacks the whole parameters; placing the issue one
+  bucket ahead prefetches. In backward the wait node starts the reduce_scatter of the
+  bucket's gradients and the issue node waits for it (gradients reach the shards).
+
+ZeRO-3 frees whole parameters after their last use in forward: tensors autograd would
+save for backward are replaced by tokens (``saved_tensors_hooks``) and re-gathered when
+backward unpacks them, prefetching the next bucket in backward order.
+The communication is torch's functional collectives followed by ``wait_tensor``.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed._functional_collectives  # noqa: F401 - registers the c10d functional ops
+
+_c10d = torch.ops._c10d_functional
+_RUNTIMES: "weakref.WeakValueDictionary[int, DPRuntime]" = weakref.WeakValueDictionary()
+_ids = itertools.count()
+
+
+def shard_range(numel: int, n: int, rank: int) -> tuple[int, int]:
+    """The flat elements ``[lo, hi)`` of a ``numel``-element tensor that ``rank`` of ``n`` owns."""
+    c = math.ceil(numel / n)
+    lo = min(rank * c, numel)
+    return lo, min(lo + c, numel)
+
+
+class Bucket:
+    """One group of parameters communicated together over the data axis."""
+
+    def __init__(self, rt: "DPRuntime", index: int, fqns: list[str], shapes: list[tuple[int, ...]],
+                 trainable: list[bool]) -> None:
+        self.rt, self.index, self.fqns, self.shapes, self.trainable = rt, index, fqns, shapes, trainable
+        n = rt.n
+        self.numels = [math.prod(s) for s in shapes]
+        self.chunks = [math.ceil(m / n) for m in self.numels]
+        self.offsets = [0, *itertools.accumulate(self.chunks)]          # in one rank's row of the wire layout
+        self.flat_offsets = [0, *itertools.accumulate(self.numels)]     # in the whole flat bucket
+        self.width = self.offsets[-1]
+        self._pending: torch.Tensor | None = None      # reduction in flight
+        self._gathered: torch.Tensor | None = None     # forward all_gather in flight (ZeRO-3)
+        self._bwd_pending: torch.Tensor | None = None  # backward re-gather in flight (ZeRO-3)
+        self._bwd_full: list[torch.Tensor] | None = None
+        self.saved = 0                                  # tokens saved in forward, not yet unpacked
+
+    @property
+    def name(self) -> str:
+        return f"dp.b{self.index}"
+
+    # -- wire layout -------------------------------------------------------------------
+    def to_rows(self, tensors: list[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
+        """Whole tensors (None: zeros) laid out as ``(n, C)``: row r holds rank r's pieces."""
+        n = self.rt.n
+        buf = torch.zeros(n, self.width, dtype=dtype, device=self.rt.device)
+        for i, t in enumerate(tensors):
+            if t is None:
+                continue
+            m, c, off = self.numels[i], self.chunks[i], self.offsets[i]
+            flat = t.detach().reshape(-1).to(dtype)
+            full_rows, rest = divmod(m, c)
+            if full_rows:
+                buf[:full_rows, off:off + c] = flat[:full_rows * c].view(full_rows, c)
+            if rest:
+                buf[full_rows, off:off + rest] = flat[full_rows * c:]
+        return buf
+
+    def from_rows(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Inverse of :meth:`to_rows`: whole (contiguous) tensors out of an ``(n, C)`` buffer."""
+        out = []
+        for i, shape in enumerate(self.shapes):
+            m, c, off = self.numels[i], self.chunks[i], self.offsets[i]
+            out.append(rows[:, off:off + c].reshape(-1)[:m].reshape(shape).contiguous())
+        return out
+
+    def row_pieces(self, row: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's padded piece (``c`` elements) of every parameter, as views of ``row``."""
+        return [row[self.offsets[i]:self.offsets[i + 1]] for i in range(len(self.fqns))]
+
+    # -- gradient reduction (ZeRO-0 and ZeRO-2) -----------------------------------------------
+    def issue_reduce(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        rt = self.rt
+        if rt.stage == 0:
+            buf = torch.zeros(self.flat_offsets[-1], dtype=rt.reduce_dtype, device=rt.device)
+            for i, g in enumerate(grads):
+                if g is not None:
+                    buf[self.flat_offsets[i]:self.flat_offsets[i + 1]] = g.reshape(-1)
+            buf.div_(rt.n)
+            self._pending = _c10d.all_reduce_(buf, "sum", rt.group_name)
+        else:
+            rows = self.to_rows(list(grads), rt.reduce_dtype).div_(rt.n)
+            self._pending = _c10d.reduce_scatter_tensor(rows.view(-1), "sum", rt.n, rt.group_name)
+
+    def finish_reduce(self) -> tuple[torch.Tensor | None, ...]:
+        """Wait for the reduction; return the gradients autograd should accumulate (or Nones
+        when they went to a sink the optimizer reads)."""
+        rt = self.rt
+        if self._pending is None:
+            return (None,) * len(self.fqns)
+        got = _c10d.wait_tensor(self._pending)
+        self._pending = None
+        if rt.stage == 0:
+            grads = [got[self.flat_offsets[i]:self.flat_offsets[i + 1]].view(s) for i, s in enumerate(self.shapes)]
+            if rt.grad_dtype == rt.reduce_dtype:
+                return tuple(g if ok else None for g, ok in zip(grads, self.trainable))
+            for fqn, g, ok in zip(self.fqns, grads, self.trainable):
+                if ok:
+                    rt.accumulate(fqn, g)
+            return (None,) * len(self.fqns)
+        for fqn, piece, ok in zip(self.fqns, self.row_pieces(got), self.trainable):
+            if ok:
+                rt.accumulate(fqn, piece)
+        return (None,) * len(self.fqns)
+
+    # -- parameter gathering (ZeRO-3) -------------------------------------------------------
+    def _start_gather(self, shards: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        rt = self.rt
+        row = torch.cat([s.detach().reshape(-1).to(rt.compute_dtype) for s in shards])
+        return _c10d.all_gather_into_tensor(row, rt.n, rt.group_name)
+
+    def issue_gather(self, shards: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        self.saved = 0
+        self._bwd_full = None
+        return self._start_gather(shards)
+
+    def finish_gather(self, handle: torch.Tensor) -> list[torch.Tensor]:
+        rows = _c10d.wait_tensor(handle).view(self.rt.n, self.width)
+        return self.from_rows(rows)
+
+    def issue_grad_scatter(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        rt = self.rt
+        rows = self.to_rows(list(grads), rt.reduce_dtype).div_(rt.n)
+        self._pending = _c10d.reduce_scatter_tensor(rows.view(-1), "sum", rt.n, rt.group_name)
+
+    def finish_grad_scatter(self) -> tuple[torch.Tensor | None, ...]:
+        if self._pending is None:
+            return (None,) * len(self.fqns)
+        got = _c10d.wait_tensor(self._pending)
+        self._pending = None
+        dtype = self.rt.param_dtype
+        return tuple(p.to(dtype) if ok else None for p, ok in zip(self.row_pieces(got), self.trainable))
+
+    def prefetch_backward(self) -> None:
+        if self._bwd_full is None and self._bwd_pending is None and self.saved > 0:
+            self._bwd_pending = self._start_gather(self.rt.shards_of(self))
+
+    def full_for_backward(self, i: int) -> torch.Tensor:
+        if self._bwd_full is None:
+            if self._bwd_pending is None:    # not prefetched: gather now
+                self._bwd_pending = self._start_gather(self.rt.shards_of(self))
+            self._bwd_full = self.finish_gather(self._bwd_pending)
+            self._bwd_pending = None
+            if self.rt.prefetch and self.index > 0:
+                self.rt.buckets[self.index - 1].prefetch_backward()
+        full = self._bwd_full[i]
+        self.saved -= 1
+        if self.saved <= 0:
+            self._bwd_full = None       # the unpacked views keep it alive until their backward ran
+        return full
+
+
+@dataclass(frozen=True)
+class _Token:
+    """Stands in, between forward and backward, for a saved (view of a) whole ZeRO-3 parameter."""
+
+    bucket: int
+    index: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+class DPRuntime:
+    """Per-model data-parallel state: buckets, where reduced gradients go, ZeRO-3 bookkeeping."""
+
+    def __init__(self, *, stage: int, n: int, rank: int, group_name: str, device: torch.device,
+                 param_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype | None = None,
+                 prefetch: bool = True) -> None:
+        self.id = next(_ids)
+        _RUNTIMES[self.id] = self
+        self.stage, self.n, self.rank, self.group_name, self.device = stage, n, rank, group_name, device
+        self.param_dtype = param_dtype
+        self.compute_dtype = compute_dtype or param_dtype
+        self.reduce_dtype = torch.float32 if self.compute_dtype != torch.float32 or param_dtype == torch.float32 \
+            else param_dtype
+        # ZeRO-0 with fp32 parameters hands reduced gradients straight to autograd (param.grad);
+        # otherwise they accumulate in fp32 sinks the optimizer wrapper reads.
+        self.grad_dtype = param_dtype if stage == 0 and self.compute_dtype == param_dtype else torch.float32
+        self.prefetch = prefetch
+        self.buckets: list[Bucket] = []
+        self.where: dict[str, tuple[int, int]] = {}          # fqn -> (bucket, index in bucket)
+        self.sinks: dict[str, torch.Tensor] = {}              # fqn -> accumulated fp32 gradient (or shard)
+        self.shard_params: dict[str, torch.Tensor] = {}       # ZeRO-3: fqn -> this rank's flat shard
+        self._live: dict[int, tuple[weakref.ref, int, int]] = {}
+
+    def add_bucket(self, fqns: list[str], shapes: list[tuple[int, ...]], trainable: list[bool]) -> Bucket:
+        b = Bucket(self, len(self.buckets), fqns, shapes, trainable)
+        self.buckets.append(b)
+        for i, fqn in enumerate(fqns):
+            self.where[fqn] = (b.index, i)
+        return b
+
+    def accumulate(self, fqn: str, g: torch.Tensor) -> None:
+        have = self.sinks.get(fqn)
+        self.sinks[fqn] = g.to(torch.float32).clone() if have is None else have.add_(g)
+
+    def shards_of(self, b: Bucket) -> tuple[torch.Tensor, ...]:
+        return tuple(self.shard_params[f] for f in b.fqns)
+
+    # -- ZeRO-3: saved whole parameters become tokens -------------------------------------------
+    def register_full(self, b: Bucket, fulls: list[torch.Tensor]) -> None:
+        for i, t in enumerate(fulls):
+            self._live[id(t)] = (weakref.ref(t), b.index, i)
+
+    def _pack(self, t: torch.Tensor):
+        base = t._base if t._base is not None else t
+        hit = self._live.get(id(base))
+        if hit is None or hit[0]() is not base:
+            return t
+        b = self.buckets[hit[1]]
+        b.saved += 1
+        return _Token(hit[1], hit[2], tuple(t.size()), tuple(t.stride()), t.storage_offset())
+
+    def _unpack(self, x):
+        if not isinstance(x, _Token):
+            return x
+        full = self.buckets[x.bucket].full_for_backward(x.index)
+        return full.as_strided(x.size, x.stride, x.offset)
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Run a forward under this (ZeRO-3) runtime: saved whole parameters become tokens."""
+        if self.stage != 3:
+            yield
+            return
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._live.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# Graph-node callables (what dp_rewrite inserts). ``rid`` names the runtime, ``b`` the bucket.
+
+class _GradWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rid: int, b: int, *params: torch.Tensor):
+        ctx.set_materialize_grads(False)
+        ctx.rid, ctx.b = rid, b
+        return params
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None) + _RUNTIMES[ctx.rid].buckets[ctx.b].finish_reduce()
+
+
+class _GradIssue(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rid: int, b: int, *params: torch.Tensor):
+        ctx.set_materialize_grads(False)
+        ctx.rid, ctx.b = rid, b
+        return params
+
+    @staticmethod
+    def backward(ctx, *grads):
+        _RUNTIMES[ctx.rid].buckets[ctx.b].issue_reduce(grads)
+        return (None, None) + (None,) * len(grads)
+
+
+class _GatherIssue(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rid: int, b: int, *shards: torch.Tensor):
+        ctx.set_materialize_grads(False)
+        ctx.rid, ctx.b = rid, b
+        return _RUNTIMES[rid].buckets[b].issue_gather(shards)
+
+    @staticmethod
+    def backward(ctx, handle_grad):
+        return (None, None) + _RUNTIMES[ctx.rid].buckets[ctx.b].finish_grad_scatter()
+
+
+class _GatherWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rid: int, b: int, handle: torch.Tensor):
+        ctx.set_materialize_grads(False)
+        ctx.rid, ctx.b = rid, b
+        rt = _RUNTIMES[rid]
+        fulls = rt.buckets[b].finish_gather(handle)
+        rt.register_full(rt.buckets[b], fulls)
+        return tuple(fulls)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        _RUNTIMES[ctx.rid].buckets[ctx.b].issue_grad_scatter(grads)
+        return None, None, None
+
+
+def grad_reduce_wait(rid: int, b: int, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Forward: identity. Backward: wait for bucket ``b``'s gradient reduction."""
+    return _GradWait.apply(rid, b, *params)
+
+
+def grad_reduce_issue(rid: int, b: int, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Forward: identity. Backward: start bucket ``b``'s gradient reduction."""
+    return _GradIssue.apply(rid, b, *params)
+
+
+def param_gather_issue(rid: int, b: int, *shards: torch.Tensor) -> torch.Tensor:
+    """Forward: start gathering bucket ``b``'s parameter shards. Backward: wait for its
+    gradients' reduce_scatter and hand each shard its piece."""
+    return _GatherIssue.apply(rid, b, *shards)
+
+
+def param_gather_wait(rid: int, b: int, handle: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Forward: wait for the gather, return the whole parameters. Backward: start the
+    reduce_scatter of their gradients."""
+    return _GatherWait.apply(rid, b, handle)
+
+
+DP_OPS = (grad_reduce_wait, grad_reduce_issue, param_gather_issue, param_gather_wait)
+ISSUE_OPS = (grad_reduce_issue, param_gather_issue)
+WAIT_OPS = (grad_reduce_wait, param_gather_wait)

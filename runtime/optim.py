@@ -1,0 +1,191 @@
+"""The optimizer :func:`autopar.optimizer` hands back: any ``torch.optim`` optimizer over
+this rank's share of the parameters.
+
+Per ZeRO stage it steps:
+
+- ZeRO-0: the module's parameters (gradients already averaged over the data axis);
+- ZeRO-1: flat pieces (views into the module's parameters) of the elements this rank
+  owns; at ``step()`` the whole local gradients are reduce-scattered bucket by bucket,
+  the pieces are stepped, then all-gathered back into every rank's parameters;
+- ZeRO-2: the same pieces, whose gradients backward already reduce-scattered;
+- ZeRO-3: the module's parameters, which are the flat pieces themselves.
+
+Optimizer state therefore exists only for owned elements. The update must be elementwise
+(Adam, AdamW, SGD, RMSprop, Adagrad, ...): an optimizer that looks at a parameter's shape
+or whole norm would see pieces, so those are refused. ``state_dict()`` is keyed by the
+original parameter names and holds whole (tensor-axis-local) state tensors.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from autopar.errors import ConfigError
+from autopar.runtime.collectives import _c10d
+from autopar.runtime.dp import shard_range
+
+_NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam", "Muon")
+
+
+class ShardedOptimizer:
+    """See the module docstring. Build with :func:`autopar.optimizer`."""
+
+    def __init__(self, module: Any, optimizer_cls: type, params: Iterable | None = None, **kwargs: Any) -> None:
+        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+            raise ConfigError("autopar.optimizer takes an optimizer class", where="autopar.optimizer",
+                              expected="e.g. torch.optim.AdamW", got=repr(optimizer_cls),
+                              fix="pass the class and its keyword arguments: autopar.optimizer(pm, torch.optim.AdamW, lr=1e-3)")
+        if optimizer_cls.__name__ in _NOT_ELEMENTWISE:
+            raise ConfigError(f"{optimizer_cls.__name__} does not update each element on its own, so it cannot "
+                              "step sharded pieces", where="autopar.optimizer", got=optimizer_cls.__name__,
+                              fix="use an elementwise optimizer (AdamW, Adam, SGD, RMSprop, Adagrad)")
+        self.module = module
+        self.rt = module.dp_runtime
+        self.stage = self.rt.stage if self.rt is not None else 0
+        named = dict(module.named_parameters())
+        self._fqn_of = {id(p): f for f, p in named.items()}
+        self.masters: dict[str, torch.Tensor] = {}
+        for fqn, p in named.items():
+            if not p.requires_grad:
+                continue
+            if self.stage in (1, 2):
+                lo, hi = shard_range(p.numel(), self.rt.n, self.rt.rank)
+                self.masters[fqn] = nn.Parameter(p.detach().view(-1)[lo:hi])
+            else:
+                self.masters[fqn] = p
+        self._master_fqn = {id(m): f for f, m in self.masters.items()}
+        groups = self._groups(params)
+        self.inner = optimizer_cls(groups, **kwargs)
+
+    def _groups(self, params: Iterable | None) -> list[dict]:
+        if params is None:
+            return [{"params": list(self.masters.values())}]
+        groups = list(params)
+        if groups and not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        out = []
+        for g in groups:
+            mapped = []
+            for p in g["params"]:
+                fqn = self._fqn_of.get(id(p))
+                if fqn is None:
+                    raise ConfigError("the optimizer was given a tensor that is not a parameter of this parallel "
+                                      "model", where="autopar.optimizer", got=f"tensor of shape {tuple(p.shape)}",
+                                      fix="pass parameters of the model autopar.parallelize returned (pm.parameters())")
+                if fqn in self.masters:
+                    mapped.append(self.masters[fqn])
+            out.append({**g, "params": mapped})
+        return out
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+        for p in self.module.parameters():
+            p.grad = None
+        if self.rt is not None:
+            self.rt.sinks.clear()
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        if self.stage == 1:
+            self._reduce_scatter_grads()
+        elif self.stage == 2:
+            for fqn, m in self.masters.items():
+                g = self.rt.sinks.get(fqn)
+                m.grad = g[:m.numel()].to(m.dtype) if g is not None else None
+        out = self.inner.step()
+        if self.stage in (1, 2):
+            self._gather_params()
+        return out
+
+    def _named(self) -> dict[str, torch.Tensor]:
+        return dict(self.module.named_parameters())
+
+    def _reduce_scatter_grads(self) -> None:
+        rt, named = self.rt, self._named()
+        pending = []
+        for b in rt.buckets:
+            grads = [named[f].grad for f in b.fqns]
+            if all(g is None for g in grads):
+                pending.append(None)
+                continue
+            rows = b.to_rows(grads, rt.reduce_dtype).div_(rt.n)
+            pending.append(_c10d.reduce_scatter_tensor(rows.view(-1), "sum", rt.n, rt.group_name))
+        for b, h in zip(rt.buckets, pending):
+            got = _c10d.wait_tensor(h) if h is not None else None
+            for fqn, piece in zip(b.fqns, b.row_pieces(got) if got is not None else [None] * len(b.fqns)):
+                m = self.masters.get(fqn)
+                if m is not None:
+                    m.grad = piece[:m.numel()].to(m.dtype) if piece is not None else None
+
+    def _gather_params(self) -> None:
+        rt, named = self.rt, self._named()
+        pending = []
+        for b in rt.buckets:
+            row = torch.zeros(b.width, dtype=rt.param_dtype, device=rt.device)
+            for i, fqn in enumerate(b.fqns):
+                m = self.masters[fqn]
+                row[b.offsets[i]:b.offsets[i] + m.numel()] = m.detach().view(-1)
+            pending.append(_c10d.all_gather_into_tensor(row, rt.n, rt.group_name))
+        for b, h in zip(rt.buckets, pending):
+            fulls = b.from_rows(_c10d.wait_tensor(h).view(rt.n, b.width))
+            for fqn, full in zip(b.fqns, fulls):
+                named[fqn].data.copy_(full)
+
+    # -- state_dict with original names and whole (tensor-axis-local) state ----------------------
+    def _whole(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
+        if self.stage == 0 or not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        rt = self.rt
+        b, i = rt.where[fqn]
+        bucket = rt.buckets[b]
+        piece = torch.zeros(bucket.chunks[i], dtype=t.dtype, device=t.device)
+        piece[:t.numel()] = t.reshape(-1)
+        got = _c10d.wait_tensor(_c10d.all_gather_into_tensor(piece, rt.n, rt.group_name))
+        return got[:bucket.numels[i]].view(bucket.shapes[i]).clone()
+
+    def _piece(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
+        if self.stage == 0 or not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        m = self.masters[fqn]
+        lo, hi = shard_range(t.numel(), self.rt.n, self.rt.rank)
+        out = torch.zeros(m.numel(), dtype=t.dtype, device=t.device)
+        out[:hi - lo] = t.reshape(-1)[lo:hi]
+        return out
+
+    def state_dict(self) -> dict:
+        sd = self.inner.state_dict()
+        order = [self._fqn_of_master(p) for g in self.inner.param_groups for p in g["params"]]
+        state = {order[k]: {name: self._whole(order[k], v) for name, v in s.items()} for k, s in sd["state"].items()}
+        groups = [{**g, "params": [order[k] for k in g["params"]]} for g in sd["param_groups"]]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        order = [self._fqn_of_master(p) for g in self.inner.param_groups for p in g["params"]]
+        index = {f: k for k, f in enumerate(order)}
+        unknown = sorted(set(state_dict["state"]) - set(index))
+        if unknown:
+            raise ConfigError("optimizer state names parameters this optimizer does not step",
+                              where="ShardedOptimizer.load_state_dict", got=str(unknown[:5]),
+                              fix="load a state_dict saved from an optimizer over the same model")
+        state = {index[f]: {name: self._piece(f, v) for name, v in s.items()} for f, s in state_dict["state"].items()}
+        groups = [{**g, "params": [index[f] for f in g["params"]]} for g in state_dict["param_groups"]]
+        self.inner.load_state_dict({"state": state, "param_groups": groups})
+
+    def _fqn_of_master(self, p: torch.Tensor) -> str:
+        return self._master_fqn[id(p)]
+
+    def __repr__(self) -> str:
+        return f"ShardedOptimizer(ZeRO-{self.stage}, {self.inner!r})"
