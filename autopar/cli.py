@@ -1,4 +1,5 @@
-"""The ``autopar`` command line: ``dump`` an annotated graph, ``models``, ``calibrate``."""
+"""The ``autopar`` command line: ``dump`` an annotated graph, ``plan`` data and tensor
+parallelism for a cluster, ``models``, ``calibrate``."""
 from __future__ import annotations
 
 import argparse
@@ -60,6 +61,93 @@ def parse_mesh(spec: str) -> dict[str, int]:
     return mesh
 
 
+def _plan(args: argparse.Namespace) -> int:
+    """Pick dp x tp and the ZeRO stage for a model on a (possibly imaginary) cluster."""
+    import json
+
+    from autopar.cost.cluster import Cluster
+    from autopar.cost.dp_planner import plan_dp
+    from autopar.workload import capture_workload, load_workload, parse_overrides
+    cluster = Cluster.from_spec(args.cluster, hardware=args.hardware)
+    mixed = None if args.dtype == "fp32" else args.dtype
+    stages = (0, 1, 2, 3) if args.zero == "auto" else (int(args.zero),)
+    tp = None if args.tp == "auto" else (_positive_int(args.tp, "--tp"),)
+    budget = None if args.memory_budget is None else args.memory_budget * 1e9
+    if budget is not None and budget <= 0:
+        raise ConfigError("--memory-budget must be positive", where="--memory-budget", got=str(args.memory_budget),
+                          fix="pass the per-device budget in GB, e.g. --memory-budget 80")
+    start = time.perf_counter()
+    w = load_workload(args.model, batch=args.batch, seq=args.seq, overrides=parse_overrides(args.set))
+    gm = capture_workload(w)
+    _progress(args, f"built and captured {w.name} ({len(gm.graph.nodes)} nodes) in {time.perf_counter() - start:.1f}s;"
+                    f" planning for {cluster.name} …")
+    t0 = time.perf_counter()
+    result = plan_dp(gm, cluster=cluster, devices=cluster.world_size, batch=args.batch, sizes=w.sizes,
+                     memory_budget=budget, zero_stages=stages, tp_degrees=tp, mixed_precision=mixed,
+                     optimizer=args.optimizer)
+    planner_s = time.perf_counter() - t0
+    _progress(args, f"planned {(result.best is not None) + len(result.alternatives)} configurations "
+                    f"in {planner_s:.1f}s")
+    if result.best is None:
+        raise _infeasible(args, cluster, result)
+    if args.json:
+        data = {"model": w.name, "cluster": cluster.name, "devices": result.devices, "batch": args.batch,
+                "seq": args.seq, "dtype": args.dtype, "optimizer": args.optimizer, **result.best.as_dict(),
+                "memory_budget_bytes": result.memory_budget, "planner_time_s": planner_s,
+                "alternatives": [a.as_dict() for a in result.alternatives[:args.top]]}
+        sys.stdout.write(json.dumps(data, indent=1) + "\n")
+    else:
+        sys.stdout.write(_plan_text(args, w.name, cluster, result) + "\n")
+    return 0
+
+
+def _positive_int(text: str, flag: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"{flag} takes 'auto' or a positive integer", where=flag, got=text,
+                          fix=f"e.g. {flag} 4")
+    return int(text)
+
+
+def _infeasible(args: argparse.Namespace, cluster, result) -> ConfigError:
+    leanest = min(result.alternatives, key=lambda c: c.memory.total)
+    more = (f"{result.smallest_devices} devices would fit global batch {args.batch}"
+            if result.smallest_devices else f"no device count up to 4096 fits global batch {args.batch}")
+    mb, at = result.largest_micro_batch, result.largest_micro_batch_degrees
+    fewer = (f"on {result.devices} devices a per-rank batch of at most {mb} fits (dp={at[0]} tp={at[1]})" if mb
+             else f"on {result.devices} devices not even a per-rank batch of 1 fits")
+    return ConfigError(f"no dp x tp x ZeRO configuration of {args.model} fits in "
+                       f"{result.memory_budget / 1e9:.1f} GB per device on {cluster.name}", where="autopar plan",
+                       expected=f"per-device memory <= {result.memory_budget / 1e9:.1f} GB",
+                       got=f"the leanest (dp={leanest.dp} tp={leanest.tp} ZeRO-{leanest.zero_stage}) needs "
+                           f"{leanest.memory.total / 1e9:.1f} GB",
+                       fix=f"{more}; {fewer}" + ("; or raise --memory-budget" if args.dtype != "fp32"
+                                                  else "; or raise --memory-budget, or train with --dtype bf16"))
+
+
+def _plan_text(args: argparse.Namespace, name: str, cluster, result) -> str:
+    from autopar.cost.dp_planner import seconds as _ms
+    b = result.best
+    m = b.memory
+    gb = lambda x: f"{x / 1e9:.2f}"  # noqa: E731
+    lines = [f"autopar plan: {name} on {cluster.name} ({result.devices} devices), global batch {args.batch}, "
+             f"seq {args.seq}, {args.dtype}, {args.optimizer}",
+             f"chosen: dp={b.dp} tp={b.tp} ZeRO-{b.zero_stage}, micro-batch {b.micro_batch} per dp rank, "
+             f"gradient buckets {b.bucket_bytes / 2**20:.1f} MiB",
+             f"  predicted step time {_ms(b.step_time_s)} = compute {_ms(b.compute_s)} + tp communication "
+             f"{_ms(b.tp_comm_s)} + exposed dp communication {_ms(b.exposed_comm_s)} (of {_ms(b.dp_comm_s)})",
+             f"  memory per device (GB): params {gb(m.params)}  grads {gb(m.grads)}  optimizer {gb(m.optimizer)}  "
+             f"activations {gb(m.activations)}  buffers {gb(m.buffers)}  total {gb(m.total)}  "
+             f"(budget {gb(result.memory_budget)})"]
+    shown = result.alternatives[:args.top]
+    if shown:
+        lines.append(f"alternatives (top {len(shown)} of {len(result.alternatives)}):")
+        lines.append(f"  {'dp':>4} {'tp':>3} {'ZeRO':>4} {'mb':>4} {'step':>10} {'exposed':>10} {'memory':>9}  why not")
+        for c in shown:
+            lines.append(f"  {c.dp:>4} {c.tp:>3} {c.zero_stage:>4} {c.micro_batch:>4} {_ms(c.step_time_s):>10} "
+                         f"{_ms(c.exposed_comm_s):>10} {c.memory.total / 1e9:>6.2f} GB  {c.reason}")
+    return "\n".join(lines)
+
+
 def _models(args: argparse.Namespace) -> int:
     from autopar import models
     for name in models.list_models():
@@ -95,6 +183,25 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", help="write to this file instead of stdout")
     d.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     d.set_defaults(fn=_dump)
+
+    pl = sub.add_parser("plan", help="pick data/tensor parallel degrees and the ZeRO stage for a cluster")
+    pl.add_argument("--model", required=True, help="zoo name (see `autopar models`) or path/to/file.py:factory")
+    pl.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model config field")
+    pl.add_argument("--cluster", required=True, metavar="NODESxGPUS", help="e.g. 1x8 or 4x8")
+    pl.add_argument("--hardware", default="h100", help="a100, h100, cpu or a profile from `autopar calibrate`")
+    pl.add_argument("--batch", type=int, required=True, help="global batch size (split over the data axis)")
+    pl.add_argument("--seq", type=int, required=True, help="sequence length")
+    pl.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                    help="fp32, or bf16/fp16 mixed precision (16-bit compute, fp32 master weights)")
+    pl.add_argument("--memory-budget", type=float, metavar="GB",
+                    help="bytes per device in decimal GB (default: the device's memory)")
+    pl.add_argument("--zero", choices=["auto", "0", "1", "2", "3"], default="auto", help="ZeRO stage (default auto)")
+    pl.add_argument("--tp", default="auto", help="tensor-parallel degree, or auto (powers of two within a node)")
+    pl.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd-momentum, ...")
+    pl.add_argument("--json", action="store_true", help="print one JSON object")
+    pl.add_argument("--top", type=int, default=5, metavar="K", help="alternatives to show (default 5)")
+    pl.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    pl.set_defaults(fn=_plan)
 
     m = sub.add_parser("models", help="list the model zoo")
     m.set_defaults(fn=_models)

@@ -85,7 +85,7 @@ def test_after_without_mesh_is_a_config_error(capsys):
     assert "autopar: error:" in err and "--mesh" in err
 
 
-@pytest.mark.parametrize("mesh,needle", [("tp", "name=size"), ("tp=x", "name=size"), ("tp=2,dp=2", "one"),
+@pytest.mark.parametrize("mesh,needle", [("tp", "name=size"), ("tp=x", "name=size"), ("tp=2,dp=2", "outer"), ("tp=2,pp=2", "pipeline"),
                                          ("tp=2,tp=2", "twice")])
 def test_bad_mesh_is_a_clear_error(capsys, mesh, needle):
     code, _, err = run(capsys, "dump", *SMALL_GPT, "--mesh", mesh, "-q")
