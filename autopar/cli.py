@@ -31,8 +31,10 @@ def _dump(args: argparse.Namespace) -> int:
         after = args.after or "plan"
         # dims=() (not None) keeps a user model without dims a static capture, as plain dump does.
         gm, plan = planned_graph(w.model, mesh, w.args, dims=w.dims if w.dims is not None else (),
-                                 sizes=w.sizes, rewrite=after == "rewrite")
-        parallel = {"mesh": dict(plan.mesh), "after": after, "predicted": dict(plan.predicted)}
+                                 sizes=w.sizes, after=after, zero_stage=args.zero, overlap=not args.no_overlap,
+                                 bucket_bytes=args.bucket_bytes)
+        parallel = {"mesh": dict(plan.mesh), "after": after, "predicted": dict(plan.predicted),
+                    "zero_stage": plan.zero_stage, "overlap": plan.overlap}
         _progress(args, f"captured, analysed and planned ({after}) {len(gm.graph.nodes)} nodes on "
                   f"{','.join(f'{k}={v}' for k, v in mesh.items())} in {time.perf_counter() - start:.1f}s")
     text = render(gm, w.sizes, args.format, model=w.name, nodes=not args.summary, parallel=parallel)
@@ -175,11 +177,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--summary", action="store_true", help="totals and modules only, no per-node lines")
     d.add_argument("--device", default="meta", help="where to build the model (default meta: allocates nothing)")
     d.add_argument("--mesh", metavar="AXIS=SIZE[,AXIS=SIZE]",
-                   help="plan tensor parallelism on this mesh (one axis for now, e.g. tp=4) and show "
+                   help="plan on this mesh (axes dp and/or tp, dp first, e.g. dp=2,tp=4) and show "
                         "each node's strategy and placement")
-    d.add_argument("--after", choices=["plan", "rewrite"],
-                   help="with --mesh: show the graph after planning (default) or the per-rank graph after "
-                        "the rewrite, with the inserted collectives and their predicted cost")
+    d.add_argument("--zero", type=int, choices=[0, 1, 2, 3],
+                   help="with a dp axis: this ZeRO stage (default: the lowest that fits the device memory)")
+    d.add_argument("--no-overlap", action="store_true",
+                   help="with --after schedule: leave every issue next to its wait (no overlap)")
+    d.add_argument("--bucket-bytes", type=int, default=0,
+                   help="gradient/gather bucket size in bytes (default: from the cost model)")
+    d.add_argument("--after", choices=["plan", "rewrite", "schedule"],
+                   help="with --mesh: show the graph after planning (default), the per-rank graph after "
+                        "the rewrite (tensor-axis collectives with their predicted cost), or after the "
+                        "schedule pass (data-axis buckets too, with their issue and wait positions)")
     d.add_argument("--out", help="write to this file instead of stdout")
     d.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     d.set_defaults(fn=_dump)

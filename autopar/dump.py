@@ -79,6 +79,8 @@ def _add_parallel_fields(row: dict[str, Any], rec: NodeInfo) -> None:
         row["collective"] = {"axis": c.axis, "forward": c.forward, "backward": c.backward, "src": c.src,
                              "dst": c.dst, "bytes": c.nbytes, "time_fwd_s": c.time_fwd_s,
                              "time_bwd_s": c.time_bwd_s}
+        if c.bucket:
+            row["collective"].update(bucket=c.bucket, params=list(c.params))
 
 
 def collective_summary(gm: fx.GraphModule) -> dict[str, Any]:
@@ -129,8 +131,11 @@ def to_json(gm: fx.GraphModule, sizes: dict[str, int], *, model: str = "", optim
     }
     if parallel is not None:
         out["parallel"] = dict(parallel)
-        if parallel.get("after") == "rewrite":
+        if parallel.get("after") in ("rewrite", "schedule"):
             out["collectives"] = collective_summary(gm)
+        if parallel.get("after") == "schedule":
+            from autopar.passes.dp_rewrite import schedule_table
+            out["schedule"] = schedule_table(gm)
     if nodes:
         out["nodes"] = node_rows(gm, sizes)
     return out
@@ -185,7 +190,10 @@ def seconds(x: float) -> str:
 
 def _parallel_cells(r: dict[str, Any]) -> str:
     c = r.get("collective")
-    if c is not None:
+    if c is not None and c.get("bucket"):
+        what = (f"{c['axis']} {c['bucket']}: fwd {c['forward']} / bwd {c['backward']}  {len(c['params'])} params "
+                f"{human(c['bytes'], 'B')}")
+    elif c is not None:
         what = (f"{c['axis']}: {c['forward']} / {c['backward']}  {c['src']} -> {c['dst']}  {human(c['bytes'], 'B')}"
                 f"  fwd {seconds(c['time_fwd_s'])} bwd {seconds(c['time_bwd_s'])}")
     else:
@@ -207,6 +215,17 @@ def _parallel_text(data: dict[str, Any]) -> str:
                   f"forward: {kinds(c['forward'])}; backward: {kinds(c['backward'])}",
                   f"comm time       forward {seconds(c['time_fwd_s'])}, backward {seconds(c['time_bwd_s'])} "
                   f"(predicted, sum over inserted collectives)"]
+    if p.get("zero_stage") is not None and "dp" in p["mesh"]:
+        mem = pred.get("memory_bytes") or {}
+        lines.append(f"data axis       dp={p['mesh']['dp']}, ZeRO-{p['zero_stage']}, overlap "
+                     f"{'on' if p.get('overlap', True) else 'off'}; memory per device: "
+                     + ", ".join(f"{k} {human(v, 'B')}" for k, v in mem.items()))
+    for row in data.get("schedule") or []:
+        fwd = ", ".join(f"{k.replace('_', ' ')} {row[k]}" for k in ("forward_issue", "forward_wait",
+                                                                    "forward_position") if k in row)
+        bwd = ", ".join(f"{k.replace('_', ' ')} {row[k]}" for k in ("backward_issue", "backward_wait") if k in row)
+        lines.append(f"schedule {row['bucket']:<6} {row.get('kind', ''):<26} {row['params']:>3} params "
+                     f"{human(row['bytes'], 'B'):>8}  {fwd}; {bwd}")
     return "\n".join(lines)
 
 

@@ -98,20 +98,20 @@ def dp_rewrite(gm: fx.GraphModule, *, rid: int, stage: int, buckets: list[list[s
         name = f"dp.b{b}"
         if stage in (0, 2):
             kind = "all_reduce" if stage == 0 else "reduce_scatter"
-            wait = _call(graph, anchor, grad_reduce_wait, (rid, b, *nodes), f"grad_wait_b{b}")
+            wait = _call(graph, anchor, grad_reduce_wait, (rid, b, *nodes))
             _annotate(wait, axis, "none", f"{kind}:wait", name, fqns, total, 0.0, 0.0)
             got = _unpack(graph, wait, len(nodes))
-            issue = _call(graph, got[-1], grad_reduce_issue, (rid, b, *got), f"grad_issue_b{b}")
+            issue = _call(graph, got[-1], grad_reduce_issue, (rid, b, *got))
             _annotate(issue, axis, "none", f"{kind}:issue", name, fqns, total, 0.0, timer(kind, total))
             out = _unpack(graph, issue, len(nodes))
             for ph, new in zip(nodes, out):
                 ph.replace_all_uses_with(new, delete_user_cb=lambda u, w=wait: u is not w)
             anchor = out[-1]
         else:
-            issue = _call(graph, anchor, param_gather_issue, (rid, b, *nodes), f"gather_issue_b{b}")
+            issue = _call(graph, anchor, param_gather_issue, (rid, b, *nodes))
             _annotate(issue, axis, "all_gather:issue", "reduce_scatter:wait", name, fqns, total,
                       timer("all_gather", total), timer("all_gather", total))
-            wait = _call(graph, issue, param_gather_wait, (rid, b, issue), f"gather_wait_b{b}")
+            wait = _call(graph, issue, param_gather_wait, (rid, b, issue))
             _annotate(wait, axis, "all_gather:wait", "reduce_scatter:issue", name, fqns, total, 0.0,
                       timer("reduce_scatter", total))
             out = _unpack(graph, wait, len(nodes))
@@ -180,6 +180,7 @@ def schedule_table(gm: fx.GraphModule) -> list[dict]:
         elif n.target is param_gather_issue:
             row["kind"] = "all_gather+reduce_scatter"
             row["forward_issue"] = f"#{pos[n]} after {nodes[pos[n] - 1].name}"
+            row["backward_wait"] = f"when backward reaches #{pos[n]}"
         else:
             row["forward_wait"] = where
             row["backward_issue"] = f"after the backward of {first.name}" if first is not None else "-"
@@ -188,11 +189,9 @@ def schedule_table(gm: fx.GraphModule) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------
 
-def _call(graph: fx.Graph, after: fx.Node, fn, args: tuple, name: str) -> fx.Node:
+def _call(graph: fx.Graph, after: fx.Node, fn, args: tuple) -> fx.Node:
     with graph.inserting_after(after):
-        node = graph.call_function(fn, args)
-    node.name = graph._graph_namespace.create_name(name, node)
-    return node
+        return graph.call_function(fn, args)
 
 
 def _unpack(graph: fx.Graph, node: fx.Node, k: int) -> list[fx.Node]:

@@ -108,6 +108,9 @@ class ShardedOptimizer:
         out = self.inner.step()
         if self.stage in (1, 2):
             self._gather_params()
+        if self.stage == 1:      # the reduced pieces were only needed for this step
+            for m in self.masters.values():
+                m.grad = None
         return out
 
     def _named(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,110 @@
+"""The overlap scheduling pass moves issue and wait positions and changes no result."""
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar import models
+from autopar.api import planned_graph
+from autopar.runtime.dp import grad_reduce_issue, grad_reduce_wait, param_gather_issue, param_gather_wait
+from autopar.runtime.launch import run_ranks
+
+GPT = dict(layers=2, hidden=32, heads=4, vocab=64, max_seq=16)
+BUCKET = 6000   # several buckets on this model
+
+
+def _graph(stage: int, overlap: bool):
+    torch.manual_seed(0)
+    model = models.build("gpt", GPT, device="cpu")
+    args, _ = models.example_inputs(model, 2, 8, device="cpu")
+    gm, _ = planned_graph(model, {"dp": 2}, args, after="schedule", zero_stage=stage, overlap=overlap,
+                          bucket_bytes=BUCKET)
+    nodes = list(gm.graph.nodes)
+    return nodes, {n: i for i, n in enumerate(nodes)}
+
+
+def _first_reader(node, pos) -> int:
+    items = [u for u in node.users if u.target is operator.getitem]
+    return min(pos[r] for g in items for r in g.users)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_gradient_reductions_are_issued_before_first_use_only_with_overlap(stage):
+    off_nodes, off = _graph(stage, overlap=False)
+    on_nodes, on = _graph(stage, overlap=True)
+    issues_off = [n for n in off_nodes if n.target is grad_reduce_issue]
+    issues_on = [n for n in on_nodes if n.target is grad_reduce_issue]
+    assert len(issues_on) == len(issues_off) >= 3
+    for n in issues_off:     # unscheduled: every issue right after its wait at the top of forward
+        wait = n.args[2].args[0]
+        assert wait.target is grad_reduce_wait and off[n] <= off[wait] + len(n.args) - 1
+        assert off[n] < min(i for m, i in off.items() if m.op == "call_function" and m.target not in (
+            grad_reduce_issue, grad_reduce_wait, operator.getitem)) + 1
+    first_compute = min(i for m, i in on.items() if m.op == "call_function" and m.target not in (
+        grad_reduce_issue, grad_reduce_wait, operator.getitem))
+    moved = 0
+    for n in issues_on:      # scheduled: just before the bucket's first reader (so backward issues it early)
+        first = _first_reader(n, on)
+        # only other buckets' issues (first read by the same node) may sit in between
+        assert on[n] < first and all(on_nodes[i].target in (operator.getitem, grad_reduce_issue)
+                                     for i in range(on[n] + 1, first))
+        moved += on[n] > first_compute
+    assert moved >= len(issues_on) // 2, "the schedule left the issues at the top"
+    waits_on = [n for n in on_nodes if n.target is grad_reduce_wait]
+    assert max(on[w] for w in waits_on) < min(on[n] for n in issues_on), "waits stay at the top (end of backward)"
+
+
+def test_zero3_gathers_are_prefetched_one_bucket_ahead_only_with_overlap():
+    off_nodes, off = _graph(3, overlap=False)
+    on_nodes, on = _graph(3, overlap=True)
+    waits_on = [n for n in on_nodes if n.target is param_gather_wait]
+    waits_off = [n for n in off_nodes if n.target is param_gather_wait]
+    assert len(waits_on) == len(waits_off) >= 3
+    for w in waits_off:       # unscheduled: issue right before its wait, just before first use
+        assert off[w.args[2]] == off[w] - 1
+    ahead = 0
+    for k, w in enumerate(waits_on):
+        issue = w.args[2]
+        assert issue.target is param_gather_issue
+        assert on[w] < _first_reader(w, on)
+        if k:
+            prev = waits_on[k - 1]
+            # issued after the previous bucket's wait, before that bucket's first use
+            assert on[prev] < on[issue] <= _first_reader(prev, on)
+            ahead += on[w] - on[issue] > 1
+    assert ahead >= 1, "no gather was issued ahead of its wait"
+
+
+def _train(rank: int, world: int, stage: int, overlap: bool) -> dict:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = models.build("gpt", GPT, device="cpu")
+    torch.manual_seed(1)
+    args, _ = models.example_inputs(model, 4, 8, device="cpu")
+    local = tuple(a.chunk(world)[dist.get_rank()] for a in args)
+    pm = autopar.parallelize(model, {"dp": world}, local, zero_stage=stage, overlap=overlap, bucket_bytes=BUCKET)
+    opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-3)
+    losses = []
+    for _ in range(3):
+        loss = pm(*local).logsumexp(-1).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "state": {k: v.clone() for k, v in pm.state_dict().items()}}
+
+
+def _both(rank: int, world: int, stage: int) -> tuple[dict, dict]:
+    return _train(rank, world, stage, True), _train(rank, world, stage, False)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_overlap_on_and_off_train_identically(stage):
+    for on, off in run_ranks(_both, 2, stage, timeout_s=300):
+        assert on["losses"] == off["losses"]
+        for k, v in on["state"].items():
+            assert torch.equal(v, off["state"][k]), f"{k} differs between overlap on and off"
