@@ -65,6 +65,8 @@ def test_held_bytes_match_zero_formulas_and_plan(world):
     for stage in range(4):
         formula = memory_split(trainable_numel=numel, dp=world, zero_stage=stage).as_dict()
         predicted = autopar.plan(model, {"dp": world}, args, zero_stage=stage).predicted["memory_bytes"]
+        print(f"ZeRO-{stage} world {world} rank 0 held {measured[0][stage]}, formula "
+              f"{ {k: int(formula[k]) for k in ('params', 'grads', 'optimizer')} }")
         for rank, by_stage in enumerate(measured):
             got = by_stage[stage]
             for kind in ("params", "grads", "optimizer"):
