@@ -196,7 +196,7 @@ def planned_graph(model: nn.Module, mesh: Any, example_inputs: Any, *, dims: Any
                   hardware: str | None = None, memory_budget: float | None = None,
                   sizes: Mapping[str, int] | None = None, rewrite: bool = False, after: str | None = None,
                   group_name: str = "tp", zero_stage: int | None = None, overlap: bool = True,
-                  bucket_bytes: int = 0) -> tuple[fx.GraphModule, Plan]:
+                  bucket_bytes: int = 0, mixed_precision: str | None = None) -> tuple[fx.GraphModule, Plan]:
     """Capture, plan (or take ``plan``) and annotate every node with its placement; ``after``
     = ``"rewrite"`` (or ``rewrite=True``) also produces the per-rank graph and ``"schedule"``
     additionally inserts the data-axis collectives and schedules them (what ``autopar dump
@@ -208,7 +208,7 @@ def planned_graph(model: nn.Module, mesh: Any, example_inputs: Any, *, dims: Any
                           sizes=sizes, dtype=None)
     if plan is None:
         the_plan = _plan_of(gm, sol, axes, type(model).__name__, zero_stage=zero_stage or 0, overlap=overlap,
-                            bucket_bytes=bucket_bytes)
+                            bucket_bytes=bucket_bytes, mixed_precision=mixed_precision)
         the_plan = _with_memory(gm, the_plan, cluster, memory_budget, choose_stage=zero_stage is None)
     else:
         the_plan = plan
@@ -279,15 +279,16 @@ def _checked(gm: fx.GraphModule, plan: Plan) -> dict:
 def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan | str | None = None,
                 dims: Any = None, hardware: str | None = None, memory_budget: float | None = None,
                 sizes: Mapping[str, int] | None = None, sync_params: bool = True, zero_stage: int | None = None,
-                overlap: bool = True, bucket_bytes: int = 0):
+                overlap: bool = True, bucket_bytes: int = 0, mixed_precision: str | None = None):
     """Split ``model`` over ``mesh`` and return this rank's :class:`ParallelModule`.
 
     Call on every rank after ``torch.distributed.init_process_group`` with the same model
     and example inputs (one rank's call: under data parallelism, its share of the batch).
     ``mesh`` is a DeviceMesh with axes ``dp`` and/or ``tp``, a ``{"dp": 2, "tp": 2}``
     mapping, or an int (a tensor axis of that size); ``plan`` a Plan or a path to one
-    (otherwise one is found by cost, with ``zero_stage``, ``overlap`` and ``bucket_bytes``
-    as given). With ``sync_params`` every rank first takes rank 0's parameters, so
+    (otherwise one is found by cost, with ``zero_stage``, ``overlap``, ``bucket_bytes`` and
+    ``mixed_precision`` — ``"bf16"``/``"fp16"`` compute with fp32 master weights, gradient
+    reductions and optimizer state — as given). With ``sync_params`` every rank first takes rank 0's parameters, so
     differently seeded ranks cannot silently disagree. Step it with the optimizer from
     :func:`autopar.optimizer`."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -317,7 +318,8 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
     gm, the_plan = planned_graph(model, mesh, example_inputs, dims=dims, plan=plan, hardware=hardware,
                                  memory_budget=memory_budget, sizes=sizes, after="rewrite",
                                  group_name=tp_group.group_name if tp_group is not None else "tp",
-                                 zero_stage=zero_stage, overlap=overlap, bucket_bytes=bucket_bytes)
+                                 zero_stage=zero_stage, overlap=overlap, bucket_bytes=bucket_bytes,
+                                 mixed_precision=mixed_precision)
     tensors = dict(model.named_parameters())
     tensors.update(dict(model.named_buffers()))
     if sync_params and dist.get_world_size() > 1:
@@ -326,15 +328,19 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
                 dist.broadcast(t.data, src=0)
     trainable = {k: p.requires_grad for k, p in model.named_parameters()}
     rt = None
+    device = torch.device(mesh.device_type if mesh.device_type != "cuda" else f"cuda:{torch.cuda.current_device()}")
+    master = _torch_dtype(_dtype_of(gm))
+    compute = _torch_dtype(the_plan.mixed_precision) if the_plan.mixed_precision else master
     if the_plan.dp_axis is not None and the_plan.dp > 1:
         dim = names.index(the_plan.dp_axis)
-        device = torch.device(mesh.device_type if mesh.device_type != "cuda" else f"cuda:{torch.cuda.current_device()}")
         rt = DPRuntime(stage=the_plan.zero_stage, n=mesh.size(dim), rank=mesh.get_local_rank(dim),
-                       group_name=mesh.get_group(dim).group_name, device=device,
-                       param_dtype=_torch_dtype(_dtype_of(gm)), prefetch=the_plan.overlap)
+                       group_name=mesh.get_group(dim).group_name, device=device, master_dtype=master,
+                       compute_dtype=compute, prefetch=the_plan.overlap)
         cluster = Cluster.from_spec(f"1x{world}", hardware=hardware or ("h100" if torch.cuda.is_available() else "cpu"))
         for fqns, shapes, flags in _dp_rewrite(gm, the_plan, cluster, rid=rt.id, trainable=trainable):
             rt.add_bucket(fqns, shapes, flags)
+    elif compute != master:   # mixed precision without a data axis: fp32 masters, nothing to reduce
+        rt = DPRuntime(stage=0, n=1, rank=0, group_name="", device=device, master_dtype=master, compute_dtype=compute)
     used = {info(n).target_fqn for n in gm.graph.nodes if n.op == "placeholder" and info(n).target_fqn}
     dim_map = _dim_map(example_inputs, dims)
     return ParallelModule(gm, the_plan.params, {k: v for k, v in tensors.items() if k in used}, trainable, mesh,

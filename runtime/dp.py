@@ -125,7 +125,7 @@ class Bucket:
         self._pending = None
         if rt.stage == 0:
             grads = [got[self.flat_offsets[i]:self.flat_offsets[i + 1]].view(s) for i, s in enumerate(self.shapes)]
-            if rt.grad_dtype == rt.reduce_dtype:
+            if not rt.mixed:     # ZeRO-0 in full precision: autograd accumulates into param.grad
                 return tuple(g if ok else None for g, ok in zip(grads, self.trainable))
             for fqn, g, ok in zip(self.fqns, grads, self.trainable):
                 if ok:
@@ -198,18 +198,18 @@ class DPRuntime:
     """Per-model data-parallel state: buckets, where reduced gradients go, ZeRO-3 bookkeeping."""
 
     def __init__(self, *, stage: int, n: int, rank: int, group_name: str, device: torch.device,
-                 param_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype | None = None,
+                 master_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype | None = None,
                  prefetch: bool = True) -> None:
         self.id = next(_ids)
         _RUNTIMES[self.id] = self
         self.stage, self.n, self.rank, self.group_name, self.device = stage, n, rank, group_name, device
-        self.param_dtype = param_dtype
-        self.compute_dtype = compute_dtype or param_dtype
-        self.reduce_dtype = torch.float32 if self.compute_dtype != torch.float32 or param_dtype == torch.float32 \
-            else param_dtype
-        # ZeRO-0 with fp32 parameters hands reduced gradients straight to autograd (param.grad);
-        # otherwise they accumulate in fp32 sinks the optimizer wrapper reads.
-        self.grad_dtype = param_dtype if stage == 0 and self.compute_dtype == param_dtype else torch.float32
+        self.master_dtype = master_dtype                       # what the optimizer steps
+        self.compute_dtype = compute_dtype or master_dtype     # what forward and backward run in
+        self.mixed = self.compute_dtype != master_dtype
+        # The module holds compute-dtype parameters, except under ZeRO-3 where its flat
+        # pieces are the (master-dtype) masters themselves and gathers cast them.
+        self.param_dtype = master_dtype if stage == 3 else self.compute_dtype
+        self.reduce_dtype = torch.float32 if self.mixed else master_dtype
         self.prefetch = prefetch
         self.buckets: list[Bucket] = []
         self.where: dict[str, tuple[int, int]] = {}          # fqn -> (bucket, index in bucket)

@@ -47,10 +47,18 @@ class ShardedOptimizer:
         named = dict(module.named_parameters())
         self._fqn_of = {id(p): f for f, p in named.items()}
         self.masters: dict[str, torch.Tensor] = {}
+        self.mixed = self.rt is not None and self.rt.mixed and self.stage != 3
         for fqn, p in named.items():
             if not p.requires_grad:
                 continue
-            if self.stage in (1, 2):
+            if self.mixed:        # fp32 masters apart from the compute-dtype parameters
+                whole = module._master_init.pop(fqn, None)
+                whole = p.detach().to(self.rt.master_dtype) if whole is None else whole
+                if self.stage in (1, 2):
+                    lo, hi = shard_range(p.numel(), self.rt.n, self.rt.rank)
+                    whole = whole.reshape(-1)[lo:hi]
+                self.masters[fqn] = nn.Parameter(whole.clone())
+            elif self.stage in (1, 2):
                 lo, hi = shard_range(p.numel(), self.rt.n, self.rt.rank)
                 self.masters[fqn] = nn.Parameter(p.detach().view(-1)[lo:hi])
             else:
@@ -101,14 +109,21 @@ class ShardedOptimizer:
                 closure()
         if self.stage == 1:
             self._reduce_scatter_grads()
-        elif self.stage == 2:
+        elif self.stage == 2 or self.mixed:
+            named = self._named()
             for fqn, m in self.masters.items():
                 g = self.rt.sinks.get(fqn)
-                m.grad = g[:m.numel()].to(m.dtype) if g is not None else None
+                if g is None and self.rt.n == 1 and named[fqn].grad is not None:   # no data axis
+                    g = named[fqn].grad
+                m.grad = g.reshape(-1)[:m.numel()].view(m.shape).to(m.dtype) if g is not None else None
         out = self.inner.step()
         if self.stage in (1, 2):
             self._gather_params()
-        if self.stage == 1:      # the reduced pieces were only needed for this step
+        elif self.mixed:
+            named = self._named()
+            for fqn, m in self.masters.items():
+                named[fqn].data.copy_(m.detach())
+        if self.stage == 1 or self.mixed:      # the fp32 gradients were only needed for this step
             for m in self.masters.values():
                 m.grad = None
         return out

@@ -51,12 +51,16 @@ class ParallelModule(nn.Module):
         self._rank = mesh.get_local_rank(self._tp_dim) if self._tp_dim is not None else 0
         self._n = mesh.size(self._tp_dim) if self._tp_dim is not None else 1
         self._dp = [dp]                          # not a submodule either
+        self._master_init: dict[str, torch.Tensor] = {}
         ginfo = graph_info(gm)
         for fqn, full in tensors.items():
             local = self._local(fqn, full)
             if fqn in ginfo.param_fqns.values():
                 if self.zero3 and fqn in dp.where:
                     local = self._piece(local)
+                elif dp is not None and dp.mixed:
+                    self._master_init[fqn] = local            # taken by the optimizer as its fp32 master
+                    local = local.to(dp.compute_dtype)
                 p = nn.Parameter(local, requires_grad=trainable.get(fqn, True))
                 _set(self, fqn, p)
                 if self.zero3 and fqn in dp.where:
@@ -130,11 +134,14 @@ class ParallelModule(nn.Module):
         inputs = iter(flat)
         call = [state[fqn] if kind in ("param", "buffer") else next(inputs) for _, kind, fqn in self._order]
         rt = self._dp[0]
-        if rt is not None:
-            with rt.saving():
+        if rt is None:
+            outs = gm(*call)
+        elif rt.mixed:
+            with rt.saving(), torch.autocast(rt.device.type, dtype=rt.compute_dtype):
                 outs = gm(*call)
         else:
-            outs = gm(*call)
+            with rt.saving():
+                outs = gm(*call)
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         user = []
         for (kind, target), value in zip(ginfo.output_targets, outs):
