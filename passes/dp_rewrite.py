@@ -141,6 +141,8 @@ def schedule(gm: fx.GraphModule, *, overlap: bool = True) -> fx.GraphModule:
         target = _first_use_node(out)
         if target is not None:
             _place_before(graph, [w, *out], target)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    waits.sort(key=order.__getitem__)      # moving the waits may have reordered them
     for k, w in enumerate(waits):
         issue = w.args[2]
         if overlap and k > 0:

@@ -108,3 +108,16 @@ def test_overlap_on_and_off_train_identically(stage):
         assert on["losses"] == off["losses"]
         for k, v in on["state"].items():
             assert torch.equal(v, off["state"][k]), f"{k} differs between overlap on and off"
+
+
+@pytest.mark.parametrize("zero", ["0", "3"])
+def test_dump_after_schedule_shows_buckets_for_a_tied_embedding_model(capsys, zero):
+    """gpt2-small ties its embedding to the LM head: that bucket's first and last uses are
+    the first and last ops, and the prefetch order must still be valid."""
+    from autopar.cli import main
+    code = main(["dump", "--model", "gpt2-small", "--set", "layers=2", "--batch", "2", "--seq", "16",
+                 "--mesh", "dp=2,tp=2", "--after", "schedule", "--zero", zero, "-q", "--summary"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("schedule dp.b")]
+    assert code == 0 and len(rows) >= 3 and f"ZeRO-{zero}" in out
+    assert all(("forward issue" if zero == "3" else "forward position") in r for r in rows)
