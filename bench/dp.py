@@ -24,10 +24,16 @@ zero_grad): parameters, their ``.grad``, the optimizer's state, and for autopar 
 runtime's gradient sinks and the optimizer's masters; DTensors (FSDP2) count their local
 shard; every storage is counted once, whole (views into a bucket count the bucket). DDP's
 C++ reducer also keeps flat bucket buffers the size of all gradients
-(``gradient_as_bucket_view=False``), which no Python tensor exposes: they are not counted.
+(``gradient_as_bucket_view=False``), which no Python tensor exposes: they are not in the
+total but shown as ``hidden`` (sizes from DDP's logging data) and in a second ratio.
 The secondary figure ``step RSS`` is the growth of the resident set during one step (VmHWM
 after the step minus VmRSS before it, with the peak reset and free heap trimmed first):
 activations, gathered parameters, gradients and communication buffers.
+
+Per variant it also prints the medians of forward, backward and optimizer (step + zero_grad)
+wall time, the rank's CPU time over the step (all its threads, gloo's included), the excess
+over ``local``, and how the gradients are bucketed. ``--bucket-mb`` overrides autopar's
+bucket size (0: autopar's own choice from its cost model); ``--variants`` runs a subset.
 """
 from __future__ import annotations
 
@@ -41,12 +47,12 @@ import platform
 import statistics
 import sys
 import time
-
-import torch
+import warnings
 
 # torch warns at import when NumPy is absent; the bench never needs NumPy.
-import warnings
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+import torch  # after the filter above
 
 VARIANTS = ("local", "ddp", "ap0", "ap0-nov", "fsdp", "ap3", "ap3-nov")
 # (name, numerator, denominator, time goal as text, memory compared?)
@@ -348,8 +354,9 @@ def _args() -> argparse.Namespace:
 
 
 def main() -> int:
-    import autopar.models
     from autopar.runtime.launch import run_ranks
+
+    import autopar.models
 
     a = _args()
     overrides = _overrides(a)
