@@ -32,7 +32,7 @@ def _dump(args: argparse.Namespace) -> int:
         # dims=() (not None) keeps a user model without dims a static capture, as plain dump does.
         gm, plan = planned_graph(w.model, mesh, w.args, dims=w.dims if w.dims is not None else (),
                                  sizes=w.sizes, after=after, zero_stage=args.zero, overlap=not args.no_overlap,
-                                 bucket_bytes=args.bucket_bytes)
+                                 bucket_bytes=args.bucket_bytes, hardware=args.hardware)
         parallel = {"mesh": dict(plan.mesh), "after": after, "predicted": dict(plan.predicted),
                     "zero_stage": plan.zero_stage, "overlap": plan.overlap}
         _progress(args, f"captured, analysed and planned ({after}) {len(gm.graph.nodes)} nodes on "
@@ -189,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --mesh: show the graph after planning (default), the per-rank graph after "
                         "the rewrite (tensor-axis collectives with their predicted cost), or after the "
                         "schedule pass (data-axis buckets too, with their issue and wait positions)")
+    d.add_argument("--hardware",
+                   help="with --mesh: price the plan for a100, h100, cpu or a profile from `autopar calibrate` "
+                        "(default: this machine's kind, h100 with a GPU and cpu without)")
     d.add_argument("--out", help="write to this file instead of stdout")
     d.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     d.set_defaults(fn=_dump)

@@ -54,7 +54,7 @@ from autopar.placement import Shard
 log = logging.getLogger("autopar.dp_planner")
 
 MiB = 1 << 20
-BUCKET_MIN, BUCKET_MAX = 1 * MiB, 256 * MiB
+BUCKET_MIN, BUCKET_MAX = 4 * MiB, 256 * MiB
 COMPUTE_BYTES = 2                   # bf16 / fp16
 MIXED = ("bf16", "fp16")
 MAX_DEVICES = 4096                  # how far the "smallest device count that fits" search looks
@@ -139,26 +139,32 @@ def memory_split(*, trainable_numel: int, frozen_numel: int = 0, dp: int, zero_s
 
 # ------------------------------------------------------------------------------ communication
 
-def bucket_bytes(cluster: Cluster, mesh_axes: Sequence[tuple[str, int]], axis: str) -> int:
-    """Gradient bucket size for the data axis ``axis``.
+def bucket_bytes(cluster: Cluster, mesh_axes: Sequence[tuple[str, int]], axis: str,
+                 total_bytes: float) -> int:
+    """Gradient bucket size for the data axis ``axis`` when ``total_bytes`` of gradients are
+    reduced per step.
 
-    A bucketed collective costs ``latency + nbytes * per_byte`` (alpha-beta). Small buckets
-    pay the latency many times; large ones delay the first reduction and cannot hide the last
-    one behind backward. We pick the smallest bucket whose latency is at most 1/8 of its
-    transfer time, i.e. ``nbytes >= 8 * latency / per_byte = 8 * alpha * bandwidth``, where
-    alpha is the whole per-call latency of one all_reduce over the axis (base + ring steps,
-    intra- or inter-node as the axis's groups sit) and bandwidth the all_reduce's effective
-    algorithm bandwidth (both read off :func:`autopar.cost.comm.collective_time`, so
-    hierarchical axes are priced the way collectives are). Clamped to [1 MiB, 256 MiB]: below
-    1 MiB kernel launches dominate; above 256 MiB the unhidden last bucket dominates.
-    (On a DGX A100 with dp=8 inside a node this gives ~40 MB, near DDP's 25 MB default.)
+    A bucketed collective costs ``alpha + nbytes * per_byte`` (alpha-beta): alpha is the whole
+    per-call latency of one all_reduce over the axis (base + ring steps, intra- or inter-node
+    as the axis's groups sit) and ``per_byte`` the inverse of its algorithm bandwidth, both
+    read off :func:`autopar.cost.comm.collective_time` so hierarchical axes are priced the way
+    collectives are. With buckets of B bytes a step pays ``(G / B) * alpha`` in latency, and
+    the last bucket, issued when backward ends, is exposed whole: ``B * per_byte``. Their sum
+    is smallest at ``B = sqrt(G * alpha / per_byte)``, where the two are equal. Clamped to
+    [4 MiB, 256 MiB] and to one bucket for all of ``G``. The floor is for the host work per
+    bucket that alpha does not include (flattening, scaling and unflattening the gradients,
+    dispatching the collective from Python): measured ~0.2-0.4 ms per bucket with gloo on a
+    2-core CPU, where communication shares the cores with compute, so a bucket should move
+    a few MiB to keep it under a tenth of its transfer; above 256 MiB the flat buffers' memory
+    dominates. (A DGX A100 with dp=8 inside a node and 1 GB of gradients gets ~70 MB.)
     """
     latency = collective_time("all_reduce", 0.0, cluster, mesh_axes, axis)
     probe = float(BUCKET_MAX)
     per_byte = (collective_time("all_reduce", probe, cluster, mesh_axes, axis) - latency) / probe
-    if latency <= 0 or per_byte <= 0:
+    if latency <= 0 or per_byte <= 0 or total_bytes <= 0:
         return BUCKET_MIN
-    return int(min(max(8 * latency / per_byte, BUCKET_MIN), BUCKET_MAX))
+    best = math.sqrt(total_bytes * latency / per_byte)
+    return int(min(max(best, BUCKET_MIN), BUCKET_MAX, max(total_bytes, BUCKET_MIN)))
 
 
 def _bucketed(kind: str, total: float, bucket: int, cluster: Cluster, mesh_axes, axis: str) -> float:
@@ -400,9 +406,9 @@ class _Planner:
         tp_comm = sol.comm_s if sol is not None else 0.0
         bwd_share = bwd / (fwd + bwd) if fwd + bwd > 0 else 2 / 3
         axes = (("dp", dp), ("tp", t))
-        bucket = bucket_bytes(cluster, axes, "dp")
         loc = self._locals[t]
         grad_bytes = 4 * loc.trainable
+        bucket = bucket_bytes(cluster, axes, "dp", grad_bytes)
         out = []
         for stage in self.s.stages:
             gathered = loc.trainable + (loc.frozen if stage == 3 else 0.0)

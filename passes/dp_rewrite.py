@@ -57,15 +57,16 @@ def _first_use(node: fx.Node, order: dict[fx.Node, int]) -> int:
 
 def bucket_params(gm: fx.GraphModule, *, nbytes: Mapping[str, int], include: Callable[[str], bool],
                   bucket_bytes: int) -> list[list[str]]:
-    """Buckets of parameters (state_dict keys), in order of first use, each about
-    ``bucket_bytes`` (a parameter larger than that gets a bucket of its own)."""
+    """Buckets of parameters (state_dict keys), in order of first use. A bucket takes
+    parameters until it holds at least ``bucket_bytes``, so each is about that size or one
+    parameter larger (small ones such as biases never sit alone between large ones)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     phs = param_placeholders(gm)
     used = sorted((_first_use(n, order), fqn) for fqn, n in phs.items() if include(fqn) and n.users)
     buckets: list[list[str]] = []
-    size = 0
+    size = bucket_bytes   # full: the first parameter opens a bucket
     for _, fqn in used:
-        if not buckets or size + nbytes[fqn] > bucket_bytes and size > 0:
+        if size >= bucket_bytes:
             buckets.append([])
             size = 0
         buckets[-1].append(fqn)

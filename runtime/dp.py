@@ -76,17 +76,22 @@ class Bucket:
     def to_rows(self, tensors: list[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
         """Whole tensors (None: zeros) laid out as ``(n, C)``: row r holds rank r's pieces."""
         n = self.rt.n
-        buf = torch.zeros(n, self.width, dtype=dtype, device=self.rt.device)
+        buf = torch.empty(n, self.width, dtype=dtype, device=self.rt.device)
         for i, t in enumerate(tensors):
-            if t is None:
-                continue
             m, c, off = self.numels[i], self.chunks[i], self.offsets[i]
+            if t is None:
+                buf[:, off:off + c].zero_()
+                continue
             flat = t.detach().reshape(-1).to(dtype)
             full_rows, rest = divmod(m, c)
             if full_rows:
                 buf[:full_rows, off:off + c] = flat[:full_rows * c].view(full_rows, c)
             if rest:
                 buf[full_rows, off:off + rest] = flat[full_rows * c:]
+                buf[full_rows, off + rest:off + c].zero_()   # padding
+                full_rows += 1
+            if full_rows < n:
+                buf[full_rows:, off:off + c].zero_()   # padding rows
         return buf
 
     def from_rows(self, rows: torch.Tensor) -> list[torch.Tensor]:
@@ -105,10 +110,13 @@ class Bucket:
     def issue_reduce(self, grads: tuple[torch.Tensor | None, ...]) -> None:
         rt = self.rt
         if rt.stage == 0:
-            buf = torch.zeros(self.flat_offsets[-1], dtype=rt.reduce_dtype, device=rt.device)
-            for i, g in enumerate(grads):
-                if g is not None:
-                    buf[self.flat_offsets[i]:self.flat_offsets[i + 1]] = g.reshape(-1)
+            if all(g is not None for g in grads):
+                buf = torch.cat([g.reshape(-1).to(rt.reduce_dtype) for g in grads])
+            else:
+                buf = torch.zeros(self.flat_offsets[-1], dtype=rt.reduce_dtype, device=rt.device)
+                for i, g in enumerate(grads):
+                    if g is not None:
+                        buf[self.flat_offsets[i]:self.flat_offsets[i + 1]] = g.reshape(-1)
             buf.div_(rt.n)
             self._pending = _c10d.all_reduce_(buf, "sum", rt.group_name)
         else:

@@ -96,19 +96,23 @@ def _cluster(bandwidth: float, hop: float, base: float = 0.0) -> Cluster:
 
 
 def test_bucket_grows_with_latency_times_bandwidth_within_the_clamp():
-    axes = (("dp", 8), ("tp", 1))
-    sizes = [bucket_bytes(_cluster(bw, hop), axes, "dp")
+    axes, total = (("dp", 8), ("tp", 1)), 2e9
+    sizes = [bucket_bytes(_cluster(bw, hop), axes, "dp", total)
              for bw, hop in ((10e9, 1e-6), (10e9, 4e-6), (40e9, 4e-6), (100e9, 8e-6))]
     assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)
     assert all(BUCKET_MIN <= s <= BUCKET_MAX for s in sizes)
-    # The latency of one bucket's all_reduce is about 1/8 of its transfer time.
+    # At the chosen size the latency paid over all buckets equals the last bucket's transfer,
+    # which is where their sum is smallest.
     c, b = _cluster(40e9, 4e-6), sizes[2]
     latency = collective_time("all_reduce", 0, c, axes, "dp")
     transfer = collective_time("all_reduce", b, c, axes, "dp") - latency
-    assert latency == pytest.approx(transfer / 8, rel=1e-3)
-    assert bucket_bytes(_cluster(1e12, 1e-3), axes, "dp") == BUCKET_MAX
-    assert bucket_bytes(_cluster(1e8, 1e-7), axes, "dp") == BUCKET_MIN
-    assert bucket_bytes(_cluster(1e9, 1e-5), (("dp", 1), ("tp", 8)), "dp") == BUCKET_MIN   # no data axis
+    assert latency * total / b == pytest.approx(transfer, rel=1e-3)
+    cost = [latency * total / x + transfer * x / b for x in (b / 2, b, 2 * b)]
+    assert cost[1] < cost[0] and cost[1] < cost[2]
+    assert bucket_bytes(_cluster(1e12, 1e-3), axes, "dp", total) == BUCKET_MAX
+    assert bucket_bytes(_cluster(1e8, 1e-7), axes, "dp", total) == BUCKET_MIN
+    assert bucket_bytes(_cluster(1e12, 1e-3), axes, "dp", 3 * BUCKET_MIN) == 3 * BUCKET_MIN   # one bucket
+    assert bucket_bytes(_cluster(1e9, 1e-5), (("dp", 1), ("tp", 8)), "dp", total) == BUCKET_MIN   # no data axis
 
 
 def test_dp_comm_time_per_stage():
