@@ -251,8 +251,9 @@ def _dp_rewrite(gm: fx.GraphModule, the_plan: Plan, cluster: Cluster, *, rid: in
               for f, n in phs.items()}
     nbytes = {f: math.prod(shape) * info(phs[f]).values[0].dtype.itemsize for f, shape in shapes.items()}
     grad = dict(trainable) if trainable is not None else {f: info(n).requires_grad for f, n in phs.items()}
-    size = the_plan.bucket_bytes or default_bucket_bytes(cluster, axes, the_plan.dp_axis)
     stage = the_plan.zero_stage
+    reduced = sum(b for f, b in nbytes.items() if grad.get(f, False) or stage == 3)
+    size = the_plan.bucket_bytes or default_bucket_bytes(cluster, axes, the_plan.dp_axis, reduced)
     buckets = bucket_params(gm, nbytes=nbytes, bucket_bytes=size,
                             include=(lambda f: True) if stage == 3 else (lambda f: grad.get(f, False)))
     dp_rewrite(gm, rid=rid, stage=stage, buckets=buckets, axis=the_plan.dp_axis, n=the_plan.dp, nbytes=nbytes,
@@ -279,7 +280,9 @@ def _checked(gm: fx.GraphModule, plan: Plan) -> dict:
 def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan | str | None = None,
                 dims: Any = None, hardware: str | None = None, memory_budget: float | None = None,
                 sizes: Mapping[str, int] | None = None, sync_params: bool = True, zero_stage: int | None = None,
-                overlap: bool = True, bucket_bytes: int = 0, mixed_precision: str | None = None):
+                overlap: bool = True, bucket_bytes: int = 0, mixed_precision: str | None = None,
+                loss_fn: Any = None, schedule: str | None = None, microbatches: int | None = None,
+                virtual_stages: int | None = None):
     """Split ``model`` over ``mesh`` and return this rank's :class:`ParallelModule`.
 
     Call on every rank after ``torch.distributed.init_process_group`` with the same model
@@ -290,7 +293,13 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
     ``mixed_precision`` — ``"bf16"``/``"fp16"`` compute with fp32 master weights, gradient
     reductions and optimizer state — as given). With ``sync_params`` every rank first takes rank 0's parameters, so
     differently seeded ranks cannot silently disagree. Step it with the optimizer from
-    :func:`autopar.optimizer`."""
+    :func:`autopar.optimizer`.
+
+    With a ``pp`` axis (``{"pp": 2}``, ``{"pp": 2, "dp": 2}``, ``{"pp": 2, "tp": 2}``) the model
+    is cut into pipeline stages and a :class:`~autopar.runtime.pp.PipelineModule` comes back,
+    trained with ``loss = pm.step(inputs, target=targets)``; ``loss_fn(output, target)`` runs
+    on the last stage, and ``schedule`` (gpipe, 1f1b, interleaved, zb), ``microbatches`` and
+    ``virtual_stages`` are chosen by the simulator unless given."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.runtime.dp import DPRuntime
@@ -299,6 +308,11 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
     if not dist.is_initialized():
         raise ConfigError("parallelize needs an initialised process group", where="parallelize",
                           fix="call torch.distributed.init_process_group (torchrun sets the environment) first")
+    if _has_pp(mesh):
+        from autopar.pp import parallelize_pipeline
+        return parallelize_pipeline(model, mesh, example_inputs, loss_fn=loss_fn, schedule=schedule,
+                                    microbatches=microbatches, virtual_stages=virtual_stages, hardware=hardware,
+                                    memory_budget=memory_budget, sync_params=sync_params, zero_stage=zero_stage)
     if isinstance(plan, str):
         plan = Plan.load(plan)
     axes = mesh_axes(mesh) if plan is None or not isinstance(mesh, int) else tuple(plan.mesh.items())
@@ -347,11 +361,20 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
                           the_plan, dim_map, dp=rt)
 
 
+def _has_pp(mesh: Any) -> bool:
+    if isinstance(mesh, Mapping):
+        return "pp" in mesh
+    return "pp" in (getattr(mesh, "mesh_dim_names", None) or ())
+
+
 def optimizer(module: Any, optimizer_cls: type, params: Any = None, **kwargs: Any):
     """The optimizer for a model from :func:`parallelize`: ``optimizer_cls`` (any elementwise
     ``torch.optim`` optimizer) over this rank's share of the parameters, as the model's
     ZeRO stage says. ``params`` optionally gives parameter groups of ``module``'s parameters."""
     from autopar.runtime.optim import ShardedOptimizer
+    from autopar.runtime.pp import PipelineModule
+    if isinstance(module, PipelineModule):   # each rank steps the parameters of its own stages
+        return optimizer_cls(params if params is not None else module.parameters(), **kwargs)
     return ShardedOptimizer(module, optimizer_cls, params, **kwargs)
 
 

@@ -1,0 +1,296 @@
+"""Pipeline parallelism: plan the stages and schedule, and build this rank's pipeline.
+
+:func:`plan_pipeline` prices the captured graph op by op (the cost model), chooses the
+schedule and micro-batch count with the schedule simulator (:mod:`autopar.cost.pp_sim`)
+when they are not given, and cuts the graph into ``p * v`` stages with
+:func:`autopar.passes.pp_split.plan_cuts`. :func:`parallelize_pipeline` (reached through
+:func:`autopar.parallelize` with a ``pp`` axis in the mesh) applies it: a tensor axis is
+solved and rewritten on the whole graph first, the rewritten graph is split, and this
+rank's stages run under a ``torch.distributed.pipelining`` schedule
+(:class:`autopar.runtime.pp.PipelineModule`).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+
+from autopar.cost.cluster import Cluster
+from autopar.cost.comm import collective_time
+from autopar.cost.compute import op_time
+from autopar.errors import ConfigError
+from autopar.passes.meta import evaluate, info
+from autopar.passes.pp_split import CutPlan, OpCosts, op_costs, plan_cuts
+
+log = logging.getLogger("autopar.pp")
+
+AXES = ("pp", "dp", "tp")            # the order a pipeline mesh lists them in (pp outermost)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Stage cuts, schedule and micro-batches, with the simulator's prediction."""
+
+    stages: int                       # p * v
+    devices: int                      # p
+    virtual: int                      # v
+    schedule: str
+    microbatches: int
+    cuts: CutPlan
+    step_time_s: float
+    bubble_fraction: float
+    peak_activation_bytes: tuple[float, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"pp": self.devices, "virtual_stages": self.virtual, "schedule": self.schedule,
+                "microbatches": self.microbatches, "stage_starts": list(self.cuts.start_nodes),
+                "stage_time_s": list(self.cuts.stage_time_s), "step_time_s": self.step_time_s,
+                "bubble_fraction": self.bubble_fraction}
+
+
+def pipeline_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
+    """``[(axis, size)]`` of a pipeline mesh: ``pp`` first, then ``dp`` and/or ``tp``."""
+    if hasattr(mesh, "mesh_dim_names") and hasattr(mesh, "size"):
+        axes = tuple((n, mesh.size(i)) for i, n in enumerate(mesh.mesh_dim_names or ()))
+    elif isinstance(mesh, Mapping):
+        axes = tuple((str(k), int(v)) for k, v in mesh.items())
+    else:
+        raise ConfigError("a pipeline mesh must be a {axis: size} mapping or a DeviceMesh with named axes",
+                          got=type(mesh).__name__, fix="e.g. {'pp': 2, 'tp': 2}")
+    names = [a for a, _ in axes]
+    order = [a for a in AXES if a in names]
+    if names != order or len(set(names)) != len(names) or any(n < 1 for _, n in axes):
+        raise ConfigError("pipeline mesh axes must be pp, then dp and/or tp, each of size >= 1", where="mesh",
+                          expected="e.g. {'pp': 2}, {'pp': 2, 'dp': 2} or {'pp': 2, 'tp': 2}", got=str(dict(axes)),
+                          fix="list the axes in the order pp, dp, tp (ep is not supported with pp)")
+    return axes
+
+
+def node_time_fn(device, dtype: str, sizes: Mapping[str, int] | None = None) -> Callable[[fx.Node], float]:
+    """Forward + backward seconds of one op at ``sizes`` (collectives the tensor-axis rewrite
+    inserted count their predicted time)."""
+    at = dict(sizes or {})
+
+    def time(node: fx.Node) -> float:
+        rec = info(node)
+        if rec.collective is not None:
+            return rec.collective.time_fwd_s + rec.collective.time_bwd_s
+        t = op_time(float(evaluate(rec.flops_fwd, at)), float(evaluate(rec.bytes_fwd, at)), device, dtype)
+        if rec.requires_grad:
+            t += op_time(float(evaluate(rec.flops_bwd, at)), float(evaluate(rec.bytes_bwd, at)), device, dtype)
+        return t
+    return time
+
+
+def inflight(schedule: str, stages: int, devices: int, microbatches: int) -> list[int]:
+    """Micro-batches whose activations each stage holds at once (the schedule's peak)."""
+    if schedule == "gpipe":
+        return [microbatches] * stages
+    return [min(microbatches, max(1, devices - (s % devices)) * (1 if stages == devices else 2))
+            for s in range(stages)]
+
+
+def simulate_plan(costs: OpCosts, cuts: CutPlan, *, schedule: str, devices: int, virtual: int,
+                  microbatches: int, p2p_time: Callable[[float], float]):
+    """The simulator's result for these cuts under ``schedule``."""
+    from autopar.cost.pp_sim import StageCosts, make, simulate
+
+    k = len(costs.ops)
+    ends = list(cuts.starts[1:]) + [k]
+    fwd, bwd = [], []
+    for a, b in zip(cuts.starts, ends):
+        f = sum(costs.time_s[a:b]) / 3.0          # the op times are forward + backward (~1 : 2)
+        fwd.append(f)
+        bwd.append(2 * f)
+    sc = StageCosts(forward_s=tuple(fwd), backward_s=tuple(bwd), p2p_s=tuple(p2p_time(b) for b in cuts.crossing_bytes),
+                    activation_bytes=tuple(cuts.stage_saved_bytes))
+    return simulate(make(schedule, devices, microbatches, virtual), sc)
+
+
+def plan_pipeline(costs_at: Callable[[int], OpCosts], *, devices: int, batch: int, cluster: Cluster,
+                  axes: tuple[tuple[str, int], ...], schedule: str | None = None, microbatches: int | None = None,
+                  virtual: int | None = None, budget: float | None = None) -> PipelinePlan:
+    """Choose schedule, micro-batches and cuts. ``costs_at(micro_batch)`` prices the graph at a
+    micro-batch size; the fastest simulated (schedule, micro-batch count, virtual stages) that
+    fits ``budget`` wins (ties: fewer micro-batches)."""
+    p = devices
+    if schedule is not None and schedule not in SCHEDULES:
+        raise ConfigError(f"unknown pipeline schedule {schedule!r}", where="schedule", expected=", ".join(SCHEDULES),
+                          fix=f"pick one of {', '.join(SCHEDULES)}")
+    counts = [microbatches] if microbatches else [m for m in range(p, min(batch, 8 * p) + 1) if batch % m == 0]
+    if not counts or any(batch % m for m in counts):
+        raise ConfigError(f"the batch of {batch} does not split into micro-batches for {p} stages", where="pipeline",
+                          expected=f"a batch divisible by a micro-batch count >= {p}", got=str(batch),
+                          fix=f"use a batch that is a multiple of {p}, or pass microbatches=")
+    names = [schedule] if schedule else list(SCHEDULES)
+    p2p = (lambda b: collective_time("send_recv", b, cluster, axes, "pp")) if p > 1 else (lambda b: 0.0)
+    best: PipelinePlan | None = None
+    for m in counts:
+        costs = costs_at(batch // m)
+        for name in names:
+            vs = [virtual] if virtual else ([2] if name == "interleaved" else [1])
+            for v in vs:
+                if name == "interleaved" and (v < 2 or m % p):
+                    if schedule:
+                        raise ConfigError("the interleaved schedule needs virtual_stages >= 2 and micro-batches "
+                                          "a multiple of the pipeline size", where="pipeline",
+                                          got=f"virtual_stages={v}, microbatches={m}, pp={p}",
+                                          fix=f"pass virtual_stages=2 and microbatches a multiple of {p}")
+                    continue
+                if name != "interleaved" and name != "zb" and v != 1:
+                    continue
+                stages = p * v
+                try:
+                    cuts = plan_cuts(costs, stages, p2p_time=p2p, inflight=inflight(name, stages, p, m),
+                                     budget=budget)
+                except ConfigError:
+                    if schedule and microbatches:
+                        raise
+                    continue
+                sim = simulate_plan(costs, cuts, schedule=name, devices=p, virtual=v, microbatches=m, p2p_time=p2p)
+                cand = PipelinePlan(stages=stages, devices=p, virtual=v, schedule=name, microbatches=m, cuts=cuts,
+                                    step_time_s=sim.step_time_s, bubble_fraction=sim.bubble_fraction,
+                                    peak_activation_bytes=tuple(sim.peak_activation_bytes))
+                if best is None or cand.step_time_s < best.step_time_s * (1 - 1e-9):
+                    best = cand
+    if best is None:
+        raise ConfigError(f"no pipeline of {p} stages fits", where="pipeline",
+                          fix="use more devices, fewer virtual stages, or a smaller micro-batch")
+    log.info("pipeline: %s, %d micro-batches, %d stages, predicted %.3g s (bubble %.2f)", best.schedule,
+             best.microbatches, best.stages, best.step_time_s, best.bubble_fraction)
+    return best
+
+
+def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, loss_fn: Callable | None,
+                         schedule: str | None = None, microbatches: int | None = None,
+                         virtual_stages: int | None = None, hardware: str | None = None,
+                         memory_budget: float | None = None, sync_params: bool = True,
+                         zero_stage: int | None = None):
+    """This rank's :class:`~autopar.runtime.pp.PipelineModule` (see :func:`autopar.parallelize`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.api import _capture, default_dims, planned_graph
+    from autopar.passes.pp_split import shared_params, split_stages
+    from autopar.runtime.pp import PipelineModule, StageModule, stage_inputs_of
+
+    if loss_fn is None:
+        raise ConfigError("a pipelined model needs a loss function", where="parallelize",
+                          fix="pass loss_fn=lambda output, target: ... (it runs on the last stage)")
+    if zero_stage not in (None, 0):
+        raise ConfigError(f"ZeRO stage {zero_stage} is not supported with a pipeline axis yet", where="parallelize",
+                          fix="use zero_stage=0 (gradients averaged over dp after each step) with pp")
+    if not dist.is_initialized():
+        raise ConfigError("parallelize needs an initialised process group", where="parallelize",
+                          fix="call torch.distributed.init_process_group (torchrun sets the environment) first")
+    axes = pipeline_axes(mesh)
+    sizes = dict(axes)
+    world = math.prod(sizes.values())
+    if world != dist.get_world_size():
+        raise ConfigError("the mesh does not cover the process group", where="parallelize",
+                          expected=f"{world} ranks ({sizes})", got=f"world size {dist.get_world_size()}",
+                          fix="launch as many ranks as the mesh has devices")
+    if not hasattr(mesh, "get_group"):
+        device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+        mesh = init_device_mesh(device_type, tuple(n for _, n in axes), mesh_dim_names=tuple(a for a, _ in axes))
+    names = list(mesh.mesh_dim_names)
+    device = torch.device(mesh.device_type if mesh.device_type != "cuda" else f"cuda:{torch.cuda.current_device()}")
+    p = sizes["pp"]
+    pp_group, pp_rank = mesh.get_group(names.index("pp")), mesh.get_local_rank(names.index("pp"))
+    dp_group = mesh.get_group(names.index("dp")) if "dp" in names else None
+    tp_n = sizes.get("tp", 1)
+    tp_group = mesh.get_group(names.index("tp")) if "tp" in names else None
+    tp_rank = mesh.get_local_rank(names.index("tp")) if "tp" in names else 0
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    batch = int(args[0].shape[0])
+    cluster = Cluster.from_spec(f"1x{world}", hardware=hardware or ("h100" if torch.cuda.is_available() else "cpu"))
+    dtype = "fp32"
+    budget = memory_budget
+
+    # 1. schedule and micro-batches from the simulator, pricing a symbolic capture
+    if microbatches and schedule and (virtual_stages or schedule != "interleaved"):
+        choice_m, choice_s, choice_v = microbatches, schedule, virtual_stages or (2 if schedule == "interleaved" else 1)
+    else:
+        sym = _capture(model, args, None)
+        symbols = {str(k) for k in info_symbols(sym)}
+
+        def priced(mb: int) -> OpCosts:
+            at = {"batch": mb} if "batch" in symbols else {}
+            if "seq" in symbols and args[0].dim() > 1:
+                at["seq"] = int(args[0].shape[1])
+            return op_costs(sym, node_time=node_time_fn(cluster.device, dtype, at), sizes=at)
+        pre = plan_pipeline(priced, devices=p, batch=batch, cluster=cluster, axes=axes, schedule=schedule,
+                            microbatches=microbatches, virtual=virtual_stages, budget=budget)
+        choice_m, choice_s, choice_v = pre.microbatches, pre.schedule, pre.virtual
+    if batch % choice_m:
+        raise ConfigError(f"the batch of {batch} does not split into {choice_m} micro-batches", where="parallelize",
+                          expected=f"a multiple of {choice_m}", got=str(batch), fix="pass a divisible batch")
+    mb_args = tuple(a.chunk(choice_m)[0] if isinstance(a, torch.Tensor) else a for a in args)
+
+    # 2. the graph at the micro-batch size (static), rewritten for the tensor axis
+    if tp_n > 1:
+        gm, tp_plan = planned_graph(model, {"tp": tp_n}, mb_args, dims=(), after="rewrite", hardware=hardware,
+                                    group_name=tp_group.group_name, memory_budget=memory_budget)
+        placements = dict(tp_plan.params)
+    else:
+        gm, placements = _capture(model, mb_args, ()), {}
+    del default_dims
+
+    # 3. cuts on this graph
+    costs = op_costs(gm, node_time=node_time_fn(cluster.device, dtype))
+    final = plan_pipeline(lambda mb: costs, devices=p, batch=choice_m, cluster=cluster, axes=axes,
+                          schedule=choice_s, microbatches=choice_m, virtual=choice_v, budget=budget)
+    stages = split_stages(gm, final.cuts.starts)
+    shared = shared_params(stages)
+
+    # 4. this rank's stages
+    tensors: dict[str, Any] = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
+    if sync_params and dist.get_world_size() > 1:
+        with torch.no_grad():
+            for t in tensors.values():
+                dist.broadcast(t.data, src=0)
+    trainable = {k: q.requires_grad for k, q in model.named_parameters()}
+    inputs = stage_inputs_of(gm)
+    mine: list[StageModule] = []
+    made: dict[str, nn.Parameter] = {}
+    for sg in stages:
+        if sg.index % p != pp_rank:
+            continue
+        st = StageModule(sg, tensors, trainable, placements, tp_rank, tp_n,
+                         input_names=inputs if sg.index == 0 else (), shared=made)
+        made.update({k: v for k, v in st.named_parameters(remove_duplicate=False)})
+        mine.append(st)
+    shapes = {}
+    for fqn in shared:
+        t = tensors[fqn]
+        local = t.detach().chunk(tp_n, _shard_dim(placements.get(fqn, "R")))[tp_rank] \
+            if _shard_dim(placements.get(fqn, "R")) is not None and tp_n > 1 else t
+        shapes[fqn] = (local.shape, local.dtype)
+    pm = PipelineModule(mine, plan=final, schedule=choice_s, microbatches=choice_m, num_stages=final.stages,
+                        loss_fn=loss_fn, pp_group=pp_group, pp_rank=pp_rank, pp_size=p, dp_group=dp_group,
+                        shared=shared, shared_shapes=shapes, device=device,
+                        examples=[st.io_examples(tp_n, device, mb_args if st.index == 0 else None) for st in mine])
+    pm.stage_graphs = stages
+    return pm
+
+
+def _shard_dim(placement: str) -> int | None:
+    from autopar.placement import Shard, parse
+    q = parse(placement)
+    return q.dim if isinstance(q, Shard) else None
+
+
+def info_symbols(gm: fx.GraphModule):
+    from autopar.passes.meta import graph_info
+    return graph_info(gm).symbols
+
+
+__all__ = ["PipelinePlan", "pipeline_axes", "plan_pipeline", "parallelize_pipeline", "simulate_plan", "inflight",
+           "node_time_fn", "SCHEDULES"]

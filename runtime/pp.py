@@ -1,0 +1,230 @@
+"""Pipeline runtime: per-stage modules run by ``torch.distributed.pipelining`` schedules.
+
+:class:`StageModule` runs one stage's graph (from :func:`autopar.passes.pp_split.split_stages`)
+with the stage's parameters stored under their original ``state_dict`` keys (tensor-axis
+local slices when the graph was rewritten for a tensor axis). :class:`PipelineModule` is what
+:func:`autopar.parallelize` returns for a mesh with a ``pp`` axis: it holds this rank's stage
+(or stages, ``v`` of them under interleaved schedules, stage ``s`` on pipeline rank
+``s % p``) and trains with :meth:`PipelineModule.step`:
+
+    loss = pm.step(inputs, target=targets)   # every rank, the same call; returns the loss
+
+A step splits the (data-axis-local) batch into micro-batches, runs the schedule (forward and
+backward of every micro-batch; ``loss_fn(output, target_chunk)`` on the last stage, gradients
+scaled by 1/micro-batches so they are those of the mean loss), then sums the gradients of
+parameters held by several stages (a tied embedding and head) over the pipeline axis and
+averages every gradient over the data axis. The loss returned on every rank is the mean of
+the micro-batch losses. ``state_dict()`` holds this rank's parameters under the original keys;
+the union over pipeline ranks is the whole model's.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+
+from autopar.errors import ConfigError, InputMismatchError
+from autopar.passes.meta import info
+from autopar.passes.pp_split import StageGraph
+from autopar.placement import Shard, Spec, parse
+from autopar.runtime.tp_module import _set
+
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+                    "zb": "ScheduleInterleavedZeroBubble"}
+MULTI = ("interleaved", "zb")   # schedules that take a list of stages
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: its graph and its parameters under their original keys."""
+
+    def __init__(self, sg: StageGraph, tensors: dict[str, torch.Tensor], trainable: dict[str, bool],
+                 placements: dict[str, str], tp_rank: int, tp_n: int, input_names: Sequence[str] = (),
+                 shared: dict[str, nn.Parameter] | None = None) -> None:
+        super().__init__()
+        self.index = sg.index
+        self._graph = [sg.gm]            # not a submodule: keeps state_dict keys original
+        self._order = sg.order
+        self._inputs = list(sg.inputs)
+        self._user_inputs = list(input_names)   # stage 0: the model's input names, in call order
+        self.outputs = list(sg.outputs)
+        for kind, fqn in sg.order:
+            if kind not in ("param", "buffer"):
+                continue
+            if shared and fqn in shared:    # also held by another stage on this rank: the same Parameter
+                _set(self, fqn, shared[fqn])
+                continue
+            local = _local(tensors[fqn], placements.get(fqn, "R"), tp_rank, tp_n)
+            if kind == "param":
+                _set(self, fqn, nn.Parameter(local, requires_grad=trainable.get(fqn, True)))
+            else:
+                _set(self, fqn, local, buffer=True)
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        return self._graph[0]
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        state = dict(self.named_parameters(remove_duplicate=False))
+        state.update(dict(self.named_buffers()))
+        if self._user_inputs:            # stage 0 gets the model's inputs; keep the ones it reads
+            if len(args) != len(self._user_inputs):
+                raise InputMismatchError("the pipeline's first stage got the wrong number of inputs",
+                                         where="PipelineModule.step", expected=str(len(self._user_inputs)),
+                                         got=str(len(args)), fix="call step() with the model's inputs")
+            by_name = dict(zip(self._user_inputs, args))
+            acts = iter(by_name[n] for n in self._inputs)
+        else:
+            acts = iter(args)
+        call = [state[key] if kind in ("param", "buffer") else next(acts) for kind, key in self._order]
+        outs = self.graph_module(*call)
+        outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+        return outs[0] if len(outs) == 1 else outs
+
+
+    def io_examples(self, tp_n: int, device: torch.device,
+                    user_args: tuple | None = None) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Empty tensors shaped like one micro-batch's inputs and outputs of this stage (the
+        tensor-axis-local shapes), so the schedule needs no shape-inference pass."""
+        phs = {n.name: n for n in self.graph_module.graph.nodes if n.op == "placeholder"}
+        if user_args is not None:
+            ins = tuple(torch.empty_like(a, device=device) for a in user_args)
+        else:
+            ins = tuple(_example(phs[name], tp_n, device) for kind, name in self._order if kind == "act")
+        out_node = next(n for n in self.graph_module.graph.nodes if n.op == "output")
+        outs = out_node.args[0] if isinstance(out_node.args[0], (tuple, list)) else (out_node.args[0],)
+        return ins, tuple(_example(n, tp_n, device) for n in outs)
+
+
+def _example(node: fx.Node, tp_n: int, device: torch.device) -> torch.Tensor:
+    rec = info(node)
+    value = rec.values[0]
+    shape = [int(d) for d in value.shape]
+    text = (rec.placement or "R").split(",")[0]
+    try:
+        placement = Spec.parse(text).value
+    except ConfigError:
+        placement = None
+    if isinstance(placement, Shard) and tp_n > 1:
+        shape[placement.dim] //= tp_n
+    out = torch.empty(shape, dtype=value.dtype, device=device)
+    # the schedule makes received activations require grad as their examples do
+    return out.requires_grad_(rec.requires_grad and value.dtype.is_floating_point)
+
+
+def _local(full: torch.Tensor, placement: str, rank: int, n: int) -> torch.Tensor:
+    p = parse(placement)
+    if isinstance(p, Shard) and n > 1:
+        return full.detach().chunk(n, p.dim)[rank].clone().contiguous()
+    return full.detach().clone()
+
+
+class PipelineModule(nn.Module):
+    """This rank's pipeline stage(s) and the schedule that trains them (module docstring)."""
+
+    def __init__(self, stages: list[StageModule], *, plan: Any, schedule: str, microbatches: int,
+                 num_stages: int, loss_fn: Callable, pp_group: dist.ProcessGroup, pp_rank: int, pp_size: int,
+                 dp_group: dist.ProcessGroup | None, shared: dict[str, list[int]],
+                 shared_shapes: dict[str, tuple[torch.Size, torch.dtype]], device: torch.device,
+                 examples: list[tuple[tuple, tuple]] | None = None) -> None:
+        super().__init__()
+        from torch.distributed import pipelining
+
+        self.plan = plan
+        self.schedule_name = schedule
+        self.microbatches = microbatches
+        self._stages = stages            # not submodules: the parameters are registered below
+        self._pp = (pp_group, pp_rank, pp_size)
+        self._dp = dp_group
+        self._loss_fn = loss_fn
+        self._num_stages = num_stages
+        self._device = device
+        self._shared = {f: s for f, s in shared.items()}
+        self._shared_shapes = shared_shapes
+        for st in stages:
+            for fqn, p in st.named_parameters(remove_duplicate=False):
+                _set(self, fqn, p)
+            for fqn, b in st.named_buffers():
+                _set(self, fqn, b, buffer=True)
+        examples = examples or [(None, None)] * len(stages)
+        self._pipe_stages = [pipelining.PipelineStage(st, st.index, num_stages, device, input_args=ins,
+                                                      output_args=outs, group=pp_group)
+                             for st, (ins, outs) in zip(stages, examples)]
+        cls = getattr(pipelining, SCHEDULE_CLASSES[schedule])
+        self._first = any(st.index == 0 for st in stages)
+        self._last = any(st.index == num_stages - 1 for st in stages)
+        if schedule in MULTI:
+            self._schedule = cls(self._pipe_stages, n_microbatches=microbatches, loss_fn=loss_fn)
+        else:
+            self._schedule = cls(self._pipe_stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+
+    @property
+    def stages(self) -> list[StageModule]:
+        return list(self._stages)
+
+    @property
+    def pp_rank(self) -> int:
+        return self._pp[1]
+
+    def step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of one batch; returns the mean micro-batch loss (every rank)."""
+        if target is None:
+            raise ConfigError("a pipeline step needs the target", where="PipelineModule.step",
+                              fix="call pm.step(inputs, target=targets) on every rank")
+        for t in (*inputs, target):
+            if isinstance(t, torch.Tensor) and t.shape[0] % self.microbatches:
+                raise InputMismatchError(f"batch of {t.shape[0]} does not split into {self.microbatches} micro-batches",
+                                         where="PipelineModule.step", expected=f"a multiple of {self.microbatches}",
+                                         got=str(tuple(t.shape)), fix="pass a batch the plan's micro-batch count divides")
+        losses: list[torch.Tensor] = []
+        args = inputs if self._first else ()
+        tgt = target if self._last else None
+        self._schedule.step(*args, target=tgt, losses=losses)
+        self._sync_grads()
+        pp_group, _, _ = self._pp
+        loss = torch.stack([x.detach() for x in losses]).mean() if losses else torch.zeros((), device=self._device)
+        loss = loss.to(torch.float32)
+        if self._pp[2] > 1:   # the last stage's loss to every pipeline rank
+            src = dist.get_global_rank(pp_group, (self._num_stages - 1) % self._pp[2])
+            dist.broadcast(loss, src=src, group=pp_group)
+        return loss
+
+    def _sync_grads(self) -> None:
+        params = dict(self.named_parameters(remove_duplicate=False))
+        pp_group, _, pp_size = self._pp
+        if pp_size > 1:
+            for fqn in sorted(self._shared):
+                shape, dtype = self._shared_shapes[fqn]
+                p = params.get(fqn)
+                if p is not None and p.grad is not None:
+                    g = p.grad
+                else:
+                    g = torch.zeros(shape, dtype=dtype, device=self._device)
+                dist.all_reduce(g, group=pp_group)
+                if p is not None:
+                    p.grad = g
+        if self._dp is not None and dist.get_world_size(self._dp) > 1:
+            n = dist.get_world_size(self._dp)
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            if grads:
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(flat, group=self._dp)
+                flat.div_(n)
+                off = 0
+                for g in grads:
+                    g.copy_(flat[off:off + g.numel()].view_as(g))
+                    off += g.numel()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise ConfigError("a pipelined model is trained with step(), not called", where="PipelineModule",
+                          fix="loss = pm.step(inputs, target=targets); then optimizer.step()")
+
+
+def stage_inputs_of(gm: fx.GraphModule) -> list[str]:
+    """The model's user-input placeholder names, in call order."""
+    return [n.name for n in gm.graph.nodes if n.op == "placeholder" and info(n).kind not in ("param", "buffer")]
+
+
+__all__ = ["StageModule", "PipelineModule", "SCHEDULE_CLASSES", "stage_inputs_of"]
