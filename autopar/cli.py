@@ -26,9 +26,16 @@ def _dump(args: argparse.Namespace) -> int:
     if mesh is None:
         gm = capture_workload(w)
         _progress(args, f"captured and analysed {len(gm.graph.nodes)} nodes in {time.perf_counter() - start:.1f}s")
+    elif "pp" in mesh:
+        gm, parallel = _split_view(args, w, mesh)
+        _progress(args, f"captured, analysed and split {len(gm.graph.nodes)} nodes into "
+                  f"{len(parallel['stages'])} stages in {time.perf_counter() - start:.1f}s")
     else:
         from autopar.api import planned_graph
         after = args.after or "plan"
+        if after == "split":
+            raise ConfigError("--after split needs a pp axis in --mesh", where="autopar dump",
+                              got=f"--mesh {args.mesh}", fix="e.g. --mesh pp=4 or --mesh pp=2,tp=4")
         # dims=() (not None) keeps a user model without dims a static capture, as plain dump does.
         gm, plan = planned_graph(w.model, mesh, w.args, dims=w.dims if w.dims is not None else (),
                                  sizes=w.sizes, after=after, zero_stage=args.zero, overlap=not args.no_overlap,
@@ -45,6 +52,30 @@ def _dump(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text + "\n")
     return 0
+
+
+def _split_view(args: argparse.Namespace, w, mesh: dict[str, int]):
+    """The graph with every op's pipeline stage, and the pipeline summary for the dump."""
+    from autopar.api import planned_graph
+    from autopar.pp import pipeline_axes, split_view, stage_table
+    from autopar.workload import capture_workload
+
+    if args.after not in (None, "split"):
+        raise ConfigError(f"with a pp axis, dump shows the graph after split, not after {args.after}",
+                          where="autopar dump", got=f"--after {args.after}", fix="use --after split (or leave it out)")
+    pipeline_axes(mesh)
+    hardware = args.hardware or "h100"
+    if mesh.get("tp", 1) > 1:
+        gm, _ = planned_graph(w.model, {"tp": mesh["tp"]}, w.args, dims=w.dims if w.dims is not None else (),
+                              sizes=w.sizes, after="rewrite", hardware=hardware)
+    else:
+        gm = capture_workload(w)
+    batch = max(1, args.batch // mesh.get("dp", 1))
+    best, costs = split_view(gm, mesh, batch=batch, sizes=w.sizes, hardware=hardware, schedule=args.schedule,
+                             microbatches=args.microbatches, virtual=args.virtual_stages)
+    parallel = {"mesh": dict(mesh), "after": "split", "predicted": {"step_time_s": best.step_time_s},
+                "pipeline": best.as_dict(), "stages": stage_table(best, costs)}
+    return gm, parallel
 
 
 def parse_mesh(spec: str) -> dict[str, int]:
@@ -83,6 +114,11 @@ def _plan(args: argparse.Namespace) -> int:
     gm = capture_workload(w)
     _progress(args, f"built and captured {w.name} ({len(gm.graph.nodes)} nodes) in {time.perf_counter() - start:.1f}s;"
                     f" planning for {cluster.name} …")
+    if args.pp > 1:
+        return _plan_pipeline(args, w, gm, cluster, tp[0] if tp else 1)
+    if args.timeline:
+        raise ConfigError("--timeline draws a pipeline schedule", where="autopar plan", got="--pp 1",
+                          fix="add --pp N (pipeline stages), e.g. --pp 4")
     t0 = time.perf_counter()
     result = plan_dp(gm, cluster=cluster, devices=cluster.world_size, batch=args.batch, sizes=w.sizes,
                      memory_budget=budget, zero_stages=stages, tp_degrees=tp, mixed_precision=mixed,
@@ -100,6 +136,62 @@ def _plan(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(data, indent=1) + "\n")
     else:
         sys.stdout.write(_plan_text(args, w.name, cluster, result) + "\n")
+    return 0
+
+
+def _plan_pipeline(args: argparse.Namespace, w, gm, cluster, tp: int) -> int:
+    """``autopar plan --pp N``: stages, schedule and micro-batches for N pipeline stages (the
+    remaining devices / tp are data-parallel replicas), with the simulated timeline."""
+    import json
+
+    from autopar.api import planned_graph
+    from autopar.cost.timeline import write_timeline
+    from autopar.dump import human, seconds
+    from autopar.pp import simulate_plan, split_view, stage_table
+
+    devices = cluster.world_size
+    if devices % (args.pp * tp):
+        raise ConfigError(f"{devices} devices do not split into pp={args.pp} x tp={tp}", where="autopar plan",
+                          got=f"--cluster {args.cluster}", fix="pick --pp and --tp whose product divides the devices")
+    dp = devices // (args.pp * tp)
+    if args.batch % dp:
+        raise ConfigError(f"the global batch {args.batch} does not split over dp={dp}", where="--batch",
+                          fix=f"use a batch that is a multiple of {dp}")
+    mesh = {"pp": args.pp, **({"dp": dp} if dp > 1 else {}), **({"tp": tp} if tp > 1 else {})}
+    t0 = time.perf_counter()
+    if tp > 1:
+        gm, _ = planned_graph(w.model, {"tp": tp}, w.args, dims=w.dims if w.dims is not None else (), sizes=w.sizes,
+                              after="rewrite", hardware=args.hardware)
+    budget = None if args.memory_budget is None else args.memory_budget * 1e9
+    best, costs = split_view(gm, mesh, batch=args.batch // dp, sizes=w.sizes, hardware=args.hardware,
+                             schedule=args.schedule, microbatches=args.microbatches, virtual=args.virtual_stages,
+                             budget=budget)
+    planner_s = time.perf_counter() - t0
+    rows = stage_table(best, costs)
+    if args.timeline:
+        from autopar.cost.comm import collective_time
+        sim = simulate_plan(costs, best.cuts, schedule=best.schedule, devices=best.devices, virtual=best.virtual,
+                            microbatches=best.microbatches,
+                            p2p_time=lambda b: collective_time("send_recv", b, cluster, tuple(mesh.items()), "pp"))
+        write_timeline(sim, args.timeline, title=f"{w.name} on {cluster.name}: pp={args.pp} {best.schedule}, "
+                                                 f"{best.microbatches} micro-batches, bubble {sim.bubble_fraction:.3f}")
+        _progress(args, f"wrote {args.timeline}")
+    if args.json:
+        data = {"model": w.name, "cluster": cluster.name, "devices": devices, "batch": args.batch, "seq": args.seq,
+                "degrees": {"dp": dp, "tp": tp, "pp": args.pp}, **best.as_dict(), "stages": rows,
+                "planner_time_s": planner_s}
+        sys.stdout.write(json.dumps(data, indent=1) + "\n")
+        return 0
+    lines = [f"autopar plan: {w.name} on {cluster.name} ({devices} devices), global batch {args.batch}, seq {args.seq}",
+             f"chosen: pp={args.pp} dp={dp} tp={tp}, {best.schedule} schedule, {best.microbatches} micro-batches of "
+             f"{args.batch // dp // best.microbatches}, {best.virtual} stage(s) per device",
+             f"  predicted step time {seconds(best.step_time_s)}, bubble {best.bubble_fraction:.3f} "
+             f"(planned in {planner_s:.2f}s)"]
+    for r in rows:
+        lines.append(f"  stage {r['stage']:<3} device {r['device']:<3} {r['ops']:>5} ops  {seconds(r['time_s']):>8} "
+                     f"per micro-batch  state {human(r['state_bytes'], 'B'):>8}  activations "
+                     f"{human(r['activation_bytes'], 'B'):>8}  sends {human(r['sends_bytes'], 'B'):>8}")
+    sys.stdout.write("\n".join(lines) + "\n")
     return 0
 
 
@@ -185,10 +277,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --after schedule: leave every issue next to its wait (no overlap)")
     d.add_argument("--bucket-bytes", type=int, default=0,
                    help="gradient/gather bucket size in bytes (default: from the cost model)")
-    d.add_argument("--after", choices=["plan", "rewrite", "schedule"],
+    d.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb"],
+                   help="with a pp axis: the pipeline schedule (default: the simulator's choice)")
+    d.add_argument("--microbatches", type=int, help="with a pp axis: micro-batches per step (default: chosen)")
+    d.add_argument("--virtual-stages", type=int, help="with a pp axis: stages per device (interleaved)")
+    d.add_argument("--after", choices=["plan", "rewrite", "schedule", "split"],
                    help="with --mesh: show the graph after planning (default), the per-rank graph after "
                         "the rewrite (tensor-axis collectives with their predicted cost), or after the "
-                        "schedule pass (data-axis buckets too, with their issue and wait positions)")
+                        "schedule pass (data-axis buckets too, with their issue and wait positions); with a "
+                        "pp axis, after the pipeline split (each op's stage, and the stage table)")
     d.add_argument("--hardware",
                    help="with --mesh: price the plan for a100, h100, cpu or a profile from `autopar calibrate` "
                         "(default: this machine's kind, h100 with a GPU and cpu without)")
@@ -210,6 +307,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--zero", choices=["auto", "0", "1", "2", "3"], default="auto", help="ZeRO stage (default auto)")
     pl.add_argument("--tp", default="auto", help="tensor-parallel degree, or auto (powers of two within a node)")
     pl.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd-momentum, ...")
+    pl.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1: no pipeline)")
+    pl.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb"],
+                    help="with --pp: the pipeline schedule (default: the simulator's choice)")
+    pl.add_argument("--microbatches", type=int, help="with --pp: micro-batches per step (default: chosen)")
+    pl.add_argument("--virtual-stages", type=int, help="with --pp: stages per device (interleaved)")
+    pl.add_argument("--timeline", metavar="OUT.svg", help="with --pp: draw the simulated schedule to this SVG file")
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.add_argument("--top", type=int, default=5, metavar="K", help="alternatives to show (default 5)")
     pl.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")

@@ -70,6 +70,8 @@ def node_rows(gm: fx.GraphModule, sizes: dict[str, int]) -> list[dict[str, Any]]
 
 def _add_parallel_fields(row: dict[str, Any], rec: NodeInfo) -> None:
     """Placement, strategy and inserted collective of a planned/rewritten node, only when set."""
+    if rec.stage is not None:
+        row["stage"] = rec.stage
     if rec.placement is not None:
         row["placement"] = rec.placement
     if rec.strategy is not None:
@@ -160,14 +162,16 @@ def to_text(gm: fx.GraphModule, sizes: dict[str, int], *, model: str = "", optim
                 f"(shapes and figures are whole tensors; placement says how each is split)" if parallel else "")]
     if nodes:
         placed = any("placement" in r or "strategy" in r for r in data["nodes"])
-        lines.append(f"{'node':<24} {'op':<28} {'module':<22} {'shape':<28} {'fwd FLOP':>9} {'bwd FLOP':>9} "
+        staged = any("stage" in r for r in data["nodes"])
+        lines.append((f"{'stage':>5} " if staged else "") + f"{'node':<24} {'op':<28} {'module':<22} {'shape':<28} {'fwd FLOP':>9} {'bwd FLOP':>9} "
                      f"{'bytes':>9} {'saved':>9}" + (f" {'placement':<10} strategy / collective" if placed else ""))
         for r in data["nodes"]:
             if r["kind"] == "output":
                 continue
             shape = " ".join("[" + ",".join(str(s) for s in sh) + "]" for sh in r["shapes_at_size"][:2])
             tag = f" #{r['moe_role']}" if r["moe_role"] else ""
-            lines.append(f"{r['name'][:24]:<24} {r['op'][:28]:<28} {(r['fqn'] or '.')[:22]:<22} {shape[:28]:<28} "
+            lines.append((f"{r['stage'] if 'stage' in r else '*':>5} " if staged else "") +
+                         f"{r['name'][:24]:<24} {r['op'][:28]:<28} {(r['fqn'] or '.')[:22]:<22} {shape[:28]:<28} "
                          f"{human(r['flops_fwd']):>9} {human(r['flops_bwd']):>9} {human(r['bytes_fwd'], 'B'):>9} "
                          f"{human(r['saved_bytes'], 'B'):>9}" + (_parallel_cells(r) if placed else "") + tag)
     lines += ["", _module_table(data), "", _totals_text(data)]
@@ -220,6 +224,16 @@ def _parallel_text(data: dict[str, Any]) -> str:
         lines.append(f"data axis       dp={p['mesh']['dp']}, ZeRO-{p['zero_stage']}, overlap "
                      f"{'on' if p.get('overlap', True) else 'off'}; memory per device: "
                      + ", ".join(f"{k} {human(v, 'B')}" for k, v in mem.items()))
+    pipe = p.get("pipeline")
+    if pipe:
+        lines.append(f"pipeline        pp={pipe['pp']}, {pipe['schedule']} schedule, {pipe['microbatches']} micro-batches, "
+                     f"{pipe['virtual_stages']} stage(s) per device; predicted step {seconds(pipe['step_time_s'])}, "
+                     f"bubble {pipe['bubble_fraction']:.3f} (ops marked * are recomputed on each stage that reads them)")
+        for row in p.get("stages") or []:
+            lines.append(f"stage {row['stage']:<3} device {row['device']:<3} from {row['first'][:24]:<24} "
+                         f"{row['ops']:>5} ops  {seconds(row['time_s']):>8} per micro-batch  state "
+                         f"{human(row['state_bytes'], 'B'):>8}  activations {human(row['activation_bytes'], 'B'):>8}"
+                         f"  sends {human(row['sends_bytes'], 'B'):>8}")
     for row in data.get("schedule") or []:
         fwd = ", ".join(f"{k.replace('_', ' ')} {row[k]}" for k in ("forward_issue", "forward_wait",
                                                                     "forward_position") if k in row)

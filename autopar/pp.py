@@ -168,6 +168,43 @@ def plan_pipeline(costs_at: Callable[[int], OpCosts], *, devices: int, batch: in
     return best
 
 
+def split_view(gm: fx.GraphModule, mesh: Mapping[str, int], *, batch: int, sizes: Mapping[str, int] | None = None,
+               hardware: str = "h100", schedule: str | None = None, microbatches: int | None = None,
+               virtual: int | None = None, budget: float | None = None) -> tuple[PipelinePlan, OpCosts]:
+    """Plan the pipeline for ``gm`` (the whole graph, rewritten for a tensor axis if any) on
+    ``mesh`` and mark every op's stage in its record (``autopar dump --after split``).
+    ``batch`` is the batch one pipeline replica runs per step (global batch / dp)."""
+    axes = pipeline_axes(mesh)
+    world = math.prod(n for _, n in axes)
+    cluster = Cluster.from_spec(f"1x{world}", hardware=hardware)
+    symbols = {str(k) for k in info_symbols(gm)}
+    base = dict(sizes or {})
+
+    def priced(mb: int) -> OpCosts:
+        at = {**base, "batch": mb} if "batch" in symbols else dict(base)
+        return op_costs(gm, node_time=node_time_fn(cluster.device, "fp32", at), sizes=at, tp=dict(axes).get("tp", 1))
+    best = plan_pipeline(priced, devices=dict(axes)["pp"], batch=batch, cluster=cluster, axes=axes,
+                         schedule=schedule, microbatches=microbatches, virtual=virtual, budget=budget)
+    costs = priced(batch // best.microbatches)
+    ends = list(best.cuts.starts[1:]) + [len(costs.ops)]
+    for s, (a, b) in enumerate(zip(best.cuts.starts, ends)):
+        for node in costs.ops[a:b]:
+            info(node).stage = s
+    return best, costs
+
+
+def stage_table(best: PipelinePlan, costs: OpCosts) -> list[dict[str, Any]]:
+    """One row per stage: where it starts, its ops, predicted time, memory and what it sends."""
+    rows = []
+    ends = list(best.cuts.starts[1:]) + [len(costs.ops)]
+    for s, (a, b) in enumerate(zip(best.cuts.starts, ends)):
+        rows.append({"stage": s, "device": s % best.devices, "first": costs.ops[a].name, "ops": b - a,
+                     "time_s": best.cuts.stage_time_s[s], "state_bytes": best.cuts.stage_state_bytes[s],
+                     "activation_bytes": best.cuts.stage_saved_bytes[s],
+                     "sends_bytes": best.cuts.crossing_bytes[s] if s < len(best.cuts.crossing_bytes) else 0.0})
+    return rows
+
+
 def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, loss_fn: Callable | None,
                          schedule: str | None = None, microbatches: int | None = None,
                          virtual_stages: int | None = None, hardware: str | None = None,
@@ -243,7 +280,7 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
     del default_dims
 
     # 3. cuts on this graph
-    costs = op_costs(gm, node_time=node_time_fn(cluster.device, dtype))
+    costs = op_costs(gm, node_time=node_time_fn(cluster.device, dtype), tp=tp_n)
     final = plan_pipeline(lambda mb: costs, devices=p, batch=choice_m, cluster=cluster, axes=axes,
                           schedule=choice_s, microbatches=choice_m, virtual=choice_v, budget=budget)
     stages = split_stages(gm, final.cuts.starts)

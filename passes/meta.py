@@ -72,6 +72,7 @@ class NodeInfo:
     placement: str | None = None       # tensor-axis placement of the output(s) (plan / rewrite)
     strategy: str | None = None        # the chosen strategy's name and specs (plan)
     collective: "CollectiveInfo | None" = None  # for nodes the rewrite inserted
+    stage: int | None = None           # pipeline stage (split view); None: not split, or recomputed per stage
 
     @property
     def value(self) -> TensorInfo | None:

@@ -69,13 +69,15 @@ def const_nodes(gm: fx.GraphModule) -> set[fx.Node]:
 
 
 def op_costs(gm: fx.GraphModule, *, node_time: Callable[[fx.Node], float],
-             state_bytes_per_param_byte: float = 4.0, sizes: Mapping[str, int] | None = None) -> OpCosts:
+             state_bytes_per_param_byte: float = 4.0, sizes: Mapping[str, int] | None = None,
+             tp: int = 1) -> OpCosts:
     """Costs of every op of ``gm`` (static sizes) for :func:`plan_cuts`.
 
     ``node_time(node)``: forward + backward seconds of one op per micro-batch.
     ``state_bytes_per_param_byte``: bytes of parameter + gradient + optimizer state per byte
     of parameter (4 for fp32 AdamW: the value, its gradient and two moments). ``sizes``: the
-    symbolic sizes to price a symbolic graph at (a static graph needs none).
+    symbolic sizes to price a symbolic graph at (a static graph needs none). ``tp``: the tensor
+    axis the graph was rewritten for (a parameter placed ``S(d)`` holds 1/tp of its bytes).
     """
     at = dict(sizes or {})
     const = const_nodes(gm)
@@ -89,8 +91,15 @@ def op_costs(gm: fx.GraphModule, *, node_time: Callable[[fx.Node], float],
         if node.op == "placeholder" and info(node).kind == "param":
             readers = _readers(node, const, index)
             if readers:
-                nbytes = float(evaluate(info(node).values[0].nbytes, at))
-                pbytes[min(readers)] += nbytes * state_bytes_per_param_byte
+                nbytes = float(evaluate(info(node).values[0].nbytes, at)) * state_bytes_per_param_byte
+                if tp > 1 and (info(node).placement or "").startswith("S("):
+                    nbytes /= tp
+                first, last = min(readers), max(readers)
+                pbytes[first] += nbytes
+                # read again far away (a tied head): a stage holding the last reader holds a copy too
+                if info(ops[first]).block_member != info(ops[last]).block_member or \
+                        info(ops[first]).block_member is None and last != first:
+                    pbytes[last] += nbytes
     # Values crossing a cut before op j: made before j (user inputs at -1), read at or after j.
     delta = [0.0] * (k + 2)
     valid = [True] * (k + 1)
@@ -110,7 +119,10 @@ def op_costs(gm: fx.GraphModule, *, node_time: Callable[[fx.Node], float],
         nbytes = float(evaluate(info(node).out_bytes, at)) if info(node).values else 0.0
         delta[born + 1] += nbytes
         delta[last + 1] -= nbytes
-        if not _tensor_value(node):
+        if _shape_value(node):   # a size read off an input: every stage can read it off its own input
+            delta[born + 1] -= nbytes
+            delta[last + 1] += nbytes
+        elif not _tensor_value(node):
             for j in range(born + 1, last + 1):
                 valid[j] = False
     crossing, run = [0.0] * (k + 1), 0.0
@@ -139,6 +151,11 @@ def _readers(node: fx.Node, const: set[fx.Node], index: dict[fx.Node, int]) -> l
             elif u in const:
                 stack.append(u)
     return out
+
+
+def _shape_value(node: fx.Node) -> bool:
+    """A symbolic size (``sym_size`` and arithmetic on sizes) of a symbolic capture."""
+    return isinstance(node.meta.get("val"), (torch.SymInt, int)) and node.op != "placeholder"
 
 
 def _tensor_value(node: fx.Node) -> bool:
