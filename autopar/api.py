@@ -308,13 +308,15 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
     if not dist.is_initialized():
         raise ConfigError("parallelize needs an initialised process group", where="parallelize",
                           fix="call torch.distributed.init_process_group (torchrun sets the environment) first")
-    if _has_pp(mesh):
-        from autopar.pp import parallelize_pipeline
-        return parallelize_pipeline(model, mesh, example_inputs, loss_fn=loss_fn, schedule=schedule,
-                                    microbatches=microbatches, virtual_stages=virtual_stages, hardware=hardware,
-                                    memory_budget=memory_budget, sync_params=sync_params, zero_stage=zero_stage)
     if isinstance(plan, str):
         plan = Plan.load(plan)
+    if _has_pp(mesh) or (plan is not None and plan.pp_axis is not None):
+        from autopar.pp import parallelize_pipeline
+        return parallelize_pipeline(model, mesh if plan is None or not isinstance(mesh, int) else plan.mesh,
+                                    example_inputs, loss_fn=loss_fn, schedule=schedule,
+                                    microbatches=microbatches, virtual_stages=virtual_stages, hardware=hardware,
+                                    memory_budget=memory_budget, sync_params=sync_params, zero_stage=zero_stage,
+                                    plan=plan)
     axes = mesh_axes(mesh) if plan is None or not isinstance(mesh, int) else tuple(plan.mesh.items())
     if plan is not None and dict(axes) != plan.mesh:
         raise ConfigError("the mesh does not match the plan's", where="parallelize", expected=str(plan.mesh),

@@ -3,7 +3,7 @@
 A plan names the mesh axes, the tensor axis, how every parameter is stored (its
 placement on the tensor axis, by original ``state_dict`` key) and the strategy of every
 graph node; the data axis with its ZeRO stage, gradient bucket size, overlap and mixed
-precision; plus the predicted costs (seconds, and bytes per device split into
+precision; the pipeline axis with its stage cuts, schedule and micro-batches; plus the predicted costs (seconds, and bytes per device split into
 parameters / gradients / optimizer / activations / buffers). Finding a plan (:func:`autopar.plan`) is separate
 from applying one (:func:`autopar.parallelize` with ``plan=``).
 """
@@ -18,8 +18,8 @@ from autopar.errors import ConfigError
 from autopar.passes.sharding import Strategy
 from autopar.placement import Spec
 
-PLAN_VERSION = 2
-_READABLE = (1, 2)   # version-1 plans (tensor axis only) read with data-axis defaults
+PLAN_VERSION = 3
+_READABLE = (1, 2, 3)   # older plans read with data-axis / pipeline defaults
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,7 +48,7 @@ def _spec(s: Spec) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
-    """A plan over a dp x tp mesh (see the module docstring)."""
+    """A plan over a (pp x) dp x tp mesh (see the module docstring)."""
 
     mesh: dict[str, int]                         # axis name -> size, outermost first
     tp_axis: str | None
@@ -61,6 +61,11 @@ class Plan:
     bucket_bytes: int = 0                        # gradient/gather bucket size; 0: from the cost model
     overlap: bool = True                         # schedule collectives early/late (False: at their consumer)
     mixed_precision: str | None = None           # None (fp32) | "bf16" | "fp16": compute dtype, fp32 master
+    pp_axis: str | None = None                   # the axis that holds pipeline stages
+    stage_starts: tuple[str, ...] = ()           # the first op (node name) of each stage, p * v of them
+    schedule: str | None = None                  # gpipe | 1f1b | interleaved | zb
+    microbatches: int = 1                        # per step, per data-axis rank
+    virtual_stages: int = 1                      # stages per pipeline rank (stage s on rank s % pp)
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
@@ -70,7 +75,10 @@ class Plan:
         if self.mixed_precision not in (None, "bf16", "fp16"):
             raise ConfigError("mixed_precision must be None, 'bf16' or 'fp16'", where="plan",
                               got=repr(self.mixed_precision), fix="use bf16 (or fp16) compute, or None for fp32")
-        for axis in (self.tp_axis, self.dp_axis):
+        if self.pp_axis is not None and self.schedule not in ("gpipe", "1f1b", "interleaved", "zb"):
+            raise ConfigError("a pipeline plan needs a schedule", where="plan", got=repr(self.schedule),
+                              fix="one of gpipe, 1f1b, interleaved, zb")
+        for axis in (self.tp_axis, self.dp_axis, self.pp_axis):
             if axis is not None and axis not in self.mesh:
                 raise ConfigError(f"plan axis {axis!r} is not a mesh axis", where="plan", got=str(self.mesh),
                                   fix="name the tp/dp axes among the mesh axes")
@@ -78,6 +86,10 @@ class Plan:
     @property
     def dp(self) -> int:
         return self.mesh.get(self.dp_axis, 1) if self.dp_axis else 1
+
+    @property
+    def pp(self) -> int:
+        return self.mesh.get(self.pp_axis, 1) if self.pp_axis else 1
 
     @property
     def tp(self) -> int:
@@ -104,7 +116,10 @@ class Plan:
                        predicted=dict(data.get("predicted", {})), model=data.get("model", ""),
                        dp_axis=data.get("dp_axis"), zero_stage=int(data.get("zero_stage", 0)),
                        bucket_bytes=int(data.get("bucket_bytes", 0)), overlap=bool(data.get("overlap", True)),
-                       mixed_precision=data.get("mixed_precision"))
+                       mixed_precision=data.get("mixed_precision"), pp_axis=data.get("pp_axis"),
+                       stage_starts=tuple(data.get("stage_starts", ())), schedule=data.get("schedule"),
+                       microbatches=int(data.get("microbatches", 1)),
+                       virtual_stages=int(data.get("virtual_stages", 1)))
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"plan is missing or mistypes a field: {exc}", where="plan",
                               fix="pass a file written by Plan.save") from exc

@@ -209,7 +209,7 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
                          schedule: str | None = None, microbatches: int | None = None,
                          virtual_stages: int | None = None, hardware: str | None = None,
                          memory_budget: float | None = None, sync_params: bool = True,
-                         zero_stage: int | None = None):
+                         zero_stage: int | None = None, plan: Any = None):
     """This rank's :class:`~autopar.runtime.pp.PipelineModule` (see :func:`autopar.parallelize`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -226,7 +226,19 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
     if not dist.is_initialized():
         raise ConfigError("parallelize needs an initialised process group", where="parallelize",
                           fix="call torch.distributed.init_process_group (torchrun sets the environment) first")
+    from dataclasses import replace
+
+    from autopar.plans import Plan
+
     axes = pipeline_axes(mesh)
+    if plan is not None:
+        if plan.pp_axis is None or not plan.stage_starts:
+            raise ConfigError("the plan has no pipeline stages", where="parallelize(plan=...)",
+                              fix="pass a plan made for a mesh with a pp axis, or leave plan out")
+        if dict(axes) != plan.mesh:
+            raise ConfigError("the mesh does not match the plan's", where="parallelize", expected=str(plan.mesh),
+                              got=str(dict(axes)), fix="pass the mesh the plan was made for, or re-plan")
+        schedule, microbatches, virtual_stages = plan.schedule, plan.microbatches, plan.virtual_stages
     sizes = dict(axes)
     world = math.prod(sizes.values())
     if world != dist.get_world_size():
@@ -271,19 +283,32 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
     mb_args = tuple(a.chunk(choice_m)[0] if isinstance(a, torch.Tensor) else a for a in args)
 
     # 2. the graph at the micro-batch size (static), rewritten for the tensor axis
+    tp_plan = None
     if tp_n > 1:
+        given = None if plan is None else replace(plan, mesh={"tp": tp_n}, dp_axis=None, pp_axis=None,
+                                                  stage_starts=(), schedule=None)
         gm, tp_plan = planned_graph(model, {"tp": tp_n}, mb_args, dims=(), after="rewrite", hardware=hardware,
-                                    group_name=tp_group.group_name, memory_budget=memory_budget)
+                                    group_name=tp_group.group_name, memory_budget=memory_budget, plan=given)
         placements = dict(tp_plan.params)
     else:
         gm, placements = _capture(model, mb_args, ()), {}
     del default_dims
 
-    # 3. cuts on this graph
+    # 3. cuts on this graph (or the plan's)
     costs = op_costs(gm, node_time=node_time_fn(cluster.device, dtype), tp=tp_n)
     final = plan_pipeline(lambda mb: costs, devices=p, batch=choice_m, cluster=cluster, axes=axes,
                           schedule=choice_s, microbatches=choice_m, virtual=choice_v, budget=budget)
-    stages = split_stages(gm, final.cuts.starts)
+    starts = plan.stage_starts if plan is not None else final.cuts.start_nodes
+    if len(starts) != p * choice_v:
+        raise ConfigError(f"the plan has {len(starts)} stages, the mesh and schedule need {p * choice_v}",
+                          where="plan.stage_starts", fix="re-plan for this mesh")
+    stages = split_stages(gm, list(starts))
+    the_plan = Plan(mesh=dict(axes), tp_axis="tp" if tp_n > 1 else None,
+                    params=placements or {k: "R" for k, _ in model.named_parameters()},
+                    nodes=dict(tp_plan.nodes) if tp_plan is not None else {}, predicted=final.as_dict(),
+                    model=type(model).__name__, dp_axis="dp" if "dp" in sizes else None, pp_axis="pp",
+                    stage_starts=tuple(starts), schedule=choice_s, microbatches=choice_m,
+                    virtual_stages=choice_v)
     shared = shared_params(stages)
 
     # 4. this rank's stages
@@ -310,11 +335,12 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
         local = t.detach().chunk(tp_n, _shard_dim(placements.get(fqn, "R")))[tp_rank] \
             if _shard_dim(placements.get(fqn, "R")) is not None and tp_n > 1 else t
         shapes[fqn] = (local.shape, local.dtype)
-    pm = PipelineModule(mine, plan=final, schedule=choice_s, microbatches=choice_m, num_stages=final.stages,
+    pm = PipelineModule(mine, plan=the_plan, schedule=choice_s, microbatches=choice_m, num_stages=final.stages,
                         loss_fn=loss_fn, pp_group=pp_group, pp_rank=pp_rank, pp_size=p, dp_group=dp_group,
                         shared=shared, shared_shapes=shapes, device=device,
                         examples=[st.io_examples(tp_n, device, mb_args if st.index == 0 else None) for st in mine])
     pm.stage_graphs = stages
+    pm.pipeline_plan = final       # the simulator's view: stage times, step time, bubble
     return pm
 
 

@@ -136,3 +136,26 @@ def test_pp2_generated_depth_and_microbatches(name, layers, micro, schedule):
     res = run_ranks(_run, 2, name, {**SMALL[name], "layers": layers}, mesh, schedule, micro, None, micro * 2, 8)
     _check(res, mesh)
     assert all(r["micro"] == micro for r in res)
+
+
+def _replan(rank: int, world: int) -> dict:
+    from autopar.plans import Plan
+    over = {**SMALL["gpt"], "layers": 3}
+    model = _build("gpt", over)
+    torch.manual_seed(1)
+    args, _ = models.example_inputs(model, 8, 8, device="cpu")
+    target = torch.randint(0, over["vocab"], (8, 8))
+    first = autopar.parallelize(model, {"pp": 2}, args, loss_fn=_loss, schedule="1f1b", microbatches=4)
+    text = first.plan.to_json()
+    again = autopar.parallelize(_build("gpt", over), {"pp": 2}, args, loss_fn=_loss, plan=Plan.from_json(text))
+    return {"starts": list(first.plan.stage_starts), "again": list(again.plan.stage_starts),
+            "schedule": again.schedule_name, "micro": again.microbatches,
+            "losses": [first.step(*args, target=target).item(), again.step(*args, target=target).item()]}
+
+
+def test_pipeline_plan_round_trips_through_json():
+    res = run_ranks(_replan, 2)
+    for r in res:
+        assert r["starts"] == r["again"] and len(r["starts"]) == 2
+        assert r["schedule"] == "1f1b" and r["micro"] == 4
+        assert r["losses"][0] == r["losses"][1]
