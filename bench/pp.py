@@ -35,7 +35,7 @@ ones-like output gradient (last stage: forward includes the loss, backward start
 median of ``--reps``. With these per-stage f and b:
 
   sim (meas)   ``simulate(make(schedule, p, m, v), StageCosts(f, b)).bubble_fraction``;
-  sim (model)  the same with autopar's predicted ``pm.plan.cuts.stage_time_s`` split 1:2;
+  sim (model)  the same with autopar's predicted ``cuts.stage_time_s`` split 1:2 (``pm.pipeline_plan``);
   measured     ``(T - busy) / busy``: T the median of the slowest rank's pipeline time (the
                ``pm.step`` / schedule step alone, optimizer excluded), busy the largest over
                ranks of ``m * sum(f + b)`` over the rank's stages (Megatron's definition);
@@ -152,7 +152,9 @@ class TorchPipeline:
     def step(self, args: tuple, target: torch.Tensor) -> float:
         import torch.distributed as dist
         losses: list[torch.Tensor] = []
+        t0 = time.perf_counter()
         self.schedule.step(*(args if self.first else ()), target=target if self.last else None, losses=losses)
+        self.schedule_s = time.perf_counter() - t0
         if self.tied is not None:             # sum the tied embedding / head gradient
             for m in self.modules:
                 for p in ((m.embed.weight,) if m.first else ()) + ((m.head,) if m.last else ()):
@@ -173,6 +175,15 @@ class AutoparPipeline:
         self.modules = self.pm.stages
         self.indices = [s.index for s in self.modules]
         self.opt = autopar.optimizer(self.pm, torch.optim.AdamW, lr=1e-3)
+        self.schedule_s = 0.0
+        schedule_step = self.pm._schedule.step
+
+        def timed(*a, **k):                    # the torch schedule's share of pm.step
+            t0 = time.perf_counter()
+            out = schedule_step(*a, **k)
+            self.schedule_s = time.perf_counter() - t0
+            return out
+        self.pm._schedule.step = timed
 
     def step(self, args: tuple, target: torch.Tensor) -> float:
         return float(self.pm.step(*args, target=target))
@@ -181,7 +192,8 @@ class AutoparPipeline:
 # -- timing ---------------------------------------------------------------------------------------
 
 def _step(var, args: tuple, target: torch.Tensor) -> tuple[list[float], float]:
-    """One training step: ([pipeline, optimizer] seconds, loss). Ranks are aligned first."""
+    """One training step: ([schedule, rest of the pipeline step, optimizer] seconds, loss).
+    Ranks are aligned by a barrier first."""
     import torch.distributed as dist
     dist.barrier()
     t0 = time.perf_counter()
@@ -189,7 +201,7 @@ def _step(var, args: tuple, target: torch.Tensor) -> tuple[list[float], float]:
     t1 = time.perf_counter()
     var.opt.step()
     var.opt.zero_grad(set_to_none=True)
-    return [t1 - t0, time.perf_counter() - t1], loss
+    return [var.schedule_s, t1 - t0 - var.schedule_s, time.perf_counter() - t1], loss
 
 
 def _capture_inputs(var, args: tuple, target: torch.Tensor) -> dict[int, tuple]:
@@ -291,9 +303,13 @@ def _build_all(variants: list[str], name: str, overrides: dict, micro: int, args
 
 
 def _plan_info(var) -> dict | None:
+    """autopar's predicted stage times and cuts (None for the peer, or if autopar's plan changed shape)."""
     if not isinstance(var, AutoparPipeline):
         return None
-    plan = var.pm.plan
+    # the simulator's view of the cuts: ``pm.pipeline_plan`` (``pm.plan`` before it held the JSON Plan)
+    plan = next((p for p in (getattr(var.pm, "pipeline_plan", None), var.pm.plan) if hasattr(p, "cuts")), None)
+    if plan is None:
+        return None
     return {"stage_time_s": list(plan.cuts.stage_time_s), "starts": list(plan.cuts.start_nodes),
             "step_time_s": plan.step_time_s, "bubble_fraction": plan.bubble_fraction}
 
@@ -345,7 +361,7 @@ def rank_work(rank: int, world: int, name: str, overrides: dict, batch: int, seq
 def _variant_summary(res: list[dict], v: str, steps: int) -> dict:
     per_step = [max((r["times"][v][i] for r in res), key=sum) for i in range(steps)]
     totals = [sum(p) for p in per_step]
-    pipe = [max(r["times"][v][i][0] for r in res) for i in range(steps)]
+    pipe = [max(r["times"][v][i][0] + r["times"][v][i][1] for r in res) for i in range(steps)]
     stage_s: dict[int, list[float]] = {}
     rank_busy = []
     for r in res:
@@ -354,7 +370,9 @@ def _variant_summary(res: list[dict], v: str, steps: int) -> dict:
     losses = [r["losses"][v] for r in res if r["losses"][v] and r["losses"][v][0] == r["losses"][v][0]]
     return {"median_ms": statistics.median(totals) * 1e3, "min_ms": min(totals) * 1e3,
             "pipe_ms": statistics.median(pipe) * 1e3,
-            "opt_ms": statistics.median(p[1] for p in per_step) * 1e3,
+            "sched_ms": statistics.median(p[0] for p in per_step) * 1e3,
+            "post_ms": statistics.median(p[1] for p in per_step) * 1e3,
+            "opt_ms": statistics.median(p[2] for p in per_step) * 1e3,
             "step_ms": [round(t * 1e3, 2) for t in totals],
             "stage_fb_ms": [[x * 1e3 for x in stage_s[s]] for s in sorted(stage_s)],
             "rank_busy_ms": [b * 1e3 for b in rank_busy], "losses": losses[-1] if losses else [],
@@ -408,11 +426,12 @@ def _summarise(res: list[dict], schedules, world: int, micro: int, steps: int) -
 def _print_world(w: dict) -> None:
     for v, e in w["errors"].items():
         print(f"FAILED {v}: {e}")
-    print(f"{'variant':<18}{'median ms':>10}{'min ms':>8}{'pipe':>8}{'opt':>6}{'setup s':>8}"
+    print(f"{'variant':<18}{'median ms':>10}{'min ms':>8}{'pipe':>7}{'sched':>7}{'post':>6}{'opt':>6}{'setup s':>8}"
           f"  stage: forward / backward ms per micro-batch, alone")
     for v, s in w["variants"].items():
         fb = "  ".join(f"{i}: {f:.1f}/{b:.1f}" for i, (f, b) in enumerate(s["stage_fb_ms"]))
-        print(f"{v:<18}{s['median_ms']:>10.1f}{s['min_ms']:>8.1f}{s['pipe_ms']:>8.1f}{s['opt_ms']:>6.1f}"
+        print(f"{v:<18}{s['median_ms']:>10.1f}{s['min_ms']:>8.1f}{s['pipe_ms']:>7.1f}{s['sched_ms']:>7.1f}"
+              f"{s['post_ms']:>6.1f}{s['opt_ms']:>6.1f}"
               f"{s['setup_s']:>8.1f}  {fb}")
         if s["plan"]:
             pred = " ".join(f"{t * 1e3:.1f}" for t in s["plan"]["stage_time_s"])
