@@ -82,7 +82,8 @@ def _capture(model: nn.Module, example_inputs: Any, dims: Any) -> fx.GraphModule
 
 
 def _solve(gm: fx.GraphModule, axes: tuple[tuple[str, int], ...], *, hardware: str | None,
-           memory_budget: float | None, sizes: Mapping[str, int] | None, dtype: str | None) -> tuple[Solution, Cluster]:
+           memory_budget: float | None, sizes: Mapping[str, int] | None, dtype: str | None,
+           pinned: Any = None) -> tuple[Solution, Cluster]:
     """Tensor-axis strategies for ``axes`` (an empty solution when there is no tensor axis)."""
     world = 1
     for _, size in axes:
@@ -95,7 +96,7 @@ def _solve(gm: fx.GraphModule, axes: tuple[tuple[str, int], ...], *, hardware: s
     ginfo = graph_info(gm)
     plan_sizes = {**ginfo.example_sizes, **dict(sizes or {})}
     cfg = SolverConfig(n=n, cluster=cluster, mesh_axes=axes, axis=axis, sizes=plan_sizes,
-                       dtype=dtype or _dtype_of(gm), memory_budget=memory_budget)
+                       dtype=dtype or _dtype_of(gm), memory_budget=memory_budget, pinned=pinned)
     return solve(gm, cfg), cluster
 
 
@@ -196,7 +197,8 @@ def planned_graph(model: nn.Module, mesh: Any, example_inputs: Any, *, dims: Any
                   hardware: str | None = None, memory_budget: float | None = None,
                   sizes: Mapping[str, int] | None = None, rewrite: bool = False, after: str | None = None,
                   group_name: str = "tp", zero_stage: int | None = None, overlap: bool = True,
-                  bucket_bytes: int = 0, mixed_precision: str | None = None) -> tuple[fx.GraphModule, Plan]:
+                  bucket_bytes: int = 0, mixed_precision: str | None = None,
+                  pinned: Any = None) -> tuple[fx.GraphModule, Plan]:
     """Capture, plan (or take ``plan``) and annotate every node with its placement; ``after``
     = ``"rewrite"`` (or ``rewrite=True``) also produces the per-rank graph and ``"schedule"``
     additionally inserts the data-axis collectives and schedules them (what ``autopar dump
@@ -205,7 +207,7 @@ def planned_graph(model: nn.Module, mesh: Any, example_inputs: Any, *, dims: Any
     axes = mesh_axes(mesh)
     gm = _capture(model, example_inputs, dims)
     sol, cluster = _solve(gm, axes if plan is None else (), hardware=hardware, memory_budget=memory_budget,
-                          sizes=sizes, dtype=None)
+                          sizes=sizes, dtype=None, pinned=pinned)
     if plan is None:
         the_plan = _plan_of(gm, sol, axes, type(model).__name__, zero_stage=zero_stage or 0, overlap=overlap,
                             bucket_bytes=bucket_bytes, mixed_precision=mixed_precision)
@@ -282,7 +284,7 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
                 sizes: Mapping[str, int] | None = None, sync_params: bool = True, zero_stage: int | None = None,
                 overlap: bool = True, bucket_bytes: int = 0, mixed_precision: str | None = None,
                 loss_fn: Any = None, schedule: str | None = None, microbatches: int | None = None,
-                virtual_stages: int | None = None):
+                virtual_stages: int | None = None, calibration: Any = None, expert_placement: str = "balanced"):
     """Split ``model`` over ``mesh`` and return this rank's :class:`ParallelModule`.
 
     Call on every rank after ``torch.distributed.init_process_group`` with the same model
@@ -299,7 +301,13 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
     is cut into pipeline stages and a :class:`~autopar.runtime.pp.PipelineModule` comes back,
     trained with ``loss = pm.step(inputs, target=targets)``; ``loss_fn(output, target)`` runs
     on the last stage, and ``schedule`` (gpipe, 1f1b, interleaved, zb), ``microbatches`` and
-    ``virtual_stages`` are chosen by the simulator unless given."""
+    ``virtual_stages`` are chosen by the simulator unless given.
+
+    With an ``ep`` axis (``{"ep": 2}``, ``{"dp": 2, "ep": 2}``, ``{"ep": 2, "tp": 2}``) each
+    mixture-of-experts layer's experts are spread over it (each ep rank passes its own share
+    of the batch, as under data parallelism); ``calibration`` (inputs) measures each expert's
+    load so ``expert_placement="balanced"`` can even it out (``"contiguous"``: experts in
+    order)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.runtime.dp import DPRuntime
@@ -310,7 +318,12 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
                           fix="call torch.distributed.init_process_group (torchrun sets the environment) first")
     if isinstance(plan, str):
         plan = Plan.load(plan)
-    if _has_pp(mesh) or (plan is not None and plan.pp_axis is not None):
+    if _has_axis(mesh, "ep"):
+        from autopar.ep import parallelize_experts
+        return parallelize_experts(model, mesh, example_inputs, hardware=hardware, memory_budget=memory_budget,
+                                   sync_params=sync_params, calibration=calibration,
+                                   placement=expert_placement, dims=dims)
+    if _has_axis(mesh, "pp") or (plan is not None and plan.pp_axis is not None):
         from autopar.pp import parallelize_pipeline
         return parallelize_pipeline(model, mesh if plan is None or not isinstance(mesh, int) else plan.mesh,
                                     example_inputs, loss_fn=loss_fn, schedule=schedule,
@@ -363,10 +376,10 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
                           the_plan, dim_map, dp=rt)
 
 
-def _has_pp(mesh: Any) -> bool:
+def _has_axis(mesh: Any, axis: str) -> bool:
     if isinstance(mesh, Mapping):
-        return "pp" in mesh
-    return "pp" in (getattr(mesh, "mesh_dim_names", None) or ())
+        return axis in mesh
+    return axis in (getattr(mesh, "mesh_dim_names", None) or ())
 
 
 def optimizer(module: Any, optimizer_cls: type, params: Any = None, **kwargs: Any):
@@ -377,6 +390,9 @@ def optimizer(module: Any, optimizer_cls: type, params: Any = None, **kwargs: An
     from autopar.runtime.pp import PipelineModule
     if isinstance(module, PipelineModule):   # each rank steps the parameters of its own stages
         return optimizer_cls(params if params is not None else module.parameters(), **kwargs)
+    if getattr(module, "ep_runtimes", None):
+        from autopar.ep import EPOptimizer
+        return EPOptimizer(module, optimizer_cls, params, **kwargs)
     return ShardedOptimizer(module, optimizer_cls, params, **kwargs)
 
 

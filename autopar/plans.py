@@ -66,6 +66,8 @@ class Plan:
     schedule: str | None = None                  # gpipe | 1f1b | interleaved | zb
     microbatches: int = 1                        # per step, per data-axis rank
     virtual_stages: int = 1                      # stages per pipeline rank (stage s on rank s % pp)
+    ep_axis: str | None = None                   # the axis that holds experts
+    expert_placement: dict[str, list[int]] = field(default_factory=dict)  # MoE region -> experts in owner order
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
@@ -78,7 +80,7 @@ class Plan:
         if self.pp_axis is not None and self.schedule not in ("gpipe", "1f1b", "interleaved", "zb"):
             raise ConfigError("a pipeline plan needs a schedule", where="plan", got=repr(self.schedule),
                               fix="one of gpipe, 1f1b, interleaved, zb")
-        for axis in (self.tp_axis, self.dp_axis, self.pp_axis):
+        for axis in (self.tp_axis, self.dp_axis, self.pp_axis, self.ep_axis):
             if axis is not None and axis not in self.mesh:
                 raise ConfigError(f"plan axis {axis!r} is not a mesh axis", where="plan", got=str(self.mesh),
                                   fix="name the tp/dp axes among the mesh axes")
@@ -119,7 +121,8 @@ class Plan:
                        mixed_precision=data.get("mixed_precision"), pp_axis=data.get("pp_axis"),
                        stage_starts=tuple(data.get("stage_starts", ())), schedule=data.get("schedule"),
                        microbatches=int(data.get("microbatches", 1)),
-                       virtual_stages=int(data.get("virtual_stages", 1)))
+                       virtual_stages=int(data.get("virtual_stages", 1)), ep_axis=data.get("ep_axis"),
+                       expert_placement={k: list(v) for k, v in data.get("expert_placement", {}).items()})
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"plan is missing or mistypes a field: {exc}", where="plan",
                               fix="pass a file written by Plan.save") from exc

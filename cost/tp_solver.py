@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch.fx as fx
 
@@ -51,6 +51,7 @@ class SolverConfig:
     optimizer: str = "adamw"
     memory_budget: float | None = None   # bytes of parameter+gradient+optimizer state per rank
     mem_weight: float = 0.0              # seconds charged per byte of that state
+    pinned: Callable[[fx.Node], bool] | None = None   # nodes that must stay replicated on this axis
 
 
 @dataclass
@@ -99,8 +100,9 @@ class _Pricer:
 
     def options(self, node: fx.Node) -> list[Strategy]:
         if node not in self._strategies:
-            self._strategies[node] = (placeholder_options(node, self.cfg)
-                                      if node.op == "placeholder" else strategies(node, self.cfg.n, self.cfg.sizes))
+            opts = (placeholder_options(node, self.cfg)
+                    if node.op == "placeholder" else strategies(node, self.cfg.n, self.cfg.sizes))
+            self._strategies[node] = opts[:1] if self.cfg.pinned is not None and self.cfg.pinned(node) else opts
         return self._strategies[node]
 
     def compute(self, node: fx.Node, s: Strategy) -> tuple[float, float]:

@@ -1,0 +1,321 @@
+"""Expert parallelism: where experts live, what the exchange costs, and this rank's model.
+
+Placement (:func:`place_experts`): ``E`` experts onto ``n`` ranks, ``E/n`` each. With a
+load per expert (tokens routed to it, measured on a calibration batch by
+:func:`expert_loads`, or uniform) the heaviest expert goes to the least-loaded rank that
+still has room, which keeps the most-loaded rank close to the mean. ``imbalance`` is the
+most-loaded rank's load over the mean rank load (1.0 is perfect).
+
+Cost (:func:`ep_costs`): per MoE layer and micro-batch, two all-to-alls forward (dispatch,
+combine) and two backward, each moving the ``[E, C, h]`` buffer less this rank's own share,
+priced by the links the ep axis spans; the experts' compute on the most-loaded rank grows
+with the imbalance when tokens are not capped (with a fixed capacity every rank computes
+``E/n * n * C`` rows, and the imbalance shows up as dropped tokens instead).
+
+:func:`parallelize_experts` (reached through :func:`autopar.parallelize` with an ``ep``
+axis) captures the model, rewrites each MoE region for the exchange
+(:mod:`autopar.passes.ep_rewrite`), stores each rank's experts only, and returns a
+:class:`~autopar.runtime.tp_module.ParallelModule`; :func:`autopar.optimizer` then averages
+gradients over the ranks that share them (the dense parts over ``dp x ep``, the experts over
+``dp``) before stepping.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+
+from autopar.cost.cluster import Cluster
+from autopar.cost.comm import collective_time
+from autopar.errors import ConfigError
+from autopar.passes.meta import MoERegion, evaluate, graph_info, info
+
+AXES = ("dp", "ep", "tp")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Experts in owner order: rank ``r`` owns ``perm[r*E/n:(r+1)*E/n]``."""
+
+    perm: tuple[int, ...]
+    ranks: int
+    loads: tuple[float, ...]          # per expert
+
+    def owned(self, rank: int) -> tuple[int, ...]:
+        per = len(self.perm) // self.ranks
+        return self.perm[rank * per:(rank + 1) * per]
+
+    def rank_loads(self) -> list[float]:
+        return [sum(self.loads[e] for e in self.owned(r)) for r in range(self.ranks)]
+
+    @property
+    def imbalance(self) -> float:
+        loads = self.rank_loads()
+        mean = sum(loads) / len(loads)
+        return max(loads) / mean if mean > 0 else 1.0
+
+
+def contiguous(experts: int, ranks: int, loads: Sequence[float] | None = None) -> Placement:
+    """Rank r owns experts r*E/n .. (r+1)*E/n - 1."""
+    _check_divisible(experts, ranks)
+    return Placement(perm=tuple(range(experts)), ranks=ranks, loads=tuple(loads or [1.0] * experts))
+
+
+def place_experts(experts: int, ranks: int, loads: Sequence[float] | None = None) -> Placement:
+    """Balanced placement (module docstring). Uniform loads give the contiguous placement."""
+    _check_divisible(experts, ranks)
+    loads = tuple(float(x) for x in (loads or [1.0] * experts))
+    if len(loads) != experts:
+        raise ConfigError("one load per expert", expected=str(experts), got=str(len(loads)))
+    if len(set(loads)) <= 1:
+        return contiguous(experts, ranks, loads)
+    per = experts // ranks
+    bins: list[list[int]] = [[] for _ in range(ranks)]
+    total = [0.0] * ranks
+    for e in sorted(range(experts), key=lambda i: (-loads[i], i)):
+        r = min((r for r in range(ranks) if len(bins[r]) < per), key=lambda r: (total[r], r))
+        bins[r].append(e)
+        total[r] += loads[e]
+    placed = Placement(perm=tuple(e for b in bins for e in sorted(b)), ranks=ranks, loads=loads)
+    naive = contiguous(experts, ranks, loads)
+    return placed if placed.imbalance <= naive.imbalance else naive
+
+
+def _check_divisible(experts: int, ranks: int) -> None:
+    if ranks < 1 or experts % ranks:
+        raise ConfigError(f"{experts} experts do not split evenly over an expert axis of {ranks}", where="mesh axis ep",
+                          expected=f"an ep size dividing {experts}", got=str(ranks),
+                          fix=f"use ep in {[d for d in range(1, experts + 1) if experts % d == 0]}")
+
+
+def expert_loads(gm: fx.GraphModule, inputs: Sequence[Any], params: Mapping[str, torch.Tensor]) -> dict[str, list[float]]:
+    """Tokens routed to each expert of each MoE region (region fqn -> counts), from running
+    the captured graph on ``inputs`` (a calibration batch) and reading each router's top-k."""
+    topks = {n: info(n).moe_region for n in gm.graph.nodes
+             if n.op == "call_function" and n.target is torch.ops.aten.topk.default and info(n).moe_region is not None}
+    regions = {r.fqn: r for r in graph_info(gm).moe_regions}
+    counts: dict[str, list[float]] = {f: [0.0] * r.num_experts for f, r in regions.items()}
+
+    class _Watch(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            out = super().run_node(n)
+            if n in topks and topks[n] in counts:
+                idx = out[1].reshape(-1)
+                got = torch.bincount(idx, minlength=regions[topks[n]].num_experts)
+                counts[topks[n]] = [a + float(b) for a, b in zip(counts[topks[n]], got.tolist())]
+            return out
+    call = []
+    args = iter(inputs)
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        call.append(params[info(n).target_fqn] if info(n).kind in ("param", "buffer") else next(args))
+    with torch.no_grad():
+        _Watch(gm).run(*call)
+    return counts
+
+
+@dataclass(frozen=True)
+class EPCost:
+    """Seconds per step of the expert exchange, and what the placement costs."""
+
+    all_to_all_s: float               # forward + backward, all MoE layers
+    per_call_s: float                 # one all-to-all of one layer's buffer
+    buffer_bytes: float
+    imbalance: float
+    calls: int
+
+
+def ep_costs(gm: fx.GraphModule, *, cluster: Cluster, axes: Sequence[tuple[str, int]], sizes: Mapping[str, int],
+             placement_imbalance: float = 1.0) -> EPCost:
+    """The exchange's predicted time (module docstring) at ``sizes``."""
+    n = dict(axes).get("ep", 1)
+    regions = graph_info(gm).moe_regions
+    per_call, nbytes, calls = 0.0, 0.0, 0
+    for r in regions:
+        buf = _buffer_bytes(gm, r, sizes)
+        moved = buf * (n - 1) / n if n > 1 else 0.0
+        t = collective_time("all_to_all", buf, cluster, tuple(axes), "ep") if n > 1 else 0.0
+        per_call, nbytes = max(per_call, t), max(nbytes, moved)
+        calls += 4                       # dispatch + combine, forward and backward
+    total = per_call * calls
+    return EPCost(all_to_all_s=total, per_call_s=per_call, buffer_bytes=nbytes, imbalance=placement_imbalance,
+                  calls=calls)
+
+
+def _buffer_bytes(gm: fx.GraphModule, region: MoERegion, sizes: Mapping[str, int]) -> float:
+    for n in gm.graph.nodes:
+        if info(n).moe_region == region.fqn and info(n).moe_role == "expert" and n.target is torch.ops.aten.bmm.default:
+            v = info(n.args[0]).values[0]
+            return float(evaluate(v.nbytes, dict(sizes)))
+    return 0.0
+
+
+# ------------------------------------------------------------------------------ runtime
+
+def ep_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
+    if hasattr(mesh, "mesh_dim_names") and hasattr(mesh, "size"):
+        axes = tuple((n, mesh.size(i)) for i, n in enumerate(mesh.mesh_dim_names or ()))
+    elif isinstance(mesh, Mapping):
+        axes = tuple((str(k), int(v)) for k, v in mesh.items())
+    else:
+        raise ConfigError("an expert-parallel mesh must be a {axis: size} mapping or a DeviceMesh with named axes",
+                          got=type(mesh).__name__, fix="e.g. {'ep': 2} or {'dp': 2, 'ep': 2}")
+    names = [a for a, _ in axes]
+    if names != [a for a in AXES if a in names] or "ep" not in names or any(s < 1 for _, s in axes):
+        raise ConfigError("expert-parallel mesh axes must be dp, ep, tp in that order (ep required)", where="mesh",
+                          expected="e.g. {'ep': 2}, {'dp': 2, 'ep': 2}, {'ep': 2, 'tp': 2}", got=str(dict(axes)),
+                          fix="list the axes in the order dp, ep, tp (pp is not supported with ep)")
+    return axes
+
+
+def parallelize_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, hardware: str | None = None,
+                        memory_budget: float | None = None, sync_params: bool = True,
+                        calibration: Any = None, placement: str = "balanced", dims: Any = None):
+    """This rank's model with experts spread over the ``ep`` axis (see :func:`autopar.parallelize`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.api import _capture, planned_graph
+    from autopar.passes.ep_rewrite import ep_rewrite, expert_regions
+    from autopar.plans import Plan
+    from autopar.runtime.ep import EPRuntime
+    from autopar.runtime.tp_module import ParallelModule
+
+    if not dist.is_initialized():
+        raise ConfigError("parallelize needs an initialised process group", where="parallelize",
+                          fix="call torch.distributed.init_process_group (torchrun sets the environment) first")
+    axes = ep_axes(mesh)
+    sizes = dict(axes)
+    world = math.prod(sizes.values())
+    if world != dist.get_world_size():
+        raise ConfigError("the mesh does not cover the process group", where="parallelize",
+                          expected=f"{world} ranks ({sizes})", got=f"world size {dist.get_world_size()}",
+                          fix="launch as many ranks as the mesh has devices")
+    if placement not in ("balanced", "contiguous"):
+        raise ConfigError(f"unknown expert placement {placement!r}", where="placement",
+                          expected="balanced or contiguous", fix="use placement='balanced'")
+    if not hasattr(mesh, "get_group"):
+        device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+        mesh = init_device_mesh(device_type, tuple(n for _, n in axes), mesh_dim_names=tuple(a for a, _ in axes))
+    names = list(mesh.mesh_dim_names)
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
+    if sync_params and dist.get_world_size() > 1:
+        with torch.no_grad():
+            for t in tensors.values():
+                dist.broadcast(t.data, src=0)
+    n_ep = sizes["ep"]
+    ep_rank = mesh.get_local_rank(names.index("ep"))
+    tp_n = sizes.get("tp", 1)
+    if tp_n > 1:
+        tp_group = mesh.get_group(names.index("tp"))
+        # the experts stay whole on the tensor axis: the expert axis owns their leading dim
+        gm, tp_plan = planned_graph(model, {"tp": tp_n}, args, dims=dims, after="rewrite", hardware=hardware,
+                                    group_name=tp_group.group_name, memory_budget=memory_budget,
+                                    pinned=_in_experts)
+        placements, nodes = dict(tp_plan.params), dict(tp_plan.nodes)
+    else:
+        gm = _capture(model, args, dims)
+        placements, nodes = {k: "R" for k in tensors}, {}
+    regions = expert_regions(gm)
+    # placement per region, from a calibration batch when given (every rank computes the same)
+    loads: dict[str, list[float]] = {}
+    if calibration is not None and placement == "balanced":
+        cal = tuple(calibration) if isinstance(calibration, (tuple, list)) else (calibration,)
+        plain = _capture(model, cal, ())
+        loads = expert_loads(plain, cal, tensors)
+    group = mesh.get_group(names.index("ep"))
+    rts, placed = {}, {}
+    for r in regions:
+        load = loads.get(r.fqn)
+        pl = place_experts(r.num_experts, n_ep, load) if placement == "balanced" else \
+            contiguous(r.num_experts, n_ep, load)
+        rt = EPRuntime(n=n_ep, rank=ep_rank, group=group, perm=pl.perm)
+        rts[r.fqn], placed[r.fqn] = rt, pl
+    experts = ep_rewrite(gm, {f: rt.id for f, rt in rts.items()})
+    region_of = {p: r.fqn for r in regions for p in r.expert_params}
+    for fqn in experts:
+        owned = torch.tensor(rts[region_of[fqn]].owned())
+        tensors[fqn] = tensors[fqn].detach().index_select(0, owned).clone()
+    trainable = {k: p.requires_grad for k, p in model.named_parameters()}
+    used = {info(n).target_fqn for n in gm.graph.nodes if n.op == "placeholder" and info(n).target_fqn}
+    the_plan = Plan(mesh=sizes, tp_axis="tp" if tp_n > 1 else None, params=placements, nodes=nodes,
+                    model=type(model).__name__, ep_axis="ep",
+                    expert_placement={f: list(p.perm) for f, p in placed.items()},
+                    predicted={"imbalance": {f: p.imbalance for f, p in placed.items()}})
+    from autopar.api import _dim_map
+    pm = ParallelModule(gm, placements, {k: v for k, v in tensors.items() if k in used}, trainable, mesh,
+                        the_plan, _dim_map(args, dims))
+    pm.expert_params = set(experts)
+    pm.ep_runtimes = rts
+    pm.placements = placed
+    pm.ep_group = group
+    pm.ep_dp_group = mesh.get_group(names.index("dp")) if "dp" in names else None
+    return pm
+
+
+def _in_experts(node: fx.Node) -> bool:
+    """Expert-side nodes of an MoE region (dispatch, experts, combine) and the expert weights."""
+    rec = info(node)
+    if rec.moe_role in ("dispatch", "expert", "combine"):
+        return True
+    return rec.kind == "param" and any(rec.target_fqn in r.expert_params
+                                       for r in graph_info(node.graph.owning_module).moe_regions)
+
+
+class EPOptimizer:
+    """Averages gradients over the ranks that share them, then steps ``optimizer_cls``: the
+    dense parameters over ``dp x ep`` (each rank saw its own tokens), the experts over
+    ``dp`` (their owner already got every rank's tokens' gradients through the exchange)."""
+
+    def __init__(self, module: nn.Module, optimizer_cls: type, params: Any = None, **kwargs: Any) -> None:
+        self.module = module
+        self.optimizer = optimizer_cls(params if params is not None else module.parameters(), **kwargs)
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def _reduce(self) -> None:
+        m = self.module
+        n_ep = dist.get_world_size(m.ep_group)
+        n_dp = dist.get_world_size(m.ep_dp_group) if m.ep_dp_group is not None else 1
+        dense, expert = [], []
+        for fqn, p in m.named_parameters():
+            if p.grad is not None:
+                (expert if fqn in m.expert_params else dense).append(p.grad)
+        for grads, groups in ((dense, [m.ep_group, m.ep_dp_group]), (expert, [m.ep_dp_group])):
+            if not grads:
+                continue
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            for g in groups:
+                if g is not None and dist.get_world_size(g) > 1:
+                    dist.all_reduce(flat, group=g)
+            flat.div_(n_ep * n_dp)
+            off = 0
+            for g in grads:
+                g.copy_(flat[off:off + g.numel()].view_as(g))
+                off += g.numel()
+
+    def step(self, closure: Any = None) -> Any:
+        self._reduce()
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+__all__ = ["Placement", "contiguous", "place_experts", "expert_loads", "EPCost", "ep_costs", "ep_axes",
+           "parallelize_experts", "EPOptimizer"]
