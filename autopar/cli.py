@@ -128,15 +128,54 @@ def _plan(args: argparse.Namespace) -> int:
                     f"in {planner_s:.1f}s")
     if result.best is None:
         raise _infeasible(args, cluster, result)
+    experts = _expert_choices(gm, cluster, result, w.sizes, args.batch, mixed)
     if args.json:
         data = {"model": w.name, "cluster": cluster.name, "devices": result.devices, "batch": args.batch,
                 "seq": args.seq, "dtype": args.dtype, "optimizer": args.optimizer, **result.best.as_dict(),
                 "memory_budget_bytes": result.memory_budget, "planner_time_s": planner_s,
                 "alternatives": [a.as_dict() for a in result.alternatives[:args.top]]}
+        if experts:
+            data["experts"] = {"chosen": experts[0].as_dict(), "alternatives": [c.as_dict() for c in experts[1:]]}
         sys.stdout.write(json.dumps(data, indent=1) + "\n")
     else:
         sys.stdout.write(_plan_text(args, w.name, cluster, result) + "\n")
+        if experts:
+            sys.stdout.write(_experts_text(experts) + "\n")
     return 0
+
+
+def _expert_choices(gm, cluster, result, sizes, batch: int, mixed):
+    """For a mixture-of-experts model: how to split the experts on top of the chosen dp x tp
+    (expert parallelism over a divisor of dp, tp inside the experts, or both). The experts may
+    use the memory the chosen plan gives them, in proportion to their share of the parameters."""
+    from autopar.ep import plan_experts
+    from autopar.passes.meta import evaluate, graph_info, info
+
+    regions = graph_info(gm).moe_regions
+    if not regions:
+        return []
+    b = result.best
+    at = {**dict(sizes or {}), "batch": b.micro_batch}
+    numel = {info(n).target_fqn: float(evaluate(info(n).values[0].numel, at))
+             for n in gm.graph.nodes if n.op == "placeholder" and info(n).kind == "param"}
+    share = sum(numel.get(f, 0.0) for r in regions for f in r.expert_params) / max(sum(numel.values()), 1.0)
+    budget = result.memory_budget - b.memory.total + share * (b.memory.params + b.memory.grads + b.memory.optimizer)
+    return plan_experts(gm, cluster=cluster, dp=b.dp, tp=b.tp, sizes=at, budget=budget,
+                        dtype="fp32" if mixed is None else mixed)
+
+
+def _experts_text(choices) -> str:
+    from autopar.cost.dp_planner import seconds as _ms
+    best = choices[0]
+    lines = [f"experts: {best.mode} (ep={best.ep}{', tp inside experts' if best.tp_inside else ''}): "
+             f"expert compute {_ms(best.compute_s)} + all-to-all {_ms(best.all_to_all_s)} + tp all-reduce "
+             f"{_ms(best.tp_comm_s)} + imbalance {_ms(best.imbalance_s)}; expert state "
+             f"{best.state_bytes / 1e9:.2f} GB per device",
+             f"  {'mode':<10} {'ep':>3} {'time':>10} {'all-to-all':>11} {'state':>9}  why not"]
+    for c in choices[1:]:
+        lines.append(f"  {c.mode:<10} {c.ep:>3} {_ms(c.time_s):>10} {_ms(c.all_to_all_s):>11} "
+                     f"{c.state_bytes / 1e9:>6.2f} GB  {c.reason}")
+    return "\n".join(lines)
 
 
 def _plan_pipeline(args: argparse.Namespace, w, gm, cluster, tp: int) -> int:

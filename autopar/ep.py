@@ -156,6 +156,94 @@ def _buffer_bytes(gm: fx.GraphModule, region: MoERegion, sizes: Mapping[str, int
     return 0.0
 
 
+@dataclass(frozen=True)
+class ExpertChoice:
+    """How the experts are split on top of a dp x tp plan, and what that costs per step."""
+
+    ep: int                           # expert-parallel degree (a sub-axis of dp)
+    tp_inside: bool                   # experts also split over the tensor axis
+    compute_s: float                  # the experts' forward + backward on one device
+    all_to_all_s: float               # the ep exchanges (4 per layer: dispatch, combine, both ways)
+    tp_comm_s: float                  # tp inside experts: the all-reduce of the expert output, both ways
+    imbalance_s: float                # the most-loaded rank's extra expert work (dropless view)
+    state_bytes: float                # expert parameters + gradients + optimizer state per device
+    fits: bool = True
+    reason: str = ""
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.all_to_all_s + self.tp_comm_s + self.imbalance_s
+
+    @property
+    def mode(self) -> str:
+        return {(True, True): "ep+tp", (True, False): "ep", (False, True): "tp"}.get(
+            (self.ep > 1, self.tp_inside), "replicated")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"ep": self.ep, "mode": self.mode, "tp_inside_experts": self.tp_inside, "time_s": self.time_s,
+                "compute_s": self.compute_s, "all_to_all_s": self.all_to_all_s, "tp_comm_s": self.tp_comm_s,
+                "imbalance_s": self.imbalance_s, "state_bytes": self.state_bytes, "fits": self.fits,
+                "reason": self.reason}
+
+
+def plan_experts(gm: fx.GraphModule, *, cluster: Cluster, dp: int, tp: int, sizes: Mapping[str, int],
+                 state_bytes_per_param: float = 16.0, budget: float | None = None,
+                 imbalance: float = 1.0, dtype: str = "fp32") -> list[ExpertChoice]:
+    """Every way to split the experts of a dp x tp plan: ep over a divisor of dp (and of the
+    expert count), with or without tp inside the experts; fastest that fits first.
+
+    Expert compute per device does not shrink with ep (a rank runs E/ep experts on the rows of
+    ep ranks); it shrinks with tp inside the experts. ep costs all-to-alls and saves expert
+    state (1/ep per device); tp inside costs an all-reduce of the expert output forward and
+    backward. ``imbalance`` (from a calibration batch) charges the most-loaded rank's extra
+    work. ``budget``: bytes per device the experts' state may take."""
+    from autopar.cost.compute import op_time
+
+    regions = graph_info(gm).moe_regions
+    if not regions:
+        return []
+    experts = math.gcd(*[r.num_experts for r in regions])
+    at = dict(sizes)
+    params = {info(n).target_fqn: n for n in gm.graph.nodes if n.op == "placeholder"}
+    expert_numel = sum(float(evaluate(info(params[f]).values[0].numel, at))
+                       for r in regions for f in r.expert_params if f in params)
+    flops = bytes_ = 0.0
+    for n in gm.graph.nodes:
+        rec = info(n)
+        if rec.moe_role == "expert" and n.op == "call_function":
+            flops += float(evaluate(rec.flops_fwd + rec.flops_bwd, at))
+            bytes_ += float(evaluate(rec.bytes_fwd + rec.bytes_bwd, at))
+    compute = op_time(flops, bytes_, cluster.device, dtype, launch_overhead=False)
+    buf = max((_buffer_bytes(gm, r, at) for r in regions), default=0.0)
+    out = []
+    for ep in [d for d in range(1, dp + 1) if dp % d == 0 and experts % d == 0]:
+        axes = (("dp", dp // ep), ("ep", ep), ("tp", tp))
+        for inside in ([False, True] if tp > 1 else [False]):
+            a2a = 4 * len(regions) * collective_time("all_to_all", buf, cluster, axes, "ep") if ep > 1 else 0.0
+            tpc = 2 * len(regions) * collective_time("all_reduce", buf, cluster, axes, "tp") if inside else 0.0
+            share = ep * (tp if inside else 1)
+            c = compute / (tp if inside else 1)
+            state = expert_numel * state_bytes_per_param / share
+            out.append(ExpertChoice(ep=ep, tp_inside=inside, compute_s=c, all_to_all_s=a2a, tp_comm_s=tpc,
+                                    imbalance_s=c * (imbalance - 1.0) if ep > 1 else 0.0, state_bytes=state,
+                                    fits=budget is None or state <= budget))
+    out.sort(key=lambda c: (not c.fits, c.time_s, -c.ep))
+    best = out[0]
+    ranked = [best]
+    for c in out[1:]:
+        if not c.fits:
+            why = f"expert state {c.state_bytes / 1e9:.2f} GB over the {budget / 1e9:.2f} GB left for experts"
+        elif c.time_s > best.time_s:
+            parts = {"all-to-all": c.all_to_all_s - best.all_to_all_s, "tp all-reduce": c.tp_comm_s - best.tp_comm_s,
+                     "compute": c.compute_s - best.compute_s, "imbalance": c.imbalance_s - best.imbalance_s}
+            worst = max(parts, key=lambda k: parts[k])
+            why = f"slower by {(c.time_s - best.time_s) * 1e3:.2f} ms ({worst} +{parts[worst] * 1e3:.2f} ms)"
+        else:
+            why = "as fast; holds more expert state per device" if c.state_bytes > best.state_bytes else "tie"
+        ranked.append(ExpertChoice(**{**c.__dict__, "reason": why}))
+    return ranked
+
+
 # ------------------------------------------------------------------------------ runtime
 
 def ep_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
@@ -318,4 +406,5 @@ class EPOptimizer:
 
 
 __all__ = ["Placement", "contiguous", "place_experts", "expert_loads", "EPCost", "ep_costs", "ep_axes",
+           "ExpertChoice", "plan_experts",
            "parallelize_experts", "EPOptimizer"]

@@ -32,6 +32,10 @@ log = logging.getLogger("autopar.pp")
 
 AXES = ("pp", "dp", "tp")            # the order a pipeline mesh lists them in (pp outermost)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+# torch's zero-bubble schedules run autograd twice per micro-batch (input gradients, then
+# weight gradients from the saved graph); on this project's 2-core CPU that backward costs
+# ~35 % more than one whole backward (bench/pp.py: 135 ms vs 101 ms per 1F1B-sized step).
+ZB_SPLIT_OVERHEAD = 0.35
 
 
 @dataclass(frozen=True)
@@ -104,12 +108,15 @@ def simulate_plan(costs: OpCosts, cuts: CutPlan, *, schedule: str, devices: int,
 
     k = len(costs.ops)
     ends = list(cuts.starts[1:]) + [k]
-    fwd, bwd = [], []
+    fwd, bwd, wgt = [], [], []
+    split = 1.0 + ZB_SPLIT_OVERHEAD if schedule == "zb" else 1.0
     for a, b in zip(cuts.starts, ends):
         f = sum(costs.time_s[a:b]) / 3.0          # the op times are forward + backward (~1 : 2)
         fwd.append(f)
-        bwd.append(2 * f)
-    sc = StageCosts(forward_s=tuple(fwd), backward_s=tuple(bwd), p2p_s=tuple(p2p_time(b) for b in cuts.crossing_bytes),
+        bwd.append(2 * f * split)
+        wgt.append(f * split)
+    sc = StageCosts(forward_s=tuple(fwd), backward_s=tuple(bwd), weight_grad_s=tuple(wgt),
+                    p2p_s=tuple(p2p_time(b) for b in cuts.crossing_bytes),
                     activation_bytes=tuple(cuts.stage_saved_bytes))
     return simulate(make(schedule, devices, microbatches, virtual), sc)
 
@@ -329,25 +336,35 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
                          input_names=inputs if sg.index == 0 else (), shared=made)
         made.update({k: v for k, v in st.named_parameters(remove_duplicate=False)})
         mine.append(st)
-    shapes = {}
-    for fqn in shared:
-        t = tensors[fqn]
-        local = t.detach().chunk(tp_n, _shard_dim(placements.get(fqn, "R")))[tp_rank] \
-            if _shard_dim(placements.get(fqn, "R")) is not None and tp_n > 1 else t
-        shapes[fqn] = (local.shape, local.dtype)
+    groups = _shared_groups(mesh, names, shared, p)
     pm = PipelineModule(mine, plan=the_plan, schedule=choice_s, microbatches=choice_m, num_stages=final.stages,
                         loss_fn=loss_fn, pp_group=pp_group, pp_rank=pp_rank, pp_size=p, dp_group=dp_group,
-                        shared=shared, shared_shapes=shapes, device=device,
+                        shared=groups, device=device,
                         examples=[st.io_examples(tp_n, device, mb_args if st.index == 0 else None) for st in mine])
     pm.stage_graphs = stages
     pm.pipeline_plan = final       # the simulator's view: stage times, step time, bubble
     return pm
 
 
-def _shard_dim(placement: str) -> int | None:
-    from autopar.placement import Shard, parse
-    q = parse(placement)
-    return q.dim if isinstance(q, Shard) else None
+def _shared_groups(mesh, names: list[str], shared: Mapping[str, list[int]], p: int) -> dict[str, Any]:
+    """For each parameter several stages hold: the process group of the pipeline ranks holding
+    it at this rank's place on the other axes (only where this rank is one of them and they are
+    more than one). Every rank creates every group, in the same order."""
+    me = dist.get_rank()
+    grid = mesh.mesh.reshape(p, -1)            # pp x (the other axes, flattened)
+    out: dict[str, Any] = {}
+    made: dict[tuple[int, ...], Any] = {}
+    for fqn in sorted(shared):
+        holders = tuple(sorted({s % p for s in shared[fqn]}))
+        if len(holders) < 2:
+            continue                          # one rank holds every copy: one Parameter
+        for col in range(grid.shape[1]):
+            ranks = tuple(int(grid[h, col]) for h in holders)
+            if ranks not in made:
+                made[ranks] = dist.new_group(list(ranks))
+            if me in ranks:
+                out[fqn] = made[ranks]
+    return out
 
 
 def info_symbols(gm: fx.GraphModule):

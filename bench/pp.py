@@ -26,23 +26,35 @@ autopar does, which all-reduces tied gradients over the whole pipeline group. au
 
 The order of the variants rotates every step so machine noise hits all alike; a step's time is
 the slowest rank's (ranks are aligned by a barrier first). The ratio is autopar / torch of the
-median step time, per world size and schedule (goal <= 1.05).
+median step time, per world size and schedule (goal <= 1.05). Per variant it also prints the
+medians of the pipeline step (``pipe``: ``pm.step`` / the peer's step, optimizer excluded), its
+torch schedule's share (``sched``: ``schedule.step``; autopar's is timed by wrapping
+``pm._schedule.step``), the rest (``post``: tied-gradient sum, and autopar's loss broadcast),
+the optimizer (``opt``), and the one-off setup (``parallelize`` / building the stages).
 
-Bubble. After the timed steps each rank times each of its stages alone, without
-communication: forward on the input the stage really received for micro-batch 0 (captured by
-a forward pre-hook during a step; stage 0: the micro-batch of token ids), then backward with a
-ones-like output gradient (last stage: forward includes the loss, backward starts from it);
-median of ``--reps``. With these per-stage f and b:
+Bubble. After the timed steps each stage is timed alone, one rank at a time (the others wait
+idle), without communication: forward on the input the stage really received for micro-batch 0
+(captured by a forward pre-hook during a step; stage 0: the micro-batch of token ids), then
+backward with a ones-like output gradient (last stage: forward includes the loss, backward
+starts from it); median of ``--reps``, the variants interleaved. With these per-stage f and b:
 
-  sim (meas)   ``simulate(make(schedule, p, m, v), StageCosts(f, b)).bubble_fraction``;
-  sim (model)  the same with autopar's predicted ``cuts.stage_time_s`` split 1:2 (``pm.pipeline_plan``);
-  measured     ``(T - busy) / busy``: T the median of the slowest rank's pipeline time (the
-               ``pm.step`` / schedule step alone, optimizer excluded), busy the largest over
-               ranks of ``m * sum(f + b)`` over the rank's stages (Megatron's definition);
-  closed form  ``(p-1)/m`` (interleaved ``(p-1)/(v*m)``), for reference.
+  closed form  ``(p-1)/m`` (interleaved ``(p-1)/(v*m)``), for reference;
+  sim (model)  ``simulate(make(schedule, p, m, v), StageCosts(f, b)).bubble_fraction`` with
+               autopar's predicted ``cuts.stage_time_s`` (``pm.pipeline_plan``) split 1:2;
+  sim (meas)   the same with the measured f and b; ``+p2p`` also with ``p2p_s`` the one-way
+               time of one activation from rank 0 to rank 1 (ping-pong, other ranks idle);
+  measured     ``(T - busy) / busy`` (Megatron's definition): T the median of the slowest
+               rank's pipeline step, busy the largest over ranks of ``m * sum(f + b)`` over the
+               rank's stages;
+  -runq        the same with T counting, per rank, only the time its main thread was not
+               sitting runnable while other processes held the cores (Linux schedstat
+               ``run_delay``): on a shared machine the rest of ``measured`` is mostly that.
 
-The same stage times for the peer show how balanced each split is. The first step's loss of
-each autopar variant is compared with its peer's and with the unsplit model's loss.
+``cpu`` is the slowest rank's main-thread CPU time over the pipeline step, to compare with
+busy. With more ranks than cores the ranks time-share the cores, which the simulator
+does not model. The same stage times for the peer show how balanced each split is. The losses
+of each autopar variant are compared with its peer's (first step and every step; both train
+the same model on the same data) and the first with the unsplit model's loss.
 """
 from __future__ import annotations
 
@@ -116,7 +128,9 @@ class StageNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         seq = x.shape[1]
         if self.first:
-            x = self.embed(x) + (self.wpe(torch.arange(seq, device=x.device)) if self.gpt else 0)
+            x = self.embed(x)
+            if self.gpt:
+                x = x + self.wpe(torch.arange(seq, device=x.device))
         if self.gpt:
             for layer in self.layers:
                 x = layer(x)
@@ -191,17 +205,30 @@ class AutoparPipeline:
 
 # -- timing ---------------------------------------------------------------------------------------
 
+def _schedstat() -> tuple[float, float]:
+    """(CPU seconds, seconds runnable but waiting for a core) of the calling thread so far
+    (Linux schedstat; zeros where the kernel does not keep it)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            cpu_ns, wait_ns = f.read().split()[:2]
+        return int(cpu_ns) / 1e9, int(wait_ns) / 1e9
+    except (OSError, ValueError):
+        return 0.0, 0.0
+
+
 def _step(var, args: tuple, target: torch.Tensor) -> tuple[list[float], float]:
-    """One training step: ([schedule, rest of the pipeline step, optimizer] seconds, loss).
-    Ranks are aligned by a barrier first."""
+    """One training step: ([schedule, rest of the pipeline step, optimizer, the pipeline step's
+    CPU, its run-queue wait] seconds, loss). Ranks are aligned by a barrier first."""
     import torch.distributed as dist
     dist.barrier()
+    c0, w0 = _schedstat()
     t0 = time.perf_counter()
     loss = var.step(args, target)
     t1 = time.perf_counter()
+    c1, w1 = _schedstat()
     var.opt.step()
     var.opt.zero_grad(set_to_none=True)
-    return [var.schedule_s, t1 - t0 - var.schedule_s, time.perf_counter() - t1], loss
+    return [var.schedule_s, t1 - t0 - var.schedule_s, time.perf_counter() - t1, c1 - c0, w1 - w0], loss
 
 
 def _capture_inputs(var, args: tuple, target: torch.Tensor) -> dict[int, tuple]:
@@ -359,9 +386,12 @@ def rank_work(rank: int, world: int, name: str, overrides: dict, batch: int, seq
 # -- report ---------------------------------------------------------------------------------------
 
 def _variant_summary(res: list[dict], v: str, steps: int) -> dict:
-    per_step = [max((r["times"][v][i] for r in res), key=sum) for i in range(steps)]
-    totals = [sum(p) for p in per_step]
+    per_step = [max((r["times"][v][i] for r in res), key=lambda p: sum(p[:3])) for i in range(steps)]
+    totals = [sum(p[:3]) for p in per_step]
     pipe = [max(r["times"][v][i][0] + r["times"][v][i][1] for r in res) for i in range(steps)]
+    # the pipeline step less the time a rank sat runnable while other processes had the cores
+    unstarved = [max(r["times"][v][i][0] + r["times"][v][i][1] - r["times"][v][i][4] for r in res)
+                 for i in range(steps)]
     stage_s: dict[int, list[float]] = {}
     rank_busy = []
     for r in res:
@@ -369,7 +399,9 @@ def _variant_summary(res: list[dict], v: str, steps: int) -> dict:
         rank_busy.append(sum(f + b for f, b in r["stage_s"][v].values()))
     losses = [r["losses"][v] for r in res if r["losses"][v] and r["losses"][v][0] == r["losses"][v][0]]
     return {"median_ms": statistics.median(totals) * 1e3, "min_ms": min(totals) * 1e3,
-            "pipe_ms": statistics.median(pipe) * 1e3,
+            "pipe_ms": statistics.median(pipe) * 1e3, "unstarved_ms": statistics.median(unstarved) * 1e3,
+            "cpu_ms": statistics.median(max(r["times"][v][i][3] for r in res) for i in range(steps)) * 1e3,
+            "runq_ms": statistics.median(max(r["times"][v][i][4] for r in res) for i in range(steps)) * 1e3,
             "sched_ms": statistics.median(p[0] for p in per_step) * 1e3,
             "post_ms": statistics.median(p[1] for p in per_step) * 1e3,
             "opt_ms": statistics.median(p[2] for p in per_step) * 1e3,
@@ -391,7 +423,8 @@ def _bubble(s: dict, schedule: str, world: int, micro: int, p2p_s: float) -> dic
     busy = micro * max(s["rank_busy_ms"])
     out = {"closed": (world - 1) / (_virtual(schedule) * micro), "sim_meas": sim.bubble_fraction,
            "sim_p2p": with_p2p.bubble_fraction, "sim_step_ms": sim.step_time_s * 1e3,
-           "sim_p2p_step_ms": with_p2p.step_time_s * 1e3, "measured": (s["pipe_ms"] - busy) / busy, "busy_ms": busy}
+           "sim_p2p_step_ms": with_p2p.step_time_s * 1e3, "measured": (s["pipe_ms"] - busy) / busy,
+           "unstarved": (s["unstarved_ms"] - busy) / busy, "busy_ms": busy}
     if s["plan"] is not None:
         pred = s["plan"]["stage_time_s"]
         model = simulate(sched, StageCosts(forward_s=tuple(t / 3 for t in pred), backward_s=tuple(2 * t / 3 for t in pred)))
@@ -454,17 +487,18 @@ def _print_final(worlds: list[dict], command: str, machine: str, wall: float) ->
                            for k, n in (("loss0_diff", 11), ("loss0_vs_ref", 11), ("loss_max_diff", 10)))
             print(f"{w['world']:>5} {r['schedule']:<12}{r['ratio']:>7.3f}{'<= 1.05':>9}  {ms:<22}{loss}"
                   f"  {'ok' if r['ok'] else 'MISSED'}")
-    print("\nbubble = (step - busiest rank's compute) / busiest rank's compute; busy = m * sum(f + b) of the"
-          "\nbusiest rank's stages, timed alone; pipe = median pipeline step (optimizer excluded)")
-    print(f"{'world':>5} {'variant':<18}{'closed':>8}{'sim(model)':>11}{'sim(meas)':>10}{'+p2p':>7}{'measured':>10}"
-          f"{'busy ms':>9}{'sim ms':>8}{'+p2p ms':>8}{'pipe ms':>9}")
+    print("\nbubble = (pipeline step - busy) / busy; busy = m * sum(f + b) over the busiest rank's stages,"
+          "\ntimed alone; pipe = median pipeline step (optimizer excluded); runq = time the slowest rank"
+          "\nsat runnable while other processes had the cores; -runq: the bubble with that time taken out")
+    print(f"{'world':>5} {'variant':<18}{'closed':>7}{'sim(model)':>11}{'sim(meas)':>10}{'+p2p':>7}"
+          f"{'measured':>9}{'-runq':>7}{'busy ms':>9}{'pipe ms':>8}{'runq ms':>8}{'cpu ms':>7}")
     for w in worlds:
         for v, s in w["variants"].items():
             b = s["bubble"]
             model = f"{b['sim_model']:>11.3f}" if "sim_model" in b else f"{'-':>11}"
-            print(f"{w['world']:>5} {v:<18}{b['closed']:>8.3f}{model}{b['sim_meas']:>10.3f}{b['sim_p2p']:>7.3f}"
-                  f"{b['measured']:>10.3f}{b['busy_ms']:>9.1f}{b['sim_step_ms']:>8.1f}{b['sim_p2p_step_ms']:>8.1f}"
-                  f"{s['pipe_ms']:>9.1f}")
+            print(f"{w['world']:>5} {v:<18}{b['closed']:>7.3f}{model}{b['sim_meas']:>10.3f}{b['sim_p2p']:>7.3f}"
+                  f"{b['measured']:>9.3f}{b['unstarved']:>7.3f}{b['busy_ms']:>9.1f}{s['pipe_ms']:>8.1f}"
+                  f"{s['runq_ms']:>8.1f}{s['cpu_ms']:>7.1f}")
     if any(w["world"] > (os.cpu_count() or 1) for w in worlds):
         print(f"(worlds above {os.cpu_count()} ranks share the cores: their measured bubble includes the "
               f"time-sharing, which the simulator does not model)")
@@ -511,8 +545,9 @@ def _args() -> argparse.Namespace:
 def _run_world(world: int, a: argparse.Namespace, overrides: dict) -> tuple[list[dict], tuple[str, ...], dict]:
     """run_ranks, dropping a schedule whose step fails on some rank (which can leave the others
     waiting in a collective: the run is repeated without it)."""
-    from autopar.errors import AutoparError
     from autopar.runtime.launch import run_ranks
+
+    from autopar.errors import AutoparError
 
     schedules, dropped = a.schedules, {}
     while schedules:

@@ -178,11 +178,14 @@ class CutPlan:
 
 def plan_cuts(costs: OpCosts, stages: int, *, p2p_time: Callable[[float], float] = lambda b: 0.0,
               inflight: Sequence[int] | None = None, budget: float | None = None,
-              slack: float = 2.0) -> CutPlan:
+              slack: float = 2.0, tolerance: float = 0.03) -> CutPlan:
     """Cut ``costs.ops`` into ``stages`` contiguous stages (see the module docstring).
 
     ``inflight[s]``: micro-batches whose activations stage ``s`` holds at once under the
-    schedule (default 1). ``budget``: bytes per stage (default: unlimited).
+    schedule (default 1). ``budget``: bytes per stage (default: unlimited). Cuts whose
+    bottleneck is within ``tolerance`` (relative) of the best count as equally balanced; among them
+    the smallest total crossing wins (a block boundary sends one tensor, a cut inside a block
+    often two, for a balance gain below what the cost model can resolve).
     """
     k = len(costs.ops)
     if stages < 1:
@@ -233,7 +236,7 @@ def plan_cuts(costs: OpCosts, stages: int, *, p2p_time: Callable[[float], float]
             lo = cand.min()
             if not torch.isfinite(lo):
                 continue
-            close = cand <= lo * (1 + 1e-9) + 1e-15
+            close = cand <= lo * (1 + tolerance) + 1e-15
             pick = torch.where(close, tb, torch.full_like(tb, inf)).argmin()
             best[s, j], tie[s, j], back[s, j] = cand[pick], tb[pick], i[pick]
     if not torch.isfinite(best[stages - 1, n - 1]):

@@ -50,6 +50,7 @@ class StageModule(nn.Module):
         self._inputs = list(sg.inputs)
         self._user_inputs = list(input_names)   # stage 0: the model's input names, in call order
         self.outputs = list(sg.outputs)
+        self._state: dict[str, torch.Tensor] | None = None
         for kind, fqn in sg.order:
             if kind not in ("param", "buffer"):
                 continue
@@ -66,9 +67,16 @@ class StageModule(nn.Module):
     def graph_module(self) -> fx.GraphModule:
         return self._graph[0]
 
+    def _apply(self, fn, recurse: bool = True):  # .to() and friends replace the tensors
+        self._state = None
+        return super()._apply(fn, recurse)
+
     def forward(self, *args: torch.Tensor) -> Any:
-        state = dict(self.named_parameters(remove_duplicate=False))
-        state.update(dict(self.named_buffers()))
+        state = self._state
+        if state is None:   # parameters and buffers keep their identity (optimizers update in place)
+            state = dict(self.named_parameters(remove_duplicate=False))
+            state.update(dict(self.named_buffers()))
+            self._state = state
         if self._user_inputs:            # stage 0 gets the model's inputs; keep the ones it reads
             if len(args) != len(self._user_inputs):
                 raise InputMismatchError("the pipeline's first stage got the wrong number of inputs",
@@ -126,8 +134,8 @@ class PipelineModule(nn.Module):
 
     def __init__(self, stages: list[StageModule], *, plan: Any, schedule: str, microbatches: int,
                  num_stages: int, loss_fn: Callable, pp_group: dist.ProcessGroup, pp_rank: int, pp_size: int,
-                 dp_group: dist.ProcessGroup | None, shared: dict[str, list[int]],
-                 shared_shapes: dict[str, tuple[torch.Size, torch.dtype]], device: torch.device,
+                 dp_group: dist.ProcessGroup | None, shared: dict[str, dist.ProcessGroup],
+                 device: torch.device,
                  examples: list[tuple[tuple, tuple]] | None = None) -> None:
         super().__init__()
         from torch.distributed import pipelining
@@ -141,8 +149,7 @@ class PipelineModule(nn.Module):
         self._loss_fn = loss_fn
         self._num_stages = num_stages
         self._device = device
-        self._shared = {f: s for f, s in shared.items()}
-        self._shared_shapes = shared_shapes
+        self._shared = dict(shared)      # parameter -> the group of pipeline ranks holding a copy
         for st in stages:
             for fqn, p in st.named_parameters(remove_duplicate=False):
                 _set(self, fqn, p)
@@ -193,18 +200,11 @@ class PipelineModule(nn.Module):
 
     def _sync_grads(self) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
-        pp_group, _, pp_size = self._pp
-        if pp_size > 1:
-            for fqn in sorted(self._shared):
-                shape, dtype = self._shared_shapes[fqn]
-                p = params.get(fqn)
-                if p is not None and p.grad is not None:
-                    g = p.grad
-                else:
-                    g = torch.zeros(shape, dtype=dtype, device=self._device)
-                dist.all_reduce(g, group=pp_group)
-                if p is not None:
-                    p.grad = g
+        for fqn in sorted(self._shared):   # a tied weight: sum its copies' gradients
+            p = params[fqn]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self._shared[fqn])
         if self._dp is not None and dist.get_world_size(self._dp) > 1:
             n = dist.get_world_size(self._dp)
             grads = [p.grad for p in self.parameters() if p.grad is not None]
