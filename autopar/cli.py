@@ -160,7 +160,7 @@ def _expert_choices(gm, cluster, result, sizes, batch: int, mixed):
              for n in gm.graph.nodes if n.op == "placeholder" and info(n).kind == "param"}
     share = sum(numel.get(f, 0.0) for r in regions for f in r.expert_params) / max(sum(numel.values()), 1.0)
     budget = result.memory_budget - b.memory.total + share * (b.memory.params + b.memory.grads + b.memory.optimizer)
-    return plan_experts(gm, cluster=cluster, dp=b.dp, tp=b.tp, sizes=at, budget=budget,
+    return plan_experts(gm, cluster=cluster, dp=b.dp, tp=b.tp, sizes=at, budget=budget, zero_stage=b.zero_stage,
                         dtype="fp32" if mixed is None else mixed)
 
 

@@ -187,7 +187,7 @@ class ExpertChoice:
 
 
 def plan_experts(gm: fx.GraphModule, *, cluster: Cluster, dp: int, tp: int, sizes: Mapping[str, int],
-                 state_bytes_per_param: float = 16.0, budget: float | None = None,
+                 zero_stage: int = 0, budget: float | None = None,
                  imbalance: float = 1.0, dtype: str = "fp32") -> list[ExpertChoice]:
     """Every way to split the experts of a dp x tp plan: ep over a divisor of dp (and of the
     expert count), with or without tp inside the experts; fastest that fits first.
@@ -196,7 +196,9 @@ def plan_experts(gm: fx.GraphModule, *, cluster: Cluster, dp: int, tp: int, size
     ep ranks); it shrinks with tp inside the experts. ep costs all-to-alls and saves expert
     state (1/ep per device); tp inside costs an all-reduce of the expert output forward and
     backward. ``imbalance`` (from a calibration batch) charges the most-loaded rank's extra
-    work. ``budget``: bytes per device the experts' state may take."""
+    work. ``budget``: bytes per device the experts' state may take. The state is fp32 AdamW
+    (16 bytes per parameter) sharded over the ``dp / ep`` replicas of each expert as
+    ``zero_stage`` says."""
     from autopar.cost.compute import op_time
 
     regions = graph_info(gm).moe_regions
@@ -223,7 +225,9 @@ def plan_experts(gm: fx.GraphModule, *, cluster: Cluster, dp: int, tp: int, size
             tpc = 2 * len(regions) * collective_time("all_reduce", buf, cluster, axes, "tp") if inside else 0.0
             share = ep * (tp if inside else 1)
             c = compute / (tp if inside else 1)
-            state = expert_numel * state_bytes_per_param / share
+            r = dp // ep                 # replicas of each expert on the data axis
+            per_param = {0: 16.0, 1: 8.0 + 8.0 / r, 2: 4.0 + 12.0 / r, 3: 16.0 / r}[zero_stage]
+            state = expert_numel * per_param / share
             out.append(ExpertChoice(ep=ep, tp_inside=inside, compute_s=c, all_to_all_s=a2a, tp_comm_s=tpc,
                                     imbalance_s=c * (imbalance - 1.0) if ep > 1 else 0.0, state_bytes=state,
                                     fits=budget is None or state <= budget))
