@@ -72,3 +72,16 @@ def test_dense_model_has_no_regions():
     model = models.build("llama", {"layers": 1}, device="meta")
     args, dims = models.example_inputs(model, 2, 8)
     assert graph_info(analysed(model, args, dims)).moe_regions == []
+
+
+def test_expert_parallelism_refuses_what_it_cannot_split():
+    from autopar.errors import ConfigError
+    from autopar.passes.ep_rewrite import expert_regions
+    import pytest
+
+    with pytest.raises(ConfigError, match="not one stacked weight"):
+        expert_regions(analysed(Wrapper(), (torch.randn(5, 8),)))
+    model = models.build("llama", {"layers": 1}, device="meta")
+    args, dims = models.example_inputs(model, 2, 8)
+    with pytest.raises(ConfigError, match="has none"):
+        expert_regions(analysed(model, args, dims))
