@@ -126,7 +126,7 @@ class EPCost:
 
     all_to_all_s: float               # forward + backward, all MoE layers
     per_call_s: float                 # one all-to-all of one layer's buffer
-    buffer_bytes: float
+    buffer_bytes: float               # that buffer ([E, C, h]); (n-1)/n of it leaves the rank
     imbalance: float
     calls: int
 
@@ -139,9 +139,8 @@ def ep_costs(gm: fx.GraphModule, *, cluster: Cluster, axes: Sequence[tuple[str, 
     per_call, nbytes, calls = 0.0, 0.0, 0
     for r in regions:
         buf = _buffer_bytes(gm, r, sizes)
-        moved = buf * (n - 1) / n if n > 1 else 0.0
         t = collective_time("all_to_all", buf, cluster, tuple(axes), "ep") if n > 1 else 0.0
-        per_call, nbytes = max(per_call, t), max(nbytes, moved)
+        per_call, nbytes = max(per_call, t), max(nbytes, buf)
         calls += 4                       # dispatch + combine, forward and backward
     total = per_call * calls
     return EPCost(all_to_all_s=total, per_call_s=per_call, buffer_bytes=nbytes, imbalance=placement_imbalance,
@@ -322,6 +321,11 @@ def parallelize_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, har
         cal = tuple(calibration) if isinstance(calibration, (tuple, list)) else (calibration,)
         plain = _capture(model, cal, ())
         loads = expert_loads(plain, cal, tensors)
+        # every rank must place alike: sum the loads every rank measured on its own batch
+        for f in sorted(loads):
+            t = torch.tensor(loads[f], dtype=torch.float64)
+            dist.all_reduce(t)
+            loads[f] = t.tolist()
     group = mesh.get_group(names.index("ep"))
     rts, placed = {}, {}
     for r in regions:
@@ -384,6 +388,10 @@ class EPOptimizer:
                 (expert if fqn in m.expert_params else dense).append(p.grad)
         for grads, groups in ((dense, [m.ep_group, m.ep_dp_group]), (expert, [m.ep_dp_group])):
             if not grads:
+                continue
+            if not any(g is not None and dist.get_world_size(g) > 1 for g in groups):
+                for g in grads:               # nothing to sum: scale in place
+                    g.div_(n_ep * n_dp)
                 continue
             flat = torch.cat([g.reshape(-1) for g in grads])
             for g in groups:

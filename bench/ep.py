@@ -10,7 +10,7 @@ Per world size, in the same processes:
 
 1. All-to-all, measured vs predicted. The buffer of one MoE layer at the rank's tokens,
    ``[E, C, h]`` fp32 with ``C = expert_capacity(batch * seq, E, top_k, capacity_factor)``, and
-   the same at 0.25x and 4x the capacity. Per size, interleaved rep by rep (rotating order):
+   the same at 0.25x and 4x the capacity. Per size, interleaved rep by rep (order as below):
    ``a2a``  ``dist.all_to_all_single`` of the buffer into a fresh ``empty_like``;
    ``hand`` the hand-written layer's dispatch (the all-to-all, then the owner's transpose);
    ``ap``   autopar's exchange ``EPRuntime.to_owners`` (adds the expert-order index_select).
@@ -34,11 +34,14 @@ Per world size, in the same processes:
      ap-bal  autopar's default ``expert_placement="balanced"``, with the global batch as
              ``calibration`` (so the placement follows the measured expert loads),
 
-   rotating the order every step. A step's time is the slowest rank's (ranks aligned by a
-   barrier first). Ratio: median step time ap / hand (goal <= 1.05). Losses: every variant's
-   step-0 loss vs the plain single-process model's on the rank's tokens (``local``: same
-   tokens, same weights, same capacity) and every step vs ``hand``. The measured excess over
-   ``nocomm`` is printed next to ``ep_costs``' predicted all-to-all seconds per step.
+   changing the order every step: the rows of a Williams Latin square in turn, so each variant
+   takes every slot and follows every other equally often (with plain rotation a variant always
+   runs right after the same one, and what ran just before shows in a step's time). A step's
+   time is the slowest rank's (ranks aligned by a barrier first). Ratio: median step time
+   ap / hand (goal <= 1.05). Losses: every variant's step-0 loss vs the plain single-process
+   model's on the rank's tokens (``local``: same tokens, same weights, same capacity) and
+   every step vs ``hand``. The measured excess over ``nocomm`` is printed next to
+   ``ep_costs``' predicted all-to-all seconds per step.
 
 The hand-written layer routes exactly as ``MoELayer.forward`` (softmax router, top-k,
 choice-major capacity positions, index_put into ``[E, C, h]``), sends the buffer to the expert
@@ -100,6 +103,8 @@ class HandEPLayer(nn.Module):
 
     def __init__(self, src: nn.Module, rank: int, n: int, group=None, comm: bool = True) -> None:
         super().__init__()
+        if src.experts % n:
+            raise ValueError(f"{src.experts} experts do not split evenly over {n} ranks")
         self.experts, self.top_k, self.capacity_factor = src.experts, src.top_k, src.capacity_factor
         self.n, self.per, self.group, self.comm = n, src.experts // n, group, comm
         lo, hi = rank * self.per, (rank + 1) * self.per
@@ -232,6 +237,23 @@ def _step(module, opt, args: tuple) -> tuple[list[float], float]:
     return [t1 - t0, t2 - t1, t3 - t2], float(loss.detach())
 
 
+def _order(i: int, names: list[str]) -> list[str]:
+    """Round ``i``'s order: the rows of a Williams Latin square in turn, so that every name
+    takes every slot and follows every other name equally often (plain rotation would put
+    each variant always after the same one, and what runs just before a step shows in it)."""
+    n = len(names)
+    base, lo, hi = [0], 1, n - 1
+    while len(base) < n:
+        base.append(lo)
+        lo += 1
+        if len(base) < n:
+            base.append(hi)
+            hi -= 1
+    rows = [[(b + r) % n for b in base] for r in range(n)]
+    rows += [row[::-1] for row in rows] if n % 2 else []
+    return [names[j] for j in rows[i % len(rows)]] if n else []
+
+
 def _agree(ok: bool) -> bool:
     """True on every rank iff ``ok`` on every rank (so a failed variant is dropped everywhere)."""
     import torch.distributed as dist
@@ -244,7 +266,7 @@ def _agree(ok: bool) -> bool:
 
 def _time_a2a(methods: dict, shapes: list[tuple[int, int, int]], reps: int) -> dict[str, dict[str, list[float]]]:
     """Seconds per rep of each exchange in ``methods`` at each [E, C, h] shape, after a barrier,
-    the methods' order rotating rep by rep."""
+    the methods' order changing rep by rep (:func:`_order`)."""
     import torch.distributed as dist
     names = list(methods)
     out = {str(s): {m: [] for m in names} for s in shapes}
@@ -252,8 +274,7 @@ def _time_a2a(methods: dict, shapes: list[tuple[int, int, int]], reps: int) -> d
         x = torch.randn(shape)
         with torch.no_grad():
             for i in range(reps + 2):
-                k = i % len(names)
-                for m in names[k:] + names[:k]:
+                for m in _order(i, names):
                     dist.barrier()
                     t0 = time.perf_counter()
                     methods[m](x)
@@ -294,19 +315,23 @@ def _ep_costs(pm, world: int, batch: int, seq: int, profile: str | None) -> dict
     return out
 
 
+def _headline(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
 # -- one rank ---------------------------------------------------------------------------------
 
 def _build_variants(variants: tuple[str, ...], overrides: dict, args: tuple, glob: tuple, rank: int,
                     world: int) -> tuple[dict, dict, dict]:
     """(built, setup seconds, errors) per variant; one that fails on any rank is dropped on all."""
-    import traceback
     built, setup_s, errors = {}, {}, {}
     for v in variants:
         t0 = time.perf_counter()
         try:
             built[v] = _make(v, overrides, args, glob, rank, world)
-        except Exception:  # noqa: BLE001 - reported per variant
-            errors[v] = traceback.format_exc().strip().splitlines()[-1]
+        except Exception as exc:  # noqa: BLE001 - reported per variant
+            errors[v] = _headline(exc)
         if not _agree(v not in errors):
             built.pop(v, None)
             errors.setdefault(v, "failed on another rank")
@@ -315,20 +340,18 @@ def _build_variants(variants: tuple[str, ...], overrides: dict, args: tuple, glo
 
 
 def _run_steps(built: dict, args: tuple, warmup: int, steps: int, errors: dict) -> tuple[dict, dict]:
-    """(phase times of the timed steps, losses of every step) per variant, order rotating."""
-    import traceback
+    """(phase times of the timed steps, losses of every step) per variant, order by :func:`_order`."""
     live = list(built)
     times: dict[str, list] = {v: [] for v in live}
     losses: dict[str, list] = {v: [] for v in live}
     for i in range(warmup + steps):
-        k = i % max(1, len(live))                 # rotate: every variant takes every slot
-        for v in live[k:] + live[:k]:
+        for v in _order(i, live):
             if v in errors:
                 continue
             try:
                 phases, loss = _step(*built[v], args)
-            except Exception:  # noqa: BLE001 - reported per variant
-                errors[v] = traceback.format_exc().strip().splitlines()[-1]
+            except Exception as exc:  # noqa: BLE001 - reported per variant
+                errors[v] = _headline(exc)
             if not _agree(v not in errors):
                 errors.setdefault(v, "failed on another rank")
                 continue
@@ -436,8 +459,10 @@ def _summarise_a2a(res: list[dict], world: int, profile: str | None) -> list[dic
     for scale, shape in zip(SCALES, res[0]["shapes"]):
         key = str(tuple(shape))
         nbytes = 4 * shape[0] * shape[1] * shape[2]
-        meas = {m: statistics.median(_slowest(res, lambda r: r["a2a"][key][m])) for m in res[0]["a2a"][key]}
-        rows.append({"scale": scale, "shape": list(shape), "bytes": nbytes, "measured_s": meas,
+        reps = {m: _slowest(res, lambda r: r["a2a"][key][m]) for m in res[0]["a2a"][key]}
+        rows.append({"scale": scale, "shape": list(shape), "bytes": nbytes,
+                     "measured_s": {m: statistics.median(t) for m, t in reps.items()},
+                     "measured_min_s": {m: min(t) for m, t in reps.items()},
                      "predicted_s": _predict(nbytes, world, profile)})
     return rows
 
@@ -474,18 +499,22 @@ def _print_world(s: dict, a2a: list[dict], res: list[dict], run_s: float) -> lis
 
 
 def _print_a2a(worlds: list[dict]) -> None:
-    """The all-to-all table: measured medians (slowest rank) next to each prediction, ms."""
-    print(f"{'world':>5}{'scale':>6}{'[E, C, h]':>15}{'bytes':>11}{'a2a':>8}{'hand':>8}{'ap':>8}{'pred cpu':>10}"
-          f"{'pred cal':>10}{'pred fit':>10}{'a2a/cpu':>9}{'a2a/cal':>9}{'a2a/fit':>9}{'ap/a2a':>8}")
+    """The all-to-all table: measured medians (slowest rank; the raw all-to-all's fastest rep
+    too) next to each prediction, ms."""
+    print(f"{'world':>5}{'scale':>6}{'[E, C, h]':>15}{'bytes':>11}{'a2a':>8}{'(min)':>8}{'hand':>8}{'ap':>8}"
+          f"{'pred cpu':>10}{'pred cal':>10}{'pred fit':>10}{'a2a/cpu':>9}{'a2a/cal':>9}{'a2a/fit':>9}{'ap/a2a':>8}")
 
     def cell(d: dict, k: str, n: int = 8) -> str:
         return f"{d[k] * 1e3:>{n}.3f}" if k in d else f"{'-':>{n}}"
     for w in worlds:
         for r in w.get("a2a", []):
             m, p = r["measured_s"], r["predicted_s"]
-            rat = "".join(f"{m['a2a'] / p[k]:>9.2f}" if k in p else f"{'-':>9}" for k in ("cpu", "calibrated", "a2a-fit"))
+            rat = "".join(f"{m['a2a'] / p[k]:>9.2f}" if k in p else f"{'-':>9}"
+                          for k in ("cpu", "calibrated", "a2a-fit"))
             over = f"{m['ap'] / m['a2a']:>8.2f}" if "ap" in m else f"{'-':>8}"
+            low = r.get("measured_min_s", {})
             print(f"{w['world']:>5}{r['scale']:>6}{str(tuple(r['shape'])):>15}{r['bytes']:>11,}{cell(m, 'a2a')}"
+                  f"{cell(low, 'a2a')}"
                   f"{cell(m, 'hand')}{cell(m, 'ap')}{cell(p, 'cpu', 10)}{cell(p, 'calibrated', 10)}"
                   f"{cell(p, 'a2a-fit', 10)}{rat}{over}")
 
@@ -575,7 +604,8 @@ def main() -> int:
     print(f"machine: {machine}")
     print(f"model: moe {overrides} ({n_params:,} params, {n_params * 4 / 2**20:.1f} MiB fp32), "
           f"{a.batch} rows/rank, seq {a.seq}; loss logsumexp(-1).mean(); AdamW lr 1e-3; "
-          f"{a.warmup} warm-up + {a.steps} timed steps per variant, order rotating; {a.reps} reps per all-to-all")
+          f"{a.warmup} warm-up + {a.steps} timed steps per variant, order by Williams square; "
+          f"{a.reps} reps per all-to-all")
     with tempfile.TemporaryDirectory(prefix="bench_ep_") as tmp:
         profile = _calibrate(a.profile, tmp)
         worlds = [_run_world(a, world, overrides, profile) for world in a.world]

@@ -38,6 +38,7 @@ class EPRuntime:
         self.inverse = tuple(sorted(range(len(self.perm)), key=lambda i: self.perm[i]))
         self._perm_t = torch.tensor(self.perm)
         self._inv_t = torch.tensor(self.inverse)
+        self._identity = list(self.perm) == sorted(self.perm)   # experts in order: no reordering copies
 
     @property
     def experts(self) -> int:
@@ -58,17 +59,18 @@ class EPRuntime:
         e, c = x.shape[0], x.shape[1]
         rest = x.shape[2:]
         per = e // self.n
-        got = self._exchange(x.index_select(0, self._perm_t.to(x.device)))   # [n(src) * per, C, ...]
-        return got.view(self.n, per, c, *rest).transpose(0, 1).reshape(per, self.n * c, *rest)
+        ordered = x if self._identity else x.index_select(0, self._perm_t.to(x.device))
+        got = self._exchange(ordered)                                        # [n(src) * per, C, ...]
+        return got.reshape(self.n, per, c, *rest).transpose(0, 1).reshape(per, self.n * c, *rest)
 
     # [E/n, n*C, h] of this rank's experts -> [E, C, h] in expert order
     def from_owners(self, y: torch.Tensor) -> torch.Tensor:
         per, nc = y.shape[0], y.shape[1]
         rest = y.shape[2:]
         c = nc // self.n
-        out = y.view(per, self.n, c, *rest).transpose(0, 1).reshape(self.n * per, c, *rest)
+        out = y.reshape(per, self.n, c, *rest).transpose(0, 1).reshape(self.n * per, c, *rest)
         back = self._exchange(out)                                           # [E (owner order), C, ...]
-        return back.index_select(0, self._inv_t.to(y.device))
+        return back if self._identity else back.index_select(0, self._inv_t.to(y.device))
 
 
 class _Dispatch(torch.autograd.Function):
