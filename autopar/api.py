@@ -284,7 +284,8 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
                 sizes: Mapping[str, int] | None = None, sync_params: bool = True, zero_stage: int | None = None,
                 overlap: bool = True, bucket_bytes: int = 0, mixed_precision: str | None = None,
                 loss_fn: Any = None, schedule: str | None = None, microbatches: int | None = None,
-                virtual_stages: int | None = None, calibration: Any = None, expert_placement: str = "balanced"):
+                virtual_stages: int | None = None, calibration: Any = None, expert_placement: str = "balanced",
+                capacity_factor: float | None = None):
     """Split ``model`` over ``mesh`` and return this rank's :class:`ParallelModule`.
 
     Call on every rank after ``torch.distributed.init_process_group`` with the same model
@@ -307,7 +308,7 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
     mixture-of-experts layer's experts are spread over it (each ep rank passes its own share
     of the batch, as under data parallelism); ``calibration`` (inputs) measures each expert's
     load so ``expert_placement="balanced"`` can even it out (``"contiguous"``: experts in
-    order)."""
+    order); ``capacity_factor`` overrides the MoE layers' own (tokens over capacity drop)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.runtime.dp import DPRuntime
@@ -322,7 +323,7 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
         from autopar.ep import parallelize_experts
         return parallelize_experts(model, mesh, example_inputs, hardware=hardware, memory_budget=memory_budget,
                                    sync_params=sync_params, calibration=calibration,
-                                   placement=expert_placement, dims=dims)
+                                   placement=expert_placement, dims=dims, capacity_factor=capacity_factor)
     if _has_axis(mesh, "pp") or (plan is not None and plan.pp_axis is not None):
         from autopar.pp import parallelize_pipeline
         return parallelize_pipeline(model, mesh if plan is None or not isinstance(mesh, int) else plan.mesh,

@@ -267,8 +267,12 @@ def ep_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
 
 def parallelize_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, hardware: str | None = None,
                         memory_budget: float | None = None, sync_params: bool = True,
-                        calibration: Any = None, placement: str = "balanced", dims: Any = None):
-    """This rank's model with experts spread over the ``ep`` axis (see :func:`autopar.parallelize`)."""
+                        calibration: Any = None, placement: str = "balanced", dims: Any = None,
+                        capacity_factor: float | None = None):
+    """This rank's model with experts spread over the ``ep`` axis (see :func:`autopar.parallelize`).
+    ``capacity_factor`` overrides the MoE layers' own (set on the module of each region the
+    graph shows, which must have a ``capacity_factor`` attribute; the model is then captured
+    again), so tokens drop exactly as the single-device model's at that factor."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.api import _capture, planned_graph
@@ -301,6 +305,8 @@ def parallelize_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, har
         with torch.no_grad():
             for t in tensors.values():
                 dist.broadcast(t.data, src=0)
+    if capacity_factor is not None:
+        _set_capacity(model, _capture(model, args, ()), capacity_factor)
     n_ep = sizes["ep"]
     ep_rank = mesh.get_local_rank(names.index("ep"))
     tp_n = sizes.get("tp", 1)
@@ -342,7 +348,7 @@ def parallelize_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, har
     trainable = {k: p.requires_grad for k, p in model.named_parameters()}
     used = {info(n).target_fqn for n in gm.graph.nodes if n.op == "placeholder" and info(n).target_fqn}
     the_plan = Plan(mesh=sizes, tp_axis="tp" if tp_n > 1 else None, params=placements, nodes=nodes,
-                    model=type(model).__name__, ep_axis="ep",
+                    model=type(model).__name__, ep_axis="ep", capacity_factor=capacity_factor,
                     expert_placement={f: list(p.perm) for f, p in placed.items()},
                     predicted={"imbalance": {f: p.imbalance for f, p in placed.items()}})
     from autopar.api import _dim_map
@@ -354,6 +360,23 @@ def parallelize_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, har
     pm.ep_group = group
     pm.ep_dp_group = mesh.get_group(names.index("dp")) if "dp" in names else None
     return pm
+
+
+def _set_capacity(model: nn.Module, gm: fx.GraphModule, factor: float) -> None:
+    if not factor > 0:
+        raise ConfigError("capacity_factor must be positive", where="capacity_factor", got=repr(factor),
+                          fix="e.g. capacity_factor=1.25 (1.0: each expert takes its fair share of rows)")
+    regions = graph_info(gm).moe_regions
+    if not regions:
+        raise ConfigError("capacity_factor was given but the model has no mixture-of-experts layer",
+                          where="capacity_factor", fix="drop capacity_factor")
+    for r in regions:
+        mod = model.get_submodule(r.fqn) if r.fqn else model
+        if not hasattr(mod, "capacity_factor"):
+            raise ConfigError(f"the MoE layer {r.fqn or '<root>'} has no capacity_factor attribute to set",
+                              where=r.fqn or "<root>", expected="a module attribute capacity_factor",
+                              got=type(mod).__name__, fix="set the capacity in the model itself")
+        mod.capacity_factor = float(factor)
 
 
 def _in_experts(node: fx.Node) -> bool:

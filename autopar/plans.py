@@ -68,6 +68,7 @@ class Plan:
     virtual_stages: int = 1                      # stages per pipeline rank (stage s on rank s % pp)
     ep_axis: str | None = None                   # the axis that holds experts
     expert_placement: dict[str, list[int]] = field(default_factory=dict)  # MoE region -> experts in owner order
+    capacity_factor: float | None = None          # MoE capacity factor (None: the model's own)
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
@@ -122,7 +123,8 @@ class Plan:
                        stage_starts=tuple(data.get("stage_starts", ())), schedule=data.get("schedule"),
                        microbatches=int(data.get("microbatches", 1)),
                        virtual_stages=int(data.get("virtual_stages", 1)), ep_axis=data.get("ep_axis"),
-                       expert_placement={k: list(v) for k, v in data.get("expert_placement", {}).items()})
+                       expert_placement={k: list(v) for k, v in data.get("expert_placement", {}).items()},
+                       capacity_factor=data.get("capacity_factor"))
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"plan is missing or mistypes a field: {exc}", where="plan",
                               fix="pass a file written by Plan.save") from exc

@@ -37,11 +37,16 @@ def _build(overrides: dict) -> torch.nn.Module:
     return models.build("moe", overrides, device="cpu")
 
 
-def _train(rank: int, world: int, overrides: dict, mesh: dict, batch: int, seq: int, skew: bool) -> dict:
+def _train(rank: int, world: int, overrides: dict, mesh: dict, batch: int, seq: int, skew: bool,
+           capacity: float | None = None) -> dict:
     dp, ep, tp = mesh.get("dp", 1), mesh["ep"], mesh.get("tp", 1)
     shares = dp * ep
     model = _build(overrides)
     ref = copy.deepcopy(model)
+    if capacity is not None:      # the plan's capacity factor: the reference runs at it too
+        for m in ref.modules():
+            if hasattr(m, "capacity_factor"):
+                m.capacity_factor = capacity
     torch.manual_seed(1)
     args, _ = models.example_inputs(model, batch * shares, seq, device="cpu")
     target = torch.randint(0, overrides["vocab"], (batch * shares, seq))
@@ -51,7 +56,8 @@ def _train(rank: int, world: int, overrides: dict, mesh: dict, batch: int, seq: 
     if skew:   # a calibration batch of one repeated token whose experts the contiguous placement puts together
         calib = _skewed_calibration(model, overrides, mesh["ep"], batch, seq)
     budget = 0.75 * 16 * sum(p.numel() for p in model.parameters()) if tp > 1 else None
-    pm = autopar.parallelize(model, mesh, local, calibration=calib, memory_budget=budget)
+    pm = autopar.parallelize(model, mesh, local, calibration=calib, memory_budget=budget,
+                             capacity_factor=capacity)
     opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-3, eps=1e-6)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
     loss_err = grad_err = 0.0
@@ -74,6 +80,7 @@ def _train(rank: int, world: int, overrides: dict, mesh: dict, batch: int, seq: 
     param_err = _compare(pm, dict(ref.named_parameters()), tp, rank, scale, params=True)
     perm = {f: rt.owned() for f, rt in pm.ep_runtimes.items()}
     return {"loss_err": loss_err, "grad_err": grad_err, "param_err": param_err,
+            "capacity": pm.plan.capacity_factor,
             "owned": {f: list(v) for f, v in perm.items()},
             "expert_shapes": {k: list(p.shape) for k, p in pm.named_parameters() if k in pm.expert_params},
             "imbalance": {f: p.imbalance for f, p in pm.placements.items()},
@@ -161,3 +168,10 @@ def test_balanced_placement_evens_out_skewed_loads():
     assert place_experts(8, 4).perm == tuple(range(8))           # uniform loads: experts in order
     with pytest.raises(autopar.errors.ConfigError, match="do not split evenly"):
         place_experts(6, 4)
+
+
+def test_capacity_factor_is_a_plan_field():
+    # the model is built at 1.25; the plan's 0.5 drops tokens, exactly as the model at 0.5 does
+    res = run_ranks(_train, 2, MOE, {"ep": 2}, 2, 8, False, 0.5)
+    _check(res, MOE["experts"], 2)
+    assert all(r["capacity"] == 0.5 for r in res)
