@@ -319,7 +319,11 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
                           fix="call torch.distributed.init_process_group (torchrun sets the environment) first")
     if isinstance(plan, str):
         plan = Plan.load(plan)
-    if _has_axis(mesh, "ep"):
+    if _has_axis(mesh, "ep") or (plan is not None and plan.ep_axis is not None):
+        if plan is not None:
+            raise ConfigError("re-applying a saved expert-parallel plan is not supported yet", where="parallelize",
+                              got="plan= with an ep axis",
+                              fix="call parallelize without plan= (placement comes from calibration=)")
         from autopar.ep import parallelize_experts
         return parallelize_experts(model, mesh, example_inputs, hardware=hardware, memory_budget=memory_budget,
                                    sync_params=sync_params, calibration=calibration,
