@@ -1,0 +1,488 @@
+"""The hybrid simulator: one configuration of dp x tp x pp (ZeRO stage, recomputation,
+micro-batches, schedule) scored in seconds and bytes, and the search over all of them.
+
+Facts come from the captured graph once (:class:`ModelFacts`): the repeated block class
+(transformer layers), what runs before the first block (embeddings) and after the last
+(final norm, head), with FLOPs, bytes and saved activations per op as formulas of ``batch``
+and ``seq``. For a tensor degree ``t`` and micro-batch ``b`` the tensor-axis solver runs once
+on the whole graph (it plans one block and reuses it for every copy); every op is then priced
+by the cost model's roofline at the fraction of work its strategy leaves on one rank, and the
+solver's placement conversions are priced where they happen. Per micro-batch that gives the
+forward and backward seconds of one block, of the part before and of the part after.
+
+A configuration (:func:`simulate`):
+
+- pipeline stages get ``L / (pp*v)`` blocks each, the first also the part before, the last
+  the part after; recomputation adds each block's forward again to its backward (``full``),
+  or only the attention-score ops (``selective``: softmax / masking / dropout between the two
+  attention matmuls); the schedule simulator (:mod:`autopar.cost.pp_sim`) runs the
+  ``B / (dp*b)`` micro-batches through them with p2p of one block boundary's activation;
+- the data axis all-reduces (ZeRO-0/1) or reduce-scatters (2/3) each stage's gradients after
+  the pipeline drains (not overlapped with a pipeline; with ``pp == 1`` the last micro-batch's
+  backward hides what it can), priced on the links the dp axis spans;
+- the optimizer step reads and writes the stage's state once (memory-bound);
+- memory per device: parameters, gradients and optimizer state by the ZeRO formulas for the
+  stage's share of parameters, plus the activations of the micro-batches the schedule keeps
+  in flight (a block input per block under ``full``, and one block's whole activations during
+  its recomputation).
+
+Hardware FLOP/s count recomputation; model FLOP/s and MFU do not.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+
+from autopar.cost.cluster import Cluster
+from autopar.cost.comm import collective_time
+from autopar.cost.compute import op_time
+from autopar.errors import ConfigError
+from autopar.passes.meta import evaluate, graph_info, info
+from autopar.passes.sharding import is_decision, tensor_inputs
+from autopar.placement import REP
+
+RECOMPUTE = ("none", "selective", "full")
+SCORE_OPS = {"_softmax", "softmax", "_safe_softmax", "masked_fill", "where", "dropout", "native_dropout", "div", "mul"}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One point of the search space."""
+
+    dp: int
+    tp: int
+    pp: int
+    micro_batch: int
+    schedule: str = "1f1b"
+    virtual: int = 1
+    recompute: str = "none"
+    zero_stage: int = 0
+    ep: int = 1
+
+    def degrees(self) -> dict[str, int]:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep}
+
+
+@dataclass(frozen=True)
+class Score:
+    """What the simulator predicts for one configuration."""
+
+    config: Config
+    step_time_s: float
+    microbatches: int
+    model_flops: float                # per step, whole cluster, without recomputation
+    hw_flops: float                   # with recomputation
+    tflops_per_device: float
+    hw_tflops_per_device: float
+    mfu: float
+    peak_memory_bytes: float
+    memory: dict[str, float]
+    bubble_fraction: float
+    exposed_comm_s: float
+    fits: bool
+    parts: dict[str, float] = field(default_factory=dict)
+    reason: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        c = self.config
+        return {"degrees": c.degrees(), "zero_stage": c.zero_stage, "micro_batch_size": c.micro_batch,
+                "microbatches": self.microbatches, "schedule": c.schedule, "virtual_stages": c.virtual,
+                "recompute": c.recompute,
+                "predicted": {"step_time_s": self.step_time_s, "tflops_per_device": self.tflops_per_device,
+                              "hw_tflops_per_device": self.hw_tflops_per_device, "mfu": self.mfu,
+                              "peak_memory_bytes": self.peak_memory_bytes, "memory_bytes": dict(self.memory),
+                              "bubble_fraction": self.bubble_fraction, "exposed_comm_s": self.exposed_comm_s,
+                              "parts_s": dict(self.parts)},
+                "fits": self.fits, "reason": self.reason}
+
+
+@dataclass
+class _Part:
+    fwd: float = 0.0
+    bwd: float = 0.0
+    score_fwd: float = 0.0            # attention-score ops (selective recompute)
+    comm_fwd: float = 0.0
+    comm_bwd: float = 0.0
+    saved: float = 0.0
+    score_saved: float = 0.0
+    flops: float = 0.0                # model FLOPs (forward + backward)
+    fwd_flops: float = 0.0
+
+
+class ModelFacts:
+    """What the simulator reads from one captured, analysed graph (module docstring)."""
+
+    def __init__(self, gm: fx.GraphModule, *, seq: int, dtype: str = "bf16", optimizer_floats: int = 2,
+                 attention: str = "flash") -> None:
+        if attention not in ("flash", "materialized"):
+            raise ConfigError(f"unknown attention kernel model {attention!r}", expected="flash or materialized")
+        self.attention = attention
+        ginfo = graph_info(gm)
+        if not ginfo.block_classes:
+            raise ConfigError("the model has no repeated block to pipeline", where="planner",
+                              fix="the hybrid planner needs a model made of repeated layers")
+        self.gm = gm
+        self.seq = seq
+        self.dtype = dtype
+        self.k = optimizer_floats
+        cls = max(ginfo.block_classes, key=lambda c: len(c.members) * c.nodes_per_member)
+        self.layers = len(cls.members)
+        self.members = set(cls.members)
+        nodes = list(gm.graph.nodes)
+        self.where: dict[fx.Node, str] = {}
+        first = next(i for i, n in enumerate(nodes) if info(n).block_member in self.members)
+        for i, n in enumerate(nodes):
+            m = info(n).block_member
+            self.where[n] = "block" if m in self.members else ("pre" if i < first else "post")
+        self.params: dict[str, float] = {"pre": 0.0, "block": 0.0, "post": 0.0}
+        self._param_nodes = [n for n in nodes if n.op == "placeholder" and info(n).kind == "param"]
+        self._cache: dict[tuple[int, int, Any], dict[str, _Part]] = {}
+        self.symbols = {str(s) for s in ginfo.symbols}
+        self._captured_fp32 = any(info(n).values[0].dtype == torch.float32 for n in self._param_nodes[:1])
+
+    def sizes(self, micro_batch: int) -> dict[str, int]:
+        return {"batch": micro_batch, "seq": self.seq}
+
+    def param_numel(self, tp: int, strategies: Mapping[str, Any] | None) -> dict[str, float]:
+        """Parameters per tp rank of the part before, one block, and the part after."""
+        out = {"pre": 0.0, "block": 0.0, "post": 0.0}
+        for n in self._param_nodes:
+            numel = float(evaluate(info(n).values[0].numel, {}))
+            s = (strategies or {}).get(n.name)
+            split = s is not None and any(o.value != REP.value for o in s.outputs)
+            part = self._reader_part(n)
+            out[part] += numel / (tp if split else 1)
+        out["block"] /= self.layers
+        return out
+
+    def _reader_part(self, param: fx.Node) -> str:
+        for u in param.users:
+            w = self.where.get(u)
+            if w is not None:
+                return w
+        return "pre"
+
+    def parts(self, tp: int, micro_batch: int, cluster: Cluster, axes: tuple[tuple[str, int], ...]
+              ) -> tuple[dict[str, _Part], Mapping[str, Any]]:
+        """Per micro-batch: seconds, FLOPs and saved bytes of the part before, one block, after."""
+        key = (tp, micro_batch, cluster.name)
+        if key in self._cache:
+            return self._cache[key]
+        from autopar.cost.tp_solver import SolverConfig, _Pricer, solve
+
+        at = self.sizes(micro_batch)
+        strategies: Mapping[str, Any] = {}
+        pricer = None
+        if tp > 1:
+            cfg = SolverConfig(n=tp, cluster=cluster, mesh_axes=axes, axis="tp", sizes=at, dtype=self.dtype)
+            strategies = solve(self.gm, cfg).strategies
+            pricer = _Pricer(self.gm, cfg)
+        dev = cluster.device
+        # a graph captured in fp32 and run in 16-bit moves half the bytes it records
+        width = 0.5 if self.dtype in ("bf16", "fp16") and self._captured_fp32 else 1.0
+        parts = {"pre": _Part(), "block": _Part(), "post": _Part()}
+        for n in self.gm.graph.nodes:
+            if not is_decision(n):
+                continue
+            rec = info(n)
+            p = parts[self.where[n]]
+            s = strategies.get(n.name)
+            work = s.work if s is not None else 1.0
+            ff, fb = float(evaluate(rec.flops_fwd, at)), float(evaluate(rec.flops_bwd, at))
+            bf, bb = float(evaluate(rec.bytes_fwd, at)) * width, float(evaluate(rec.bytes_bwd, at)) * width
+            if self.attention == "materialized" and _is_sdpa(n):
+                scores = _score_bytes(n, at, self.dtype)
+                bf, bb = bf + SCORE_PASSES_FWD * scores, bb + SCORE_PASSES_BWD * scores
+            f = op_time(ff * work, bf * work, dev, self.dtype)
+            b = op_time(fb * work, bb * work, dev, self.dtype) if rec.requires_grad else 0.0
+            saved = float(evaluate(rec.saved_bytes, at)) * work * width
+            p.fwd += f
+            p.bwd += b
+            p.saved += saved
+            p.flops += ff + (fb if rec.requires_grad else 0.0)
+            p.fwd_flops += ff
+            if _is_score_op(n):
+                p.score_fwd += f
+                p.score_saved += saved
+            if pricer is not None and s is not None:
+                for j, arg in enumerate(tensor_inputs(n)):
+                    src = strategies.get(arg.name)
+                    if src is None or j >= len(s.inputs) or not src.outputs:
+                        continue
+                    t = pricer.convert(arg, 0, src.outputs[0], s.inputs[j]) * width
+                    p.comm_fwd += t / 2
+                    p.comm_bwd += t / 2
+        blk = parts["block"]
+        for name in ("fwd", "bwd", "score_fwd", "comm_fwd", "comm_bwd", "saved", "score_saved", "flops", "fwd_flops"):
+            setattr(blk, name, getattr(blk, name) / self.layers)
+        self._cache[key] = (parts, strategies)
+        return parts, strategies
+
+
+# Attention that materialises the [b, heads, s, s] scores (no flash kernel), as Megatron-LM's
+# 2021 fused kernels did: forward, the scores GEMM writes them (1 pass), the fused
+# scale-mask-softmax reads and writes them (2), dropout reads and writes them (2, plus a
+# 1-byte mask, counted as half a pass), the value GEMM reads them (1); backward, the dP GEMM
+# writes (1), dropout's backward reads dP and writes (2, mask half), softmax's backward reads
+# the probabilities and dP and writes dS (3), the two GEMMs read dS (2) and the probabilities
+# (1). Bytes per pass: the score tensor in the compute dtype.
+SCORE_PASSES_FWD = 6.5
+SCORE_PASSES_BWD = 9.5
+
+
+def _is_sdpa(node: fx.Node) -> bool:
+    return "scaled_dot_product" in getattr(node.target, "__name__", str(node.target))
+
+
+def _score_bytes(node: fx.Node, at: Mapping[str, int], dtype: str) -> float:
+    q = info(node.args[0]).values[0].shape
+    k = info(node.args[1]).values[0].shape
+    elems = float(evaluate(sympy_prod(q[:-1]) * k[-2], at))
+    return elems * (2 if dtype in ("bf16", "fp16") else 4)
+
+
+def sympy_prod(dims):
+    out = 1
+    for d in dims:
+        out = out * d
+    return out
+
+
+def _is_score_op(node: fx.Node) -> bool:
+    """Ops between the two attention matmuls (scores): what selective recomputation redoes."""
+    name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    if name not in SCORE_OPS:
+        return False
+    vals = info(node).values
+    return bool(vals) and len(vals[0].shape) == 4 and str(vals[0].shape[-1]) == str(vals[0].shape[-2])
+
+
+def _axes(c: Config, cluster: Cluster) -> tuple[tuple[str, int], ...]:
+    # tp innermost (inside a node), then dp, then pp outermost, as Megatron lays ranks out
+    return (("pp", c.pp), ("dp", c.dp), ("tp", c.tp))
+
+
+def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
+             budget: float | None = None) -> Score:
+    """Score one configuration (module docstring) at global ``batch``."""
+    from autopar.cost.pp_sim import StageCosts, make
+    from autopar.cost.pp_sim import simulate as run_schedule
+
+    if c.recompute not in RECOMPUTE:
+        raise ConfigError(f"unknown recompute {c.recompute!r}", expected=", ".join(RECOMPUTE))
+    devices = c.dp * c.tp * c.pp
+    if batch % (c.dp * c.micro_batch):
+        raise ConfigError(f"batch {batch} does not split into dp={c.dp} x micro-batch {c.micro_batch}",
+                          where="config", fix="pick a micro-batch size dividing batch / dp")
+    m = batch // (c.dp * c.micro_batch)
+    stages = c.pp * c.virtual
+    if facts.layers % stages:
+        raise ConfigError(f"{facts.layers} layers do not split into {stages} stages", where="config",
+                          fix="pick pp * virtual stages dividing the layer count")
+    axes = _axes(c, cluster)
+    parts, strategies = facts.parts(c.tp, c.micro_batch, cluster, axes)
+    pre, blk, post = parts["pre"], parts["block"], parts["post"]
+    per_stage = facts.layers // stages
+    re_blk = {"none": 0.0, "selective": blk.score_fwd, "full": blk.fwd + blk.comm_fwd}[c.recompute]
+    fwd, bwd = [], []
+    for s in range(stages):
+        f = per_stage * (blk.fwd + blk.comm_fwd)
+        b = per_stage * (blk.bwd + blk.comm_bwd + re_blk)
+        if s == 0:
+            f, b = f + pre.fwd + pre.comm_fwd, b + pre.bwd + pre.comm_bwd
+        if s == stages - 1:
+            f, b = f + post.fwd + post.comm_fwd, b + post.bwd + post.comm_bwd
+        fwd.append(f)
+        bwd.append(b)
+    act_bytes = _boundary_bytes(facts, c)
+    p2p = collective_time("send_recv", act_bytes, cluster, axes, "pp") if c.pp > 1 else 0.0
+    sched = c.schedule if c.pp > 1 else "gpipe"
+    if sched == "interleaved" and (c.virtual < 2 or m % c.pp):
+        raise ConfigError("interleaved needs virtual >= 2 and micro-batches a multiple of pp", where="config")
+    result = run_schedule(make(sched, c.pp, m, c.virtual),
+                          StageCosts(forward_s=tuple(fwd), backward_s=tuple(bwd), p2p_s=p2p))
+    pipe = result.step_time_s
+    # data axis and optimizer
+    numel = facts.param_numel(c.tp, strategies)
+    stage_params = per_stage * c.virtual * numel["block"] + max(numel["pre"], numel["post"])
+    grad_bytes = 2.0 * stage_params if facts.dtype in ("bf16", "fp16") else 4.0 * stage_params
+    kind = "all_reduce" if c.zero_stage <= 1 else "reduce_scatter"
+    dp_comm = collective_time(kind, grad_bytes, cluster, axes, "dp") if c.dp > 1 else 0.0
+    if c.zero_stage >= 1 and c.dp > 1:
+        dp_comm += collective_time("all_gather", grad_bytes, cluster, axes, "dp")
+    hidden = (bwd[-1] if c.pp == 1 else 0.0)
+    exposed = max(0.0, dp_comm - hidden)
+    state_bytes_per_param = (4 + 4 * facts.k) if facts.dtype in ("bf16", "fp16") else 4 * (2 + facts.k)
+    optim = _optimizer_time(stage_params / (c.dp if c.zero_stage >= 1 else 1), state_bytes_per_param, cluster)
+    step = pipe + exposed + optim
+    # memory
+    mem = _memory(facts, c, stage_params, blk, pre, post, result, per_stage, m)
+    peak = sum(mem.values())
+    fits = budget is None or peak <= budget
+    samples = batch / c.micro_batch                # the parts are per micro-batch
+    model_flops = (pre.flops + post.flops + facts.layers * blk.flops) * samples
+    hw_flops = model_flops + samples * facts.layers * {"none": 0.0, "selective": 0.0,
+                                                        "full": blk.fwd_flops}[c.recompute]
+    peak_flops = cluster.device.peak(facts.dtype)
+    tput = model_flops / step / devices
+    return Score(config=c, step_time_s=step, microbatches=m, model_flops=model_flops, hw_flops=hw_flops,
+                 tflops_per_device=tput / 1e12, hw_tflops_per_device=hw_flops / step / devices / 1e12,
+                 mfu=tput / peak_flops, peak_memory_bytes=peak, memory=mem,
+                 bubble_fraction=result.bubble_fraction, exposed_comm_s=exposed + (c.tp > 1) * 0.0, fits=fits,
+                 parts={"pipeline_s": pipe, "dp_comm_s": dp_comm, "optimizer_s": optim,
+                        "tp_comm_per_block_s": blk.comm_fwd + blk.comm_bwd, "block_fwd_s": blk.fwd,
+                        "block_bwd_s": blk.bwd})
+
+
+def _boundary_bytes(facts: ModelFacts, c: Config) -> float:
+    """One micro-batch's activation at a block boundary: batch x seq x hidden in the compute dtype."""
+    width = 2 if facts.dtype in ("bf16", "fp16") else 4
+    hidden = _hidden(facts)
+    return float(c.micro_batch * facts.seq * hidden * width)
+
+
+def _hidden(facts: ModelFacts) -> int:
+    for n in facts.gm.graph.nodes:
+        if facts.where.get(n) == "block" and info(n).values:
+            shape = info(n).values[0].shape
+            if len(shape) == 3:
+                return int(evaluate(shape[-1], {"batch": 1, "seq": 1}))
+    return 1
+
+
+def _optimizer_time(numel: float, state_bytes: float, cluster: Cluster) -> float:
+    """An elementwise optimizer reads and writes every state byte once."""
+    return op_time(0.0, 2 * numel * state_bytes, cluster.device, "fp32", launch_overhead=False)
+
+
+def _memory(facts: ModelFacts, c: Config, stage_params: float, blk: _Part, pre: _Part, post: _Part,
+            result, per_stage: int, m: int) -> dict[str, float]:
+    mixed = facts.dtype in ("bf16", "fp16")
+    n, z, k = c.dp, c.zero_stage, facts.k
+    if mixed:
+        params = 2 * stage_params / (n if z == 3 else 1)
+        grads = 2 * stage_params / (n if z >= 2 else 1)
+        optim = (4 + 4 * k) * stage_params / (n if z >= 1 else 1)
+    else:
+        params = 4 * stage_params / (n if z == 3 else 1)
+        grads = 4 * stage_params / (n if z >= 2 else 1)
+        optim = 4 * k * stage_params / (n if z >= 1 else 1)
+    scale = 1.0                                   # saved bytes are already in the compute dtype
+    inflight = max(result.peak_inflight[:c.pp]) if result.peak_inflight else 1
+    if c.recompute == "full":
+        per_mb = per_stage * c.virtual * _boundary_bytes(facts, c) + blk.saved * scale
+    elif c.recompute == "selective":
+        per_mb = per_stage * c.virtual * (blk.saved - blk.score_saved) * scale
+    else:
+        per_mb = per_stage * c.virtual * blk.saved * scale
+    per_mb += max(pre.saved, post.saved) * scale
+    acts = per_mb * inflight
+    return {"params": params, "grads": grads, "optimizer": optim, "activations": acts}
+
+
+def configurations(facts: ModelFacts, *, devices: int, batch: int, per_node: int,
+                   schedules: Sequence[str] = ("1f1b", "interleaved", "gpipe", "zb"),
+                   recomputes: Sequence[str] = RECOMPUTE, zero_stages: Sequence[int] = (0, 1, 2, 3),
+                   micro_batches: Sequence[int] = (1, 2, 4, 8), tp_max: int | None = None) -> Iterable[Config]:
+    """Every configuration the search considers: tp a power of two within a node, pp dividing
+    the layers, dp the rest dividing the batch."""
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= (tp_max or per_node) and devices % t == 0]
+    for tp in tps:
+        for pp in [p for p in range(1, facts.layers + 1) if facts.layers % p == 0 and (devices // tp) % p == 0]:
+            dp = devices // (tp * pp)
+            if batch % dp:
+                continue
+            for mb in [b for b in micro_batches if (batch // dp) % b == 0]:
+                for sched in (schedules if pp > 1 else ("gpipe",)):
+                    vs = [2] if sched == "interleaved" else [1]
+                    for v in vs:
+                        if facts.layers % (pp * v) or (sched == "interleaved" and (batch // dp // mb) % pp):
+                            continue
+                        for rc in recomputes:
+                            for z in (zero_stages if dp > 1 else (0,)):
+                                yield Config(dp=dp, tp=tp, pp=pp, micro_batch=mb, schedule=sched, virtual=v,
+                                             recompute=rc, zero_stage=z)
+
+
+def search(facts: ModelFacts, cluster: Cluster, *, batch: int, budget: float | None = None,
+           top: int = 5, **space: Any) -> tuple[Score | None, list[Score], int]:
+    """The fastest configuration that fits, the next ``top`` with why each lost, and how many
+    were scored. Configurations whose compute alone (a lower bound) already exceeds the best
+    found are skipped."""
+    budget = budget if budget is not None else cluster.device.memory_bytes
+    scored: list[Score] = []
+    best: Score | None = None
+    count = 0
+    for c in configurations(facts, devices=cluster.world_size, batch=batch, per_node=cluster.devices_per_node,
+                            **space):
+        if best is not None and _lower_bound(facts, cluster, c, batch) >= best.step_time_s:
+            continue
+        try:
+            s = simulate(facts, cluster, c, batch=batch, budget=budget)
+        except ConfigError:
+            continue
+        count += 1
+        scored.append(s)
+        if s.fits and (best is None or s.step_time_s < best.step_time_s):
+            best = s
+    others = sorted((s for s in scored if s is not best), key=lambda s: (not s.fits, s.step_time_s))
+    out = []
+    for s in others:
+        if len(out) >= top:
+            break
+        if any(o.config == s.config for o in out):
+            continue
+        out.append(_with_reason(s, best, budget))
+    return best, out, count
+
+
+def _lower_bound(facts: ModelFacts, cluster: Cluster, c: Config, batch: int) -> float:
+    parts, _ = facts._cache.get((c.tp, c.micro_batch, cluster.name), (None, None))
+    if parts is None:
+        return 0.0
+    blk = parts["block"]
+    per_mb = facts.layers * (blk.fwd + blk.bwd) / c.pp
+    return per_mb * batch / (c.dp * c.micro_batch)
+
+
+def _with_reason(s: Score, best: Score | None, budget: float) -> Score:
+    if not s.fits:
+        why = f"does not fit: needs {s.peak_memory_bytes / 1e9:.1f} GB, budget {budget / 1e9:.1f} GB"
+    elif best is None:
+        why = ""
+    else:
+        diffs = {"pipeline bubble and compute": s.parts["pipeline_s"] - best.parts["pipeline_s"],
+                 "exposed dp communication": s.exposed_comm_s - best.exposed_comm_s,
+                 "optimizer step": s.parts["optimizer_s"] - best.parts["optimizer_s"]}
+        worst = max(diffs, key=lambda k: diffs[k])
+        why = (f"slower by {100 * (s.step_time_s / best.step_time_s - 1):.0f}% "
+               f"({worst} +{diffs[worst] * 1e3:.1f} ms)")
+    return Score(**{**{k: getattr(s, k) for k in s.__dataclass_fields__}, "reason": why})
+
+
+def smallest_cluster(facts: ModelFacts, cluster: Cluster, *, batch: int, budget: float | None = None,
+                     limit: int = 1 << 16) -> int | None:
+    """The smallest device count (whole nodes) on which some configuration fits."""
+    from autopar.cost.cluster import Cluster as C
+
+    per = cluster.devices_per_node
+    nodes = max(1, cluster.world_size // per)
+    while nodes * per <= limit:
+        nodes *= 2
+        bigger = C(nodes=nodes, devices_per_node=per, device=cluster.device, intra=cluster.intra,
+                   inter=cluster.inter, intra_peak_bandwidth=cluster.intra_peak_bandwidth,
+                   name=f"{nodes}x{per} {cluster.device.name}")
+        best, _, _ = search(facts, bigger, batch=batch, budget=budget, top=0, recomputes=("full",),
+                            schedules=("1f1b",), micro_batches=(1,))
+        if best is not None:
+            return nodes * per
+    return None
+
+
+__all__ = ["Config", "Score", "ModelFacts", "simulate", "configurations", "search", "smallest_cluster", "RECOMPUTE"]
+
+del asdict, math
