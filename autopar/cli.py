@@ -114,6 +114,9 @@ def _plan(args: argparse.Namespace) -> int:
     gm = capture_workload(w)
     _progress(args, f"built and captured {w.name} ({len(gm.graph.nodes)} nodes) in {time.perf_counter() - start:.1f}s;"
                     f" planning for {cluster.name} …")
+    if args.pp == "auto":
+        return _plan_hybrid(args, w, gm, cluster, start)
+    args.pp = _positive_int(args.pp, "--pp")
     if args.pp > 1:
         return _plan_pipeline(args, w, gm, cluster, tp[0] if tp else 1)
     if args.timeline:
@@ -176,6 +179,139 @@ def _experts_text(choices) -> str:
         lines.append(f"  {c.mode:<10} {c.ep:>3} {_ms(c.time_s):>10} {_ms(c.all_to_all_s):>11} "
                      f"{c.state_bytes / 1e9:>6.2f} GB  {c.reason}")
     return "\n".join(lines)
+
+
+_HYBRID_HELP = "the simulator's figures (cost/hybrid.py)"
+
+
+def _hybrid_facts(args: argparse.Namespace, gm):
+    from autopar.cost.hybrid import ModelFacts
+    from autopar.cost.dp_planner import optimizer_floats
+    dtype = "fp32" if args.dtype == "fp32" else args.dtype
+    return ModelFacts(gm, seq=args.seq, dtype=dtype, optimizer_floats=optimizer_floats(args.optimizer),
+                      attention=getattr(args, "attention", "flash"))
+
+
+def _hybrid_json(w, cluster, args, best, others, planner_s: float, scored: int) -> dict:
+    data = {"model": w.name, "cluster": cluster.name, "devices": cluster.world_size, "batch": args.batch,
+            "seq": args.seq, "dtype": args.dtype, **best.as_dict(), "planner_time_s": planner_s,
+            "configurations_scored": scored, "memory_budget_bytes": _budget(args, cluster),
+            "alternatives": [o.as_dict() for o in others]}
+    return data
+
+
+def _budget(args: argparse.Namespace, cluster) -> float:
+    return args.memory_budget * 1e9 if args.memory_budget is not None else cluster.device.memory_bytes
+
+
+def _plan_hybrid(args: argparse.Namespace, w, gm, cluster, start: float) -> int:
+    """``autopar plan`` (default): the joint search over every parallelism (cost/hybrid.py)."""
+    import json
+
+    from autopar.cost.hybrid import RECOMPUTE, search, smallest_cluster
+
+    facts = _hybrid_facts(args, gm)
+    space = {}
+    if args.tp != "auto":
+        space["tp_max"] = _positive_int(args.tp, "--tp")
+    if args.zero != "auto":
+        space["zero_stages"] = (int(args.zero),)
+    t0 = time.perf_counter()
+    best, others, scored = search(facts, cluster, batch=args.batch, budget=_budget(args, cluster),
+                                  top=args.top, recomputes=RECOMPUTE, **space)
+    planner_s = time.perf_counter() - t0
+    _progress(args, f"scored {scored} configurations in {planner_s:.1f}s")
+    if best is None:
+        smallest = smallest_cluster(facts, cluster, batch=args.batch, budget=_budget(args, cluster))
+        raise ConfigError(f"no configuration of {w.name} fits in {_budget(args, cluster) / 1e9:.1f} GB per device "
+                          f"on {cluster.name}", where="autopar plan",
+                          expected=f"per-device memory <= {_budget(args, cluster) / 1e9:.1f} GB",
+                          got=f"the leanest needs {min(o.peak_memory_bytes for o in others) / 1e9:.1f} GB"
+                          if others else "no configuration divides the batch and layers",
+                          fix=(f"{smallest} devices (whole nodes of {cluster.devices_per_node}) would fit"
+                               if smallest else "no cluster up to 65536 devices fits")
+                          + "; or raise --memory-budget")
+    if args.timeline or args.report:
+        _hybrid_extras(args, facts, cluster, best, others)
+    if args.json:
+        sys.stdout.write(json.dumps(_hybrid_json(w, cluster, args, best, others, planner_s, scored), indent=1) + "\n")
+        return 0
+    sys.stdout.write(_hybrid_text(args, w.name, cluster, best, others, planner_s, scored) + "\n")
+    return 0
+
+
+def _hybrid_text(args, name: str, cluster, best, others, planner_s: float, scored: int) -> str:
+    from autopar.dump import seconds
+    c = best.config
+    mem = best.memory
+    gb = lambda x: f"{x / 1e9:.2f}"  # noqa: E731
+    lines = [f"autopar plan: {name} on {cluster.name} ({cluster.world_size} devices), global batch {args.batch}, "
+             f"seq {args.seq}, {args.dtype}; {scored} configurations scored in {planner_s:.2f}s",
+             f"chosen: dp={c.dp} tp={c.tp} pp={c.pp} ZeRO-{c.zero_stage}, micro-batch {c.micro_batch} x "
+             f"{best.microbatches}, {c.schedule} schedule" + (f" (v={c.virtual})" if c.virtual > 1 else "")
+             + f", recompute {c.recompute}",
+             f"  predicted step time {seconds(best.step_time_s)}: {best.tflops_per_device:.1f} model TFLOP/s per "
+             f"device ({best.hw_tflops_per_device:.1f} with recomputation), MFU {100 * best.mfu:.1f}%, "
+             f"bubble {best.bubble_fraction:.3f}, exposed communication {seconds(best.exposed_comm_s)}",
+             f"  memory per device (GB): params {gb(mem['params'])}  grads {gb(mem['grads'])}  optimizer "
+             f"{gb(mem['optimizer'])}  activations {gb(mem['activations'])}  total {gb(best.peak_memory_bytes)} "
+             f"(budget {gb(_budget(args, cluster))})"]
+    if others:
+        lines.append(f"alternatives (top {len(others)}):")
+        lines.append(f"  {'dp':>4} {'tp':>3} {'pp':>3} {'ZeRO':>4} {'mb':>3} {'sched':>11} {'recompute':>9} "
+                     f"{'step':>9} {'memory':>9}  why not")
+        for o in others:
+            k = o.config
+            lines.append(f"  {k.dp:>4} {k.tp:>3} {k.pp:>3} {k.zero_stage:>4} {k.micro_batch:>3} {k.schedule:>11} "
+                         f"{k.recompute:>9} {seconds(o.step_time_s):>9} {o.peak_memory_bytes / 1e9:>6.1f} GB  "
+                         f"{o.reason}")
+    return "\n".join(lines)
+
+
+def _hybrid_extras(args, facts, cluster, best, others) -> None:
+    """--timeline: the chosen plan's simulated schedule as SVG."""
+    if args.timeline:
+        from autopar.cost.hybrid import timeline_of
+        from autopar.cost.timeline import write_timeline
+        sim = timeline_of(facts, cluster, best.config, batch=args.batch)
+        c = best.config
+        write_timeline(sim, args.timeline, title=f"{facts.layers} layers, dp={c.dp} tp={c.tp} pp={c.pp}, "
+                                                 f"{c.schedule}, {best.microbatches} micro-batches")
+        _progress(args, f"wrote {args.timeline}")
+    if args.report:
+        raise ConfigError("--report is not built yet", where="autopar plan", fix="use --json or --timeline")
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    """``autopar simulate``: score one fixed configuration with the planner's simulator."""
+    import json
+
+    from autopar.cost.cluster import Cluster
+    from autopar.cost.hybrid import Config, simulate
+    from autopar.workload import capture_workload, load_workload, parse_overrides
+
+    cluster = Cluster.from_spec(args.cluster, hardware=args.hardware)
+    w = load_workload(args.model, batch=args.batch, seq=args.seq, overrides=parse_overrides(args.set))
+    gm = capture_workload(w)
+    facts = _hybrid_facts(args, gm)
+    tp, pp = args.tp, args.pp
+    dp = args.dp or cluster.world_size // (tp * pp)
+    if dp * tp * pp != cluster.world_size:
+        raise ConfigError(f"dp x tp x pp = {dp * tp * pp} is not the cluster's {cluster.world_size} devices",
+                          where="autopar simulate", fix="pick degrees whose product is the device count")
+    c = Config(dp=dp, tp=tp, pp=pp, micro_batch=args.micro_batch_size, schedule=args.schedule,
+               virtual=args.virtual_stages, recompute=args.recompute, zero_stage=args.zero)
+    t0 = time.perf_counter()
+    score = simulate(facts, cluster, c, batch=args.batch, budget=_budget(args, cluster))
+    data = {"model": w.name, "cluster": cluster.name, "devices": cluster.world_size, "batch": args.batch,
+            "seq": args.seq, "dtype": args.dtype, **score.as_dict(), "planner_time_s": time.perf_counter() - t0,
+            "alternatives": []}
+    if args.timeline:
+        from autopar.cost.hybrid import timeline_of
+        from autopar.cost.timeline import write_timeline
+        write_timeline(timeline_of(facts, cluster, c, batch=args.batch), args.timeline)
+    sys.stdout.write(json.dumps(data, indent=1) + "\n")
+    return 0
 
 
 def _plan_pipeline(args: argparse.Namespace, w, gm, cluster, tp: int) -> int:
@@ -346,7 +482,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--zero", choices=["auto", "0", "1", "2", "3"], default="auto", help="ZeRO stage (default auto)")
     pl.add_argument("--tp", default="auto", help="tensor-parallel degree, or auto (powers of two within a node)")
     pl.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd-momentum, ...")
-    pl.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1: no pipeline)")
+    pl.add_argument("--pp", default="auto",
+                    help="auto (default): search dp x tp x pp, ZeRO, recomputation, micro-batches and schedule "
+                         "jointly; 1: data and tensor parallelism only; N: this many pipeline stages")
+    pl.add_argument("--report", metavar="OUT.html", help="with --pp auto: write the plan as one HTML page")
     pl.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb"],
                     help="with --pp: the pipeline schedule (default: the simulator's choice)")
     pl.add_argument("--microbatches", type=int, help="with --pp: micro-batches per step (default: chosen)")
@@ -356,6 +495,30 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--top", type=int, default=5, metavar="K", help="alternatives to show (default 5)")
     pl.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     pl.set_defaults(fn=_plan)
+
+    sm = sub.add_parser("simulate", help="score one fixed configuration with the planner's simulator (JSON)")
+    sm.add_argument("--model", required=True, help="zoo name (see `autopar models`) or path/to/file.py:factory")
+    sm.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model config field")
+    sm.add_argument("--cluster", required=True, metavar="NODESxGPUS")
+    sm.add_argument("--hardware", default="h100")
+    sm.add_argument("--batch", type=int, required=True, help="global batch size")
+    sm.add_argument("--seq", type=int, required=True)
+    sm.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
+    sm.add_argument("--optimizer", default="adamw")
+    sm.add_argument("--memory-budget", type=float, metavar="GB")
+    sm.add_argument("--tp", type=int, default=1)
+    sm.add_argument("--pp", type=int, default=1)
+    sm.add_argument("--dp", type=int, help="default: devices / (tp * pp)")
+    sm.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
+    sm.add_argument("--micro-batch-size", type=int, default=1)
+    sm.add_argument("--schedule", choices=["1f1b", "interleaved", "gpipe", "zb"], default="1f1b")
+    sm.add_argument("--virtual-stages", type=int, default=1)
+    sm.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    sm.add_argument("--attention", choices=["flash", "materialized"], default="flash",
+                    help="price attention as a flash kernel, or with the [s, s] scores written out")
+    sm.add_argument("--timeline", metavar="OUT.svg")
+    sm.add_argument("-q", "--quiet", action="store_true")
+    sm.set_defaults(fn=_simulate)
 
     m = sub.add_parser("models", help="list the model zoo")
     m.set_defaults(fn=_models)

@@ -141,6 +141,13 @@ class ModelFacts:
         self.params: dict[str, float] = {"pre": 0.0, "block": 0.0, "post": 0.0}
         self._param_nodes = [n for n in nodes if n.op == "placeholder" and info(n).kind == "param"]
         self._cache: dict[tuple[int, int, Any], dict[str, _Part]] = {}
+        self._numel: dict[tuple[int, int], dict[str, float]] = {}
+        self._solved: dict[tuple[int, str], Mapping[str, Any]] = {}
+        self.hidden = 1
+        for n in nodes:
+            if self.where.get(n) == "block" and info(n).values and len(info(n).values[0].shape) == 3:
+                self.hidden = int(evaluate(info(n).values[0].shape[-1], {"batch": 1, "seq": 1}))
+                break
         self.symbols = {str(s) for s in ginfo.symbols}
         self._captured_fp32 = any(info(n).values[0].dtype == torch.float32 for n in self._param_nodes[:1])
 
@@ -149,6 +156,12 @@ class ModelFacts:
 
     def param_numel(self, tp: int, strategies: Mapping[str, Any] | None) -> dict[str, float]:
         """Parameters per tp rank of the part before, one block, and the part after."""
+        key = (tp, id(strategies))
+        if key not in self._numel:
+            self._numel[key] = self._param_numel(tp, strategies)
+        return self._numel[key]
+
+    def _param_numel(self, tp: int, strategies: Mapping[str, Any] | None) -> dict[str, float]:
         out = {"pre": 0.0, "block": 0.0, "post": 0.0}
         for n in self._param_nodes:
             numel = float(evaluate(info(n).values[0].numel, {}))
@@ -178,8 +191,15 @@ class ModelFacts:
         strategies: Mapping[str, Any] = {}
         pricer = None
         if tp > 1:
+            # the tensor solver's choice does not depend on the micro-batch size for the
+            # blocks that matter (it is a per-matmul layout); solve once per degree at 1
+            skey = (tp, cluster.name)
+            if skey not in self._solved:
+                cfg1 = SolverConfig(n=tp, cluster=cluster, mesh_axes=axes, axis="tp", sizes=self.sizes(1),
+                                    dtype=self.dtype)
+                self._solved[skey] = solve(self.gm, cfg1).strategies
+            strategies = self._solved[skey]
             cfg = SolverConfig(n=tp, cluster=cluster, mesh_axes=axes, axis="tp", sizes=at, dtype=self.dtype)
-            strategies = solve(self.gm, cfg).strategies
             pricer = _Pricer(self.gm, cfg)
         dev = cluster.device
         # a graph captured in fp32 and run in 16-bit moves half the bytes it records
@@ -267,8 +287,10 @@ def _axes(c: Config, cluster: Cluster) -> tuple[tuple[str, int], ...]:
 
 
 def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
-             budget: float | None = None) -> Score:
-    """Score one configuration (module docstring) at global ``batch``."""
+             budget: float | None = None, fast: bool = False) -> Score:
+    """Score one configuration (module docstring) at global ``batch``. ``fast`` replaces the
+    event simulation of the pipeline by its closed form (exact for uniform stages, a close
+    estimate otherwise): the search ranks with it and re-scores its finalists exactly."""
     from autopar.cost.pp_sim import StageCosts, make
     from autopar.cost.pp_sim import simulate as run_schedule
 
@@ -303,8 +325,11 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     sched = c.schedule if c.pp > 1 else "gpipe"
     if sched == "interleaved" and (c.virtual < 2 or m % c.pp):
         raise ConfigError("interleaved needs virtual >= 2 and micro-batches a multiple of pp", where="config")
-    result = run_schedule(make(sched, c.pp, m, c.virtual),
-                          StageCosts(forward_s=tuple(fwd), backward_s=tuple(bwd), p2p_s=p2p))
+    if fast:
+        result = _closed_form(sched, c.pp, c.virtual, m, fwd, bwd, p2p)
+    else:
+        result = run_schedule(make(sched, c.pp, m, c.virtual),
+                              StageCosts(forward_s=tuple(fwd), backward_s=tuple(bwd), p2p_s=p2p))
     pipe = result.step_time_s
     # data axis and optimizer
     numel = facts.param_numel(c.tp, strategies)
@@ -335,23 +360,47 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
                  bubble_fraction=result.bubble_fraction, exposed_comm_s=exposed + (c.tp > 1) * 0.0, fits=fits,
                  parts={"pipeline_s": pipe, "dp_comm_s": dp_comm, "optimizer_s": optim,
                         "tp_comm_per_block_s": blk.comm_fwd + blk.comm_bwd, "block_fwd_s": blk.fwd,
-                        "block_bwd_s": blk.bwd})
+                        "block_bwd_s": blk.bwd, "stage_fwd_s": fwd, "stage_bwd_s": bwd, "p2p_s": p2p})
+
+
+@dataclass(frozen=True)
+class _Pipe:
+    step_time_s: float
+    bubble_fraction: float
+    peak_inflight: tuple[int, ...]
+
+
+def _closed_form(sched: str, p: int, v: int, m: int, fwd: list[float], bwd: list[float], p2p: float) -> _Pipe:
+    """Pipeline time without the event simulation: the busiest device works ``m`` times its
+    share, plus the fill and drain through the other stages (zb hides the weight-gradient half
+    of backward in the drain)."""
+    dev = [sum(fwd[s] + bwd[s] for s in range(d, p * v, p)) for d in range(p)]
+    busy = max(dev)
+    chunk = [(f + b) for f, b in zip(fwd, bwd)]
+    fill = sum(sorted(chunk)[:-1]) / max(1, v) if p > 1 else 0.0
+    if sched == "zb":
+        fill = sum(sorted(f + b / 2 for f, b in zip(fwd, bwd))[:-1])
+    step = busy * m / 1.0 + fill + 2 * (p - 1) * p2p
+    step = max(step, busy * m)
+    inflight = tuple(min(m, p - (s % p)) if sched != "gpipe" else m for s in range(p * v))
+    return _Pipe(step_time_s=step, bubble_fraction=(step - busy * m) / (busy * m), peak_inflight=inflight)
+
+
+def timeline_of(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int):
+    """The event simulation of ``c``'s pipeline (for the timeline picture)."""
+    from autopar.cost.pp_sim import StageCosts, make
+    from autopar.cost.pp_sim import simulate as run_schedule
+    score = simulate(facts, cluster, c, batch=batch)
+    fwd, bwd = score.parts["stage_fwd_s"], score.parts["stage_bwd_s"]
+    sched = c.schedule if c.pp > 1 else "gpipe"
+    return run_schedule(make(sched, c.pp, score.microbatches, c.virtual),
+                        StageCosts(forward_s=tuple(fwd), backward_s=tuple(bwd), p2p_s=score.parts["p2p_s"]))
 
 
 def _boundary_bytes(facts: ModelFacts, c: Config) -> float:
     """One micro-batch's activation at a block boundary: batch x seq x hidden in the compute dtype."""
     width = 2 if facts.dtype in ("bf16", "fp16") else 4
-    hidden = _hidden(facts)
-    return float(c.micro_batch * facts.seq * hidden * width)
-
-
-def _hidden(facts: ModelFacts) -> int:
-    for n in facts.gm.graph.nodes:
-        if facts.where.get(n) == "block" and info(n).values:
-            shape = info(n).values[0].shape
-            if len(shape) == 3:
-                return int(evaluate(shape[-1], {"batch": 1, "seq": 1}))
-    return 1
+    return float(c.micro_batch * facts.seq * facts.hidden * width)
 
 
 def _optimizer_time(numel: float, state_bytes: float, cluster: Cluster) -> float:
@@ -422,22 +471,41 @@ def search(facts: ModelFacts, cluster: Cluster, *, batch: int, budget: float | N
         if best is not None and _lower_bound(facts, cluster, c, batch) >= best.step_time_s:
             continue
         try:
-            s = simulate(facts, cluster, c, batch=batch, budget=budget)
+            s = simulate(facts, cluster, c, batch=batch, budget=budget, fast=True)
         except ConfigError:
             continue
         count += 1
         scored.append(s)
         if s.fits and (best is None or s.step_time_s < best.step_time_s):
             best = s
-    others = sorted((s for s in scored if s is not best), key=lambda s: (not s.fits, s.step_time_s))
-    out = []
-    for s in others:
+    # the finalists, scored exactly by the event simulation
+    ranked = sorted(scored, key=_rank_key)
+    final = [simulate(facts, cluster, s.config, batch=batch, budget=budget) for s in ranked[:max(8, 2 * top)]]
+    final.sort(key=_rank_key)
+    best = final[0] if final and final[0].fits else None
+    seen = {s.config for s in final}
+    others = final[1:] + [s for s in ranked if s.config not in seen]
+    out, layouts = [], {_layout(best.config)} if best is not None else set()
+    for s in others:              # the best variant of each other layout
         if len(out) >= top:
             break
-        if any(o.config == s.config for o in out):
+        if _layout(s.config) in layouts:
             continue
+        layouts.add(_layout(s.config))
         out.append(_with_reason(s, best, budget))
     return best, out, count
+
+
+def _layout(c: Config) -> tuple:
+    return (c.dp, c.tp, c.pp, c.micro_batch, c.schedule, c.virtual)
+
+
+def _rank_key(s: Score) -> tuple:
+    """Fits first, then time (to 0.1 %), then the simpler configuration: lower ZeRO stage,
+    less recomputation, fewer pipeline stages, smaller tp."""
+    return (not s.fits, round(s.step_time_s * 1000 / max(s.step_time_s, 1e-12)) if False else
+            round(math.log(max(s.step_time_s, 1e-12)) / math.log(1.001)),
+            s.config.zero_stage, RECOMPUTE.index(s.config.recompute), s.config.pp, s.config.tp)
 
 
 def _lower_bound(facts: ModelFacts, cluster: Cluster, c: Config, batch: int) -> float:
@@ -459,8 +527,13 @@ def _with_reason(s: Score, best: Score | None, budget: float) -> Score:
                  "exposed dp communication": s.exposed_comm_s - best.exposed_comm_s,
                  "optimizer step": s.parts["optimizer_s"] - best.parts["optimizer_s"]}
         worst = max(diffs, key=lambda k: diffs[k])
-        why = (f"slower by {100 * (s.step_time_s / best.step_time_s - 1):.0f}% "
-               f"({worst} +{diffs[worst] * 1e3:.1f} ms)")
+        slower = s.step_time_s / best.step_time_s - 1
+        if slower < 1e-3:
+            why = (f"as fast (within 0.1%), but holds {s.peak_memory_bytes / 1e9:.1f} GB against "
+                   f"{best.peak_memory_bytes / 1e9:.1f} GB" if s.peak_memory_bytes > best.peak_memory_bytes
+                   else "as fast (within 0.1%); the chosen one is the simpler configuration")
+        else:
+            why = f"slower by {100 * slower:.1f}% ({worst} +{diffs[worst] * 1e3:.1f} ms)"
     return Score(**{**{k: getattr(s, k) for k in s.__dataclass_fields__}, "reason": why})
 
 
@@ -483,6 +556,7 @@ def smallest_cluster(facts: ModelFacts, cluster: Cluster, *, batch: int, budget:
     return None
 
 
-__all__ = ["Config", "Score", "ModelFacts", "simulate", "configurations", "search", "smallest_cluster", "RECOMPUTE"]
+__all__ = ["Config", "Score", "ModelFacts", "simulate", "configurations", "search", "smallest_cluster", "timeline_of",
+           "RECOMPUTE"]
 
-del asdict, math
+del asdict

@@ -7,7 +7,7 @@ from autopar.cli import main
 
 
 def test_plan_reports_expert_choices(capsys):
-    code = main(["plan", "--model", "moe", "--set", "layers=2", "--set", "hidden=256", "--set", "experts=8",
+    code = main(["plan", "--pp", "1", "--model", "moe", "--set", "layers=2", "--set", "hidden=256", "--set", "experts=8",
                  "--cluster", "2x4", "--hardware", "h100", "--batch", "16", "--seq", "512", "--json", "-q"])
     out = capsys.readouterr().out
     assert code == 0

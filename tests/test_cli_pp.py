@@ -55,7 +55,8 @@ def test_plan_pp_writes_the_timeline(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["plan", "--model", "gpt", "--cluster", "1x2", "--batch", "4", "--seq", "16", "--timeline", "x.svg"], "--pp"),
+    (["plan", "--pp", "1", "--model", "gpt", "--cluster", "1x2", "--batch", "4", "--seq", "16", "--timeline",
+      "x.svg"], "--pp"),
     (["dump", *SMALL_GPT, "--mesh", "tp=2", "--after", "split"], "pp axis"),
     (["dump", *SMALL_GPT, "--mesh", "tp=2,pp=2"], "pp, then dp"),
 ])

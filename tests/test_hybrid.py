@@ -1,0 +1,110 @@
+"""The hybrid simulator and the joint search (cost/hybrid.py), on meta-device models."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from autopar.cli import main
+from autopar.cost.cluster import Cluster
+from autopar.cost.hybrid import Config, ModelFacts, configurations, search, simulate
+from autopar.errors import ConfigError
+from autopar.workload import capture_workload, load_workload
+
+
+def _facts(hidden: int, layers: int, heads: int, *, vocab: int = 51200, seq: int = 2048, attention="flash"):
+    w = load_workload("gpt", batch=1, seq=seq, overrides={"hidden": str(hidden), "layers": str(layers),
+                                                          "heads": str(heads), "vocab": str(vocab),
+                                                          "max_seq": str(seq)})
+    return ModelFacts(capture_workload(w), seq=seq, dtype="fp16", attention=attention)
+
+
+@pytest.fixture(scope="module")
+def small():
+    return _facts(1024, 8, 16, vocab=8192, seq=512)
+
+
+def test_model_flops_match_the_closed_form(small):
+    # Megatron's count: 72 B s l h^2 (1 + s/(6h) + V/(12 l h)); recomputation adds a forward (96 B s l h^2 ...)
+    B, s, l, h, V = 64, 512, 8, 1024, 8192
+    c = Config(dp=4, tp=2, pp=1, micro_batch=2, recompute="full")
+    score = simulate(small, Cluster.from_spec("1x8", hardware="a100"), c, batch=B)
+    model = 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+    hw = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    assert score.model_flops == pytest.approx(model, rel=0.02)
+    assert score.hw_flops == pytest.approx(hw, rel=0.02)
+
+
+def test_recompute_trades_time_for_activation_memory(small):
+    cl = Cluster.from_spec("1x8", hardware="a100")
+    runs = {rc: simulate(small, cl, Config(dp=2, tp=2, pp=2, micro_batch=2, recompute=rc), batch=64)
+            for rc in ("none", "full")}
+    assert runs["full"].memory["activations"] < 0.5 * runs["none"].memory["activations"]
+    assert runs["full"].step_time_s > runs["none"].step_time_s
+    assert runs["full"].hw_flops > runs["none"].hw_flops == runs["none"].model_flops
+
+
+def test_search_finds_the_brute_force_optimum(small):
+    cl = Cluster.from_spec("1x8", hardware="a100")
+    budget = 6e9
+    best, others, scored = search(small, cl, batch=32, budget=budget, top=3)
+    every = []
+    for c in configurations(small, devices=8, batch=32, per_node=8):
+        try:
+            every.append(simulate(small, cl, c, batch=32, budget=budget))
+        except ConfigError:
+            continue
+    fitting = [s for s in every if s.fits]
+    assert best is not None and fitting
+    assert best.step_time_s == pytest.approx(min(s.step_time_s for s in fitting), rel=1e-9)
+    assert best.peak_memory_bytes <= budget
+    assert len(others) == 3 and all(o.reason for o in others)
+    assert scored <= len(every)            # pruned by the lower bound, never more
+
+
+def test_the_162b_experiment_ranks_tp8_pp8_best():
+    # Narayanan et al. 5.4.1: 162B GPT on 64 A100s, best of these five was (tp, pp) = (8, 8)
+    facts = _facts(20480, 32, 128, attention="materialized")
+    cl = Cluster.from_spec("8x8", hardware="a100")
+    for batch in (32, 128):
+        times = {}
+        for tp, pp in ((2, 32), (4, 16), (8, 8), (16, 4), (32, 2)):
+            times[tp, pp] = min(simulate(facts, cl, Config(dp=1, tp=tp, pp=pp, micro_batch=mb, recompute="full"),
+                                         batch=batch).step_time_s for mb in (1, 2, 4))
+        assert min(times, key=times.get) == (8, 8), (batch, times)
+
+
+def test_plan_json_has_the_documented_keys(capsys):
+    code = main(["plan", "--model", "gpt", "--set", "layers=4", "--set", "hidden=512", "--cluster", "2x4",
+                 "--hardware", "h100", "--batch", "32", "--seq", "256", "--json", "--top", "3", "-q"])
+    out = capsys.readouterr().out
+    assert code == 0
+    data = json.loads(out)
+    for key in ("degrees", "zero_stage", "micro_batch_size", "microbatches", "schedule", "virtual_stages",
+                "recompute", "predicted", "planner_time_s", "alternatives"):
+        assert key in data
+    assert set(data["degrees"]) == {"dp", "tp", "pp", "ep"}
+    assert math.prod(data["degrees"].values()) == 8 and data["degrees"]["tp"] <= 4   # tp inside a node
+    for key in ("step_time_s", "tflops_per_device", "hw_tflops_per_device", "mfu", "peak_memory_bytes",
+                "bubble_fraction", "exposed_comm_s"):
+        assert key in data["predicted"]
+    assert all(a["reason"] for a in data["alternatives"])
+
+
+def test_simulate_scores_a_fixed_configuration(capsys):
+    code = main(["simulate", "--model", "gpt", "--set", "layers=4", "--set", "hidden=512", "--cluster", "2x4",
+                 "--hardware", "a100", "--batch", "32", "--seq", "256", "--tp", "2", "--pp", "2",
+                 "--micro-batch-size", "2", "--schedule", "1f1b", "--recompute", "full", "-q"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert data["degrees"] == {"dp": 2, "tp": 2, "pp": 2, "ep": 1} and data["recompute"] == "full"
+    assert data["microbatches"] == 8 and data["predicted"]["step_time_s"] > 0
+
+
+def test_too_big_for_the_cluster_names_the_smallest_that_fits(capsys):
+    code = main(["plan", "--model", "gpt", "--set", "layers=8", "--set", "hidden=4096", "--cluster", "1x2",
+                 "--hardware", "a100", "--batch", "16", "--seq", "1024", "--memory-budget", "4", "-q"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "fits in 4.0 GB per device" in err and "devices (whole nodes of 2) would fit" in err
