@@ -96,7 +96,7 @@ class Score:
                               "hw_tflops_per_device": self.hw_tflops_per_device, "mfu": self.mfu,
                               "peak_memory_bytes": self.peak_memory_bytes, "memory_bytes": dict(self.memory),
                               "bubble_fraction": self.bubble_fraction, "exposed_comm_s": self.exposed_comm_s,
-                              "parts_s": dict(self.parts)},
+                              "parts_s": {k: v for k, v in self.parts.items() if not isinstance(v, list)}},
                 "fits": self.fits, "reason": self.reason}
 
 
@@ -184,6 +184,17 @@ class ModelFacts:
         """Per micro-batch: seconds, FLOPs and saved bytes of the part before, one block, after."""
         key = (tp, micro_batch, cluster.name)
         if key in self._cache:
+            return self._cache[key]
+        if micro_batch > 2:
+            # every figure is affine in the micro-batch size (FLOPs and bytes grow with it, a
+            # kernel's launch and a collective's latency do not): extend the line through 1 and 2
+            (one, strategies), (two, _) = self.parts(tp, 1, cluster, axes), self.parts(tp, 2, cluster, axes)
+            parts = {}
+            for name in one:
+                a, b = one[name], two[name]
+                parts[name] = _Part(**{f: getattr(a, f) + (micro_batch - 1) * (getattr(b, f) - getattr(a, f))
+                                       for f in a.__dataclass_fields__})
+            self._cache[key] = (parts, strategies)
             return self._cache[key]
         from autopar.cost.tp_solver import SolverConfig, _Pricer, solve
 
@@ -337,10 +348,18 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     grad_bytes = 2.0 * stage_params if facts.dtype in ("bf16", "fp16") else 4.0 * stage_params
     kind = "all_reduce" if c.zero_stage <= 1 else "reduce_scatter"
     dp_comm = collective_time(kind, grad_bytes, cluster, axes, "dp") if c.dp > 1 else 0.0
-    if c.zero_stage >= 1 and c.dp > 1:
+    gathers = 0.0
+    if c.zero_stage in (1, 2) and c.dp > 1:      # the updated parameters, once per step
         dp_comm += collective_time("all_gather", grad_bytes, cluster, axes, "dp")
+    elif c.zero_stage == 3 and c.dp > 1:         # every micro-batch gathers forward and backward
+        gathers = 2 * m * collective_time("all_gather", grad_bytes, cluster, axes, "dp")
+        dp_comm += gathers
     hidden = (bwd[-1] if c.pp == 1 else 0.0)
-    exposed = max(0.0, dp_comm - hidden)
+    # ZeRO-3's gathers are prefetched under the pipeline's compute except the first; the
+    # reductions run after the last backward (only a lone stage's last backward hides them)
+    exposed = max(0.0, dp_comm - gathers - hidden)
+    if gathers:
+        exposed += max(gathers - pipe, 0.0) + gathers / (2 * m)
     state_bytes_per_param = (4 + 4 * facts.k) if facts.dtype in ("bf16", "fp16") else 4 * (2 + facts.k)
     optim = _optimizer_time(stage_params / (c.dp if c.zero_stage >= 1 else 1), state_bytes_per_param, cluster)
     step = pipe + exposed + optim
@@ -509,11 +528,18 @@ def _rank_key(s: Score) -> tuple:
 
 
 def _lower_bound(facts: ModelFacts, cluster: Cluster, c: Config, batch: int) -> float:
+    """Compute alone, perfectly split over tp and pp (no bubble, no communication): from this
+    degree's figures when known, else from the unsplit model's divided by tp (no tensor
+    solve needed to rule a configuration out)."""
     parts, _ = facts._cache.get((c.tp, c.micro_batch, cluster.name), (None, None))
+    scale = 1.0
+    if parts is None:
+        parts, _ = facts._cache.get((1, c.micro_batch, cluster.name), (None, None))
+        scale = 1.0 / c.tp
     if parts is None:
         return 0.0
     blk = parts["block"]
-    per_mb = facts.layers * (blk.fwd + blk.bwd) / c.pp
+    per_mb = facts.layers * (blk.fwd + blk.bwd) * scale / c.pp
     return per_mb * batch / (c.dp * c.micro_batch)
 
 
