@@ -285,7 +285,7 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
                 overlap: bool = True, bucket_bytes: int = 0, mixed_precision: str | None = None,
                 loss_fn: Any = None, schedule: str | None = None, microbatches: int | None = None,
                 virtual_stages: int | None = None, calibration: Any = None, expert_placement: str = "balanced",
-                capacity_factor: float | None = None):
+                capacity_factor: float | None = None, recompute: str = "none"):
     """Split ``model`` over ``mesh`` and return this rank's :class:`ParallelModule`.
 
     Call on every rank after ``torch.distributed.init_process_group`` with the same model
@@ -308,7 +308,10 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
     mixture-of-experts layer's experts are spread over it (each ep rank passes its own share
     of the batch, as under data parallelism); ``calibration`` (inputs) measures each expert's
     load so ``expert_placement="balanced"`` can even it out (``"contiguous"``: experts in
-    order); ``capacity_factor`` overrides the MoE layers' own (tokens over capacity drop)."""
+    order); ``capacity_factor`` overrides the MoE layers' own (tokens over capacity drop).
+
+    ``recompute``: ``"none"``, ``"selective"`` (attention cores re-run in backward) or
+    ``"full"`` (every layer re-run in backward; forward keeps only each layer's inputs)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.runtime.dp import DPRuntime
@@ -377,8 +380,10 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
         rt = DPRuntime(stage=0, n=1, rank=0, group_name="", device=device, master_dtype=master, compute_dtype=compute)
     used = {info(n).target_fqn for n in gm.graph.nodes if n.op == "placeholder" and info(n).target_fqn}
     dim_map = _dim_map(example_inputs, dims)
-    return ParallelModule(gm, the_plan.params, {k: v for k, v in tensors.items() if k in used}, trainable, mesh,
-                          the_plan, dim_map, dp=rt)
+    pm = ParallelModule(gm, the_plan.params, {k: v for k, v in tensors.items() if k in used}, trainable, mesh,
+                        the_plan, dim_map, dp=rt)
+    pm.set_recompute(recompute)   # none | selective (attention cores) | full (every layer), checkpointed
+    return pm
 
 
 def _has_axis(mesh: Any, axis: str) -> bool:

@@ -217,6 +217,8 @@ def _plan_hybrid(args: argparse.Namespace, w, gm, cluster, start: float) -> int:
     if args.zero != "auto":
         space["zero_stages"] = (int(args.zero),)
     t0 = time.perf_counter()
+    _progress(args, f"searching dp x tp x pp x ZeRO x recompute x micro-batch x schedule for {cluster.world_size} "
+                    f"devices …")
     best, others, scored = search(facts, cluster, batch=args.batch, budget=_budget(args, cluster),
                                   top=args.top, recomputes=RECOMPUTE, **space)
     planner_s = time.perf_counter() - t0
@@ -279,7 +281,50 @@ def _hybrid_extras(args, facts, cluster, best, others) -> None:
                                                  f"{c.schedule}, {best.microbatches} micro-batches")
         _progress(args, f"wrote {args.timeline}")
     if args.report:
-        raise ConfigError("--report is not built yet", where="autopar plan", fix="use --json or --timeline")
+        from autopar.cost.hybrid import timeline_of
+        from autopar.cost.timeline import timeline_svg
+        from autopar.report import write_report
+        c = best.config
+        svg = timeline_svg(timeline_of(facts, cluster, c, batch=args.batch), title="simulated pipeline schedule")
+        per = facts.layers // (c.pp * c.virtual)
+        stages = [{"stage": s, "device": s % c.pp, "layers": f"{s * per}-{(s + 1) * per - 1}",
+                   "time_s": best.parts["stage_fwd_s"][s] + best.parts["stage_bwd_s"][s],
+                   "memory_bytes": best.peak_memory_bytes} for s in range(c.pp * c.virtual)] if c.pp > 1 else []
+        plan = {"model": facts.gm.__class__.__name__, **_hybrid_json(_Named(args.model), cluster, args, best, others,
+                                                                    0.0, 0)}
+        write_report(args.report, title=f"autopar plan: {args.model} on {cluster.name}", plan=plan,
+                     alternatives=[o.as_dict() | {"reason": o.reason} for o in others], timeline_svg=svg,
+                     block_rows=_block_rows(facts, cluster, c), stages=stages,
+                     notes=[f"{_HYBRID_HELP}; attention priced as {facts.attention}",
+                            "alternatives are the best variant of each other layout"])
+        _progress(args, f"wrote {args.report}")
+
+
+class _Named:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _block_rows(facts, cluster, c) -> list[dict]:
+    """The first layer's ops with the tensor layout the plan gives them."""
+    from autopar.passes.meta import info
+    axes = (("pp", c.pp), ("dp", c.dp), ("tp", c.tp))
+    _, strategies = facts.parts(c.tp, c.micro_batch, cluster, axes)
+    first = None
+    rows = []
+    for n in facts.gm.graph.nodes:
+        rec = info(n)
+        if facts.where.get(n) != "block" or n.op != "call_function":
+            continue
+        first = first or rec.block_member
+        if rec.block_member != first:
+            break
+        s = strategies.get(n.name)
+        rows.append({"name": n.name, "op": str(getattr(n.target, "__name__", n.target)), "module": rec.fqn,
+                     "shape": " ".join(str(tuple(v.shape)) for v in rec.values[:1]),
+                     "placement": ",".join(str(o) for o in s.outputs) if s else "R",
+                     "collective": s.name if s is not None and s.work < 1 else ""})
+    return rows
 
 
 def _simulate(args: argparse.Namespace) -> int:

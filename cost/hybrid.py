@@ -30,7 +30,9 @@ Hardware FLOP/s count recomputation; model FLOP/s and MFU do not.
 """
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -44,6 +46,8 @@ from autopar.errors import ConfigError
 from autopar.passes.meta import evaluate, graph_info, info
 from autopar.passes.sharding import is_decision, tensor_inputs
 from autopar.placement import REP
+
+log = logging.getLogger("autopar.hybrid")
 
 RECOMPUTE = ("none", "selective", "full")
 SCORE_OPS = {"_softmax", "softmax", "_safe_softmax", "masked_fill", "where", "dropout", "native_dropout", "div", "mul"}
@@ -206,9 +210,11 @@ class ModelFacts:
             # blocks that matter (it is a per-matmul layout); solve once per degree at 1
             skey = (tp, cluster.name)
             if skey not in self._solved:
+                t0 = time.perf_counter()
                 cfg1 = SolverConfig(n=tp, cluster=cluster, mesh_axes=axes, axis="tp", sizes=self.sizes(1),
                                     dtype=self.dtype)
                 self._solved[skey] = solve(self.gm, cfg1).strategies
+                log.info("tensor layout at tp=%d solved in %.2fs", tp, time.perf_counter() - t0)
             strategies = self._solved[skey]
             cfg = SolverConfig(n=tp, cluster=cluster, mesh_axes=axes, axis="tp", sizes=at, dtype=self.dtype)
             pricer = _Pricer(self.gm, cfg)
@@ -497,11 +503,14 @@ def search(facts: ModelFacts, cluster: Cluster, *, batch: int, budget: float | N
         scored.append(s)
         if s.fits and (best is None or s.step_time_s < best.step_time_s):
             best = s
+    log.info("search: %d configurations scored with the closed-form pipeline", count)
     # the finalists, scored exactly by the event simulation
+    t0 = time.perf_counter()
     ranked = sorted(scored, key=_rank_key)
     final = [simulate(facts, cluster, s.config, batch=batch, budget=budget) for s in ranked[:max(8, 2 * top)]]
     final.sort(key=_rank_key)
     best = final[0] if final and final[0].fits else None
+    log.info("search: %d finalists event-simulated in %.2fs", len(final), time.perf_counter() - t0)
     seen = {s.config for s in final}
     others = final[1:] + [s for s in ranked if s.config not in seen]
     out, layouts = [], {_layout(best.config)} if best is not None else set()

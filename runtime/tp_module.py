@@ -135,13 +135,13 @@ class ParallelModule(nn.Module):
         call = [state[fqn] if kind in ("param", "buffer") else next(inputs) for _, kind, fqn in self._order]
         rt = self._dp[0]
         if rt is None:
-            outs = gm(*call)
+            outs = self._run(gm, call)
         elif rt.mixed:
             with rt.saving(), torch.autocast(rt.device.type, dtype=rt.compute_dtype):
-                outs = gm(*call)
+                outs = self._run(gm, call)
         else:
             with rt.saving():
-                outs = gm(*call)
+                outs = self._run(gm, call)
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         user = []
         for (kind, target), value in zip(ginfo.output_targets, outs):
@@ -151,6 +151,24 @@ class ParallelModule(nn.Module):
             else:
                 user.append(value)
         return pytree.tree_unflatten(user, ginfo.out_spec) if ginfo.out_spec is not None else tuple(user)
+
+    def _run(self, gm: fx.GraphModule, call: list) -> Any:
+        """The graph, with the recomputation regions checkpointed (runtime/recompute.py)."""
+        where = getattr(self, "_recompute", None)
+        if not where:
+            return gm(*call)
+        from autopar.runtime.recompute import run
+        return run(gm, call, where)
+
+    def set_recompute(self, mode: str) -> None:
+        """``none``, ``selective`` (attention cores) or ``full`` (every layer) recomputation."""
+        from autopar.errors import ConfigError
+        from autopar.runtime.recompute import regions
+        if mode != "none" and self.zero3:
+            raise ConfigError("recomputation with ZeRO-3 is not supported yet", where="parallelize",
+                              fix="use zero_stage <= 2 with recompute, or recompute='none'")
+        self._recompute = regions(self.graph_module, mode)
+        self.recompute = mode
 
     def _check_sizes(self, flat: list) -> None:
         """Dims the plan splits must divide by the axis size at the sizes given now."""

@@ -108,3 +108,15 @@ def test_too_big_for_the_cluster_names_the_smallest_that_fits(capsys):
     err = capsys.readouterr().err
     assert code == 2
     assert "fits in 4.0 GB per device" in err and "devices (whole nodes of 2) would fit" in err
+
+
+def test_plan_report_and_timeline_are_written(capsys, tmp_path):
+    import xml.etree.ElementTree as ET
+    html, svg = tmp_path / "r.html", tmp_path / "t.svg"
+    code = main(["plan", "--model", "gpt", "--set", "layers=4", "--set", "hidden=512", "--cluster", "2x4",
+                 "--hardware", "h100", "--batch", "32", "--seq", "256", "--report", str(html), "--timeline", str(svg)])
+    out = capsys.readouterr()
+    assert code == 0 and "chosen: dp=" in out.out and "searching" in out.err
+    page = html.read_text()
+    assert "<svg" in page and "Alternatives" in page and "layer_norm" in page
+    ET.parse(svg)

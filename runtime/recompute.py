@@ -1,0 +1,145 @@
+"""Activation recomputation: run a captured graph with some regions checkpointed.
+
+``full`` checkpoints every member of the repeated block class (each transformer layer): its
+forward keeps only the tensors entering the layer, and backward runs the layer's forward
+again. ``selective`` checkpoints only the attention cores (a fused attention op, or the run of
+score ops between the two attention matmuls), which hold the ``[b, heads, s, s]`` scores.
+Regions are runs of consecutive graph nodes; each runs under ``torch.utils.checkpoint``
+(non-reentrant, RNG state preserved) as a function of the tensors it reads from outside, and
+hands on the values read after it. Collectives inside a region run again in the recomputation,
+on every rank alike.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import checkpoint
+
+from autopar.errors import ConfigError
+from autopar.passes.meta import graph_info, info
+
+MODES = ("none", "selective", "full")
+_SCORE_OPS = {"_softmax", "softmax", "_safe_softmax", "masked_fill", "where", "dropout", "native_dropout"}
+
+
+def regions(gm: fx.GraphModule, mode: str) -> dict[fx.Node, int]:
+    """Node -> region id for ``mode`` (empty for ``none``)."""
+    if mode not in MODES:
+        raise ConfigError(f"unknown recompute mode {mode!r}", where="recompute", expected=", ".join(MODES),
+                          fix="use none, selective or full")
+    out: dict[fx.Node, int] = {}
+    if mode == "none":
+        return out
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    if mode == "full":
+        classes = graph_info(gm).block_classes
+        if not classes:
+            raise ConfigError("full recomputation needs repeated layers, and the graph has none", where="recompute",
+                              fix="use recompute='selective' or 'none'")
+        cls = max(classes, key=lambda c: len(c.members) * c.nodes_per_member)
+        members = {m: i for i, m in enumerate(cls.members)}
+        for n in nodes:
+            m = info(n).block_member
+            if m in members:
+                out[n] = members[m]
+        return out
+    rid = 0
+    for i, n in enumerate(nodes):
+        name = _name(n)
+        if "scaled_dot_product" in name:
+            out[n] = rid
+            rid += 1
+        elif name in _SCORE_OPS and _square_last(n):
+            prev = nodes[i - 1] if i else None
+            if prev is not None and prev in out and _name(prev) in _SCORE_OPS:
+                out[n] = out[prev]
+            else:
+                out[n] = rid
+                rid += 1
+    return out
+
+
+def _name(n: fx.Node) -> str:
+    return getattr(n.target, "__name__", str(n.target)).split(".")[0]
+
+
+def _square_last(n: fx.Node) -> bool:
+    vals = info(n).values
+    return bool(vals) and len(vals[0].shape) == 4 and str(vals[0].shape[-1]) == str(vals[0].shape[-2])
+
+
+HELD: dict[int, int] = {}   # storage pointer -> bytes of the tensors regions kept for backward
+
+
+def run(gm: fx.GraphModule, args: Sequence[Any], where: dict[fx.Node, int]) -> Any:
+    """Execute ``gm`` on ``args`` like ``gm(*args)``, checkpointing the regions in ``where``.
+    The tensors each region keeps (its inputs) are noted in ``HELD`` for measurement."""
+    env: dict[fx.Node, Any] = {}
+    inputs = iter(args)
+    nodes = list(gm.graph.nodes)
+    i = 0
+    while i < len(nodes):
+        n = nodes[i]
+        if n.op == "placeholder":
+            env[n] = next(inputs)
+        elif n.op == "output":
+            return fx.node.map_arg(n.args[0], lambda a: env[a])
+        elif n in where:
+            j = i
+            while j < len(nodes) and where.get(nodes[j]) == where[n]:
+                j += 1
+            _run_region(gm, nodes[i:j], env)
+            i = j
+            continue
+        else:
+            env[n] = _execute(gm, n, env)
+        i += 1
+    raise ConfigError("graph has no output node", where="recompute")
+
+
+def _execute(gm: fx.GraphModule, n: fx.Node, env: dict[fx.Node, Any]) -> Any:
+    args = fx.node.map_arg(n.args, lambda a: env[a])
+    kwargs = fx.node.map_arg(n.kwargs, lambda a: env[a])
+    if n.op == "call_function":
+        return n.target(*args, **kwargs)
+    if n.op == "get_attr":
+        obj = gm
+        for part in str(n.target).split("."):
+            obj = getattr(obj, part)
+        return obj
+    if n.op == "call_module":
+        return gm.get_submodule(str(n.target))(*args, **kwargs)
+    if n.op == "call_method":
+        return getattr(args[0], str(n.target))(*args[1:], **kwargs)
+    raise ConfigError(f"cannot run node {n.name} ({n.op})", where="recompute")
+
+
+def _run_region(gm: fx.GraphModule, run_nodes: list[fx.Node], env: dict[fx.Node, Any]) -> None:
+    inside = set(run_nodes)
+    reads: list[fx.Node] = []
+    for n in run_nodes:
+        for a in n.all_input_nodes:
+            if a not in inside and a not in reads:
+                reads.append(a)
+    tensors = [a for a in reads if isinstance(env[a], torch.Tensor)]
+    others = {a: env[a] for a in reads if not isinstance(env[a], torch.Tensor)}
+    outs = [n for n in run_nodes if any(u not in inside for u in n.users)]
+
+    def region(*values: torch.Tensor) -> tuple:
+        local = dict(others)
+        local.update(zip(tensors, values))
+        for n in run_nodes:
+            local[n] = _execute(gm, n, local)
+        return tuple(local[o] for o in outs)
+
+    for a in tensors:
+        t = env[a]
+        if t.requires_grad or t.grad_fn is not None:
+            HELD[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    got = checkpoint(region, *[env[a] for a in tensors], use_reentrant=False)
+    env.update(zip(outs, got))
+
+
+__all__ = ["MODES", "HELD", "regions", "run"]
