@@ -568,6 +568,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="list the model zoo")
     m.set_defaults(fn=_models)
 
+    sub.add_parser("train", help="plan a small model for local CPU ranks and train it, loss beside the "
+                   "single-process loss (autopar train --help)")
     sub.add_parser("calibrate", help="measure this machine and write a hardware profile "
                    "(autopar calibrate --help)")
     return p
@@ -575,6 +577,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:  # its own flags, parsed by autopar.train
+        from autopar import train
+        return train.main(argv[1:])
     if argv[:1] == ["calibrate"]:  # its own flags, parsed by autopar.cost.calibrate
         from autopar.cost import calibrate
         return calibrate.main(argv[1:])

@@ -120,3 +120,12 @@ def test_plan_report_and_timeline_are_written(capsys, tmp_path):
     page = html.read_text()
     assert "<svg" in page and "Alternatives" in page and "layer_norm" in page
     ET.parse(svg)
+
+
+def test_train_runs_the_chosen_plan_and_matches_single_process(capsys):
+    code = main(["train", "--ranks", "2", "--steps", "2", "--batch", "4", "--seq", "16",
+                 "--set", "layers=2", "--set", "hidden=32"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "plan: dp=" in out and "largest relative difference" in out
+    assert len([line for line in out.splitlines() if line.strip()[:1].isdigit()]) == 2
