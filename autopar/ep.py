@@ -253,13 +253,8 @@ def plan_experts(gm: fx.GraphModule, *, cluster: Cluster, dp: int, tp: int, size
 # ------------------------------------------------------------------------------ runtime
 
 def ep_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
-    if hasattr(mesh, "mesh_dim_names") and hasattr(mesh, "size"):
-        axes = tuple((n, mesh.size(i)) for i, n in enumerate(mesh.mesh_dim_names or ()))
-    elif isinstance(mesh, Mapping):
-        axes = tuple((str(k), int(v)) for k, v in mesh.items())
-    else:
-        raise ConfigError("an expert-parallel mesh must be a {axis: size} mapping or a DeviceMesh with named axes",
-                          got=type(mesh).__name__, fix="e.g. {'ep': 2} or {'dp': 2, 'ep': 2}")
+    from autopar.pp import named_axes
+    axes = named_axes(mesh, "e.g. {'ep': 2} or {'dp': 2, 'ep': 2}")
     names = [a for a, _ in axes]
     if names != [a for a in AXES if a in names] or "ep" not in names or any(s < 1 for _, s in axes):
         raise ConfigError("expert-parallel mesh axes must be dp, ep, tp in that order (ep required)", where="mesh",

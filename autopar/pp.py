@@ -59,15 +59,19 @@ class PipelinePlan:
                 "bubble_fraction": self.bubble_fraction}
 
 
+def named_axes(mesh: Any, example: str) -> tuple[tuple[str, int], ...]:
+    """``[(axis, size)]`` of a ``{axis: size}`` mapping or a DeviceMesh with named axes."""
+    if hasattr(mesh, "mesh_dim_names") and hasattr(mesh, "size"):
+        return tuple((n, mesh.size(i)) for i, n in enumerate(mesh.mesh_dim_names or ()))
+    if isinstance(mesh, Mapping):
+        return tuple((str(k), int(v)) for k, v in mesh.items())
+    raise ConfigError("the mesh must be a {axis: size} mapping or a DeviceMesh with named axes",
+                      got=type(mesh).__name__, fix=example)
+
+
 def pipeline_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
     """``[(axis, size)]`` of a pipeline mesh: ``pp`` first, then ``dp`` and/or ``tp``."""
-    if hasattr(mesh, "mesh_dim_names") and hasattr(mesh, "size"):
-        axes = tuple((n, mesh.size(i)) for i, n in enumerate(mesh.mesh_dim_names or ()))
-    elif isinstance(mesh, Mapping):
-        axes = tuple((str(k), int(v)) for k, v in mesh.items())
-    else:
-        raise ConfigError("a pipeline mesh must be a {axis: size} mapping or a DeviceMesh with named axes",
-                          got=type(mesh).__name__, fix="e.g. {'pp': 2, 'tp': 2}")
+    axes = named_axes(mesh, "e.g. {'pp': 2, 'tp': 2}")
     names = [a for a, _ in axes]
     order = [a for a in AXES if a in names]
     if names != order or len(set(names)) != len(names) or any(n < 1 for _, n in axes):

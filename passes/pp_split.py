@@ -138,7 +138,8 @@ def op_costs(gm: fx.GraphModule, *, node_time: Callable[[fx.Node], float],
 
 
 def _readers(node: fx.Node, const: set[fx.Node], index: dict[fx.Node, int]) -> list[int]:
-    """Indices of the (non-const) ops reading ``node``, through const ops."""
+    """``index`` of every (non-const) op reading ``node``, directly or through const ops (an
+    op's position, or its stage)."""
     seen, stack, out = set(), [node], []
     while stack:
         cur = stack.pop()
@@ -353,7 +354,7 @@ def split_stages(gm: fx.GraphModule, starts: Sequence[int] | Sequence[str]) -> l
         stages_reading = [stage_of[u] if u is not out_node else last for u in node.users if u in stage_of or u is out_node]
         for u in node.users:
             if u in const:
-                stages_reading += _const_readers(u, const, stage_of)
+                stages_reading += _readers(u, const, stage_of)
         if stages_reading:
             users_stage[node] = max(stages_reading)
     ginfo = graph_info(gm)
@@ -417,21 +418,6 @@ def _handoff(g: fx.Graph, value: fx.Node, orig: fx.Node, stage_of: dict[fx.Node,
     out = g.call_function(torch.ops.aten.clone.default, (value,))
     out.meta = dict(value.meta)
     set_info(out, dataclasses.replace(info(orig), made_by="pp_split", saved_bytes=info(orig).saved_bytes * 0))
-    return out
-
-
-def _const_readers(node: fx.Node, const: set[fx.Node], stage_of: dict[fx.Node, int]) -> list[int]:
-    out, stack, seen = [], [node], set()
-    while stack:
-        cur = stack.pop()
-        for u in cur.users:
-            if u in seen:
-                continue
-            seen.add(u)
-            if u in stage_of:
-                out.append(stage_of[u])
-            elif u in const:
-                stack.append(u)
     return out
 
 
