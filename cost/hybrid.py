@@ -115,6 +115,11 @@ class _Part:
     score_saved: float = 0.0
     flops: float = 0.0                # model FLOPs (forward + backward)
     fwd_flops: float = 0.0
+    expert_fwd: float = 0.0           # the experts' ops as the tensor layout splits them
+    expert_bwd: float = 0.0
+    expert_fwd1: float = 0.0          # ... and whole (experts kept whole on tp under ep)
+    expert_bwd1: float = 0.0
+    a2a_bytes: float = 0.0            # the [E, C, h] token buffers an expert exchange moves
 
 
 class ModelFacts:
@@ -153,6 +158,8 @@ class ModelFacts:
                 self.hidden = int(evaluate(info(n).values[0].shape[-1], {"batch": 1, "seq": 1}))
                 break
         self.symbols = {str(s) for s in ginfo.symbols}
+        self.experts = math.gcd(*[r.num_experts for r in ginfo.moe_regions]) if ginfo.moe_regions else 0
+        self.expert_params = {f for r in ginfo.moe_regions for f in r.expert_params}
         self._captured_fp32 = any(info(n).values[0].dtype == torch.float32 for n in self._param_nodes[:1])
 
     def sizes(self, micro_batch: int) -> dict[str, int]:
@@ -166,14 +173,18 @@ class ModelFacts:
         return self._numel[key]
 
     def _param_numel(self, tp: int, strategies: Mapping[str, Any] | None) -> dict[str, float]:
-        out = {"pre": 0.0, "block": 0.0, "post": 0.0}
+        out = {"pre": 0.0, "block": 0.0, "post": 0.0, "expert": 0.0, "expert_whole": 0.0}
         for n in self._param_nodes:
             numel = float(evaluate(info(n).values[0].numel, {}))
             s = (strategies or {}).get(n.name)
             split = s is not None and any(o.value != REP.value for o in s.outputs)
             part = self._reader_part(n)
             out[part] += numel / (tp if split else 1)
-        out["block"] /= self.layers
+            if info(n).target_fqn in self.expert_params:
+                out["expert"] += numel / (tp if split else 1)
+                out["expert_whole"] += numel
+        for k in ("block", "expert", "expert_whole"):
+            out[k] /= self.layers
         return out
 
     def _reader_part(self, param: fx.Node) -> str:
@@ -222,6 +233,7 @@ class ModelFacts:
         # a graph captured in fp32 and run in 16-bit moves half the bytes it records
         width = 0.5 if self.dtype in ("bf16", "fp16") and self._captured_fp32 else 1.0
         parts = {"pre": _Part(), "block": _Part(), "post": _Part()}
+        buffers: set[fx.Node] = set()
         for n in self.gm.graph.nodes:
             if not is_decision(n):
                 continue
@@ -239,6 +251,15 @@ class ModelFacts:
             saved = float(evaluate(rec.saved_bytes, at)) * work * width
             p.fwd += f
             p.bwd += b
+            if rec.moe_role == "expert":
+                p.expert_fwd += f
+                p.expert_bwd += b
+                p.expert_fwd1 += op_time(ff, bf, dev, self.dtype)
+                p.expert_bwd1 += op_time(fb, bb, dev, self.dtype) if rec.requires_grad else 0.0
+                buf = n.args[0] if n.target is torch.ops.aten.bmm.default else None
+                if buf is not None and info(buf).moe_role != "expert" and buf not in buffers:
+                    buffers.add(buf)          # the dispatch buffer entering the experts
+                    p.a2a_bytes += float(evaluate(info(buf).values[0].nbytes, at)) * width
             p.saved += saved
             p.flops += ff + (fb if rec.requires_grad else 0.0)
             p.fwd_flops += ff
@@ -254,7 +275,7 @@ class ModelFacts:
                     p.comm_fwd += t / 2
                     p.comm_bwd += t / 2
         blk = parts["block"]
-        for name in ("fwd", "bwd", "score_fwd", "comm_fwd", "comm_bwd", "saved", "score_saved", "flops", "fwd_flops"):
+        for name in blk.__dataclass_fields__:
             setattr(blk, name, getattr(blk, name) / self.layers)
         self._cache[key] = (parts, strategies)
         return parts, strategies
@@ -322,9 +343,13 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     if facts.layers % stages:
         raise ConfigError(f"{facts.layers} layers do not split into {stages} stages", where="config",
                           fix="pick pp * virtual stages dividing the layer count")
+    if c.ep > 1 and (not facts.experts or facts.experts % c.ep or c.dp % c.ep):
+        raise ConfigError(f"ep={c.ep} must divide the expert count and dp", where="config")
     axes = _axes(c, cluster)
     parts, strategies = facts.parts(c.tp, c.micro_batch, cluster, axes)
     pre, blk, post = parts["pre"], parts["block"], parts["post"]
+    if c.ep > 1:
+        blk = _with_experts(blk, c, cluster)
     per_stage = facts.layers // stages
     re_blk = {"none": 0.0, "selective": blk.score_fwd, "full": blk.fwd + blk.comm_fwd}[c.recompute]
     fwd, bwd = [], []
@@ -350,10 +375,21 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     pipe = result.step_time_s
     # data axis and optimizer
     numel = facts.param_numel(c.tp, strategies)
-    stage_params = per_stage * c.virtual * numel["block"] + max(numel["pre"], numel["post"])
-    grad_bytes = 2.0 * stage_params if facts.dtype in ("bf16", "fp16") else 4.0 * stage_params
+    per_block = numel["block"]
+    expert_block = 0.0
+    if c.ep > 1:   # experts kept whole on tp, 1/ep of them per rank; the dense rest as before
+        expert_block = numel["expert_whole"] / c.ep
+        per_block = numel["block"] - numel["expert"] + expert_block
+    stage_params = per_stage * c.virtual * per_block + max(numel["pre"], numel["post"])
+    width = 2.0 if facts.dtype in ("bf16", "fp16") else 4.0
+    grad_bytes = width * stage_params
     kind = "all_reduce" if c.zero_stage <= 1 else "reduce_scatter"
     dp_comm = collective_time(kind, grad_bytes, cluster, axes, "dp") if c.dp > 1 else 0.0
+    if c.ep > 1:   # experts' gradients are summed over the dp / ep ranks holding the same experts
+        expert_bytes = width * per_stage * c.virtual * expert_block
+        ep_axes = (("pp", c.pp), ("dp", c.dp // c.ep), ("ep", c.ep), ("tp", c.tp))
+        dp_comm = collective_time(kind, grad_bytes - expert_bytes, cluster, axes, "dp") + \
+            (collective_time(kind, expert_bytes, cluster, ep_axes, "dp") if c.dp > c.ep else 0.0)
     gathers = 0.0
     if c.zero_stage in (1, 2) and c.dp > 1:      # the updated parameters, once per step
         dp_comm += collective_time("all_gather", grad_bytes, cluster, axes, "dp")
@@ -411,6 +447,17 @@ def _closed_form(sched: str, p: int, v: int, m: int, fwd: list[float], bwd: list
     return _Pipe(step_time_s=step, bubble_fraction=(step - busy * m) / (busy * m), peak_inflight=inflight)
 
 
+def _with_experts(blk: _Part, c: Config, cluster: Cluster) -> _Part:
+    """One block under expert parallelism: the experts stay whole on the tensor axis (the
+    runtime keeps them so), and each MoE layer exchanges its token buffer four times per
+    micro-batch (dispatch and combine, forward and backward) over the ep axis."""
+    from dataclasses import replace
+    axes = (("pp", c.pp), ("dp", c.dp // c.ep), ("ep", c.ep), ("tp", c.tp))
+    a2a = collective_time("all_to_all", blk.a2a_bytes, cluster, axes, "ep") if blk.a2a_bytes else 0.0
+    return replace(blk, fwd=blk.fwd - blk.expert_fwd + blk.expert_fwd1, bwd=blk.bwd - blk.expert_bwd + blk.expert_bwd1,
+                   comm_fwd=blk.comm_fwd + 2 * a2a, comm_bwd=blk.comm_bwd + 2 * a2a)
+
+
 def timeline_of(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int):
     """The event simulation of ``c``'s pipeline (for the timeline picture)."""
     from autopar.cost.pp_sim import StageCosts, make
@@ -465,6 +512,11 @@ def configurations(facts: ModelFacts, *, devices: int, batch: int, per_node: int
     """Every configuration the search considers: tp a power of two within a node, pp dividing
     the layers, dp the rest dividing the batch."""
     tps = [t for t in (1, 2, 4, 8, 16) if t <= (tp_max or per_node) and devices % t == 0]
+
+    def eps(dp: int) -> list[int]:   # expert parallelism: a sub-axis of dp dividing the experts
+        if not facts.experts:
+            return [1]
+        return [e for e in range(1, dp + 1) if dp % e == 0 and facts.experts % e == 0]
     for tp in tps:
         for pp in [p for p in range(1, facts.layers + 1) if facts.layers % p == 0 and (devices // tp) % p == 0]:
             dp = devices // (tp * pp)
@@ -478,8 +530,9 @@ def configurations(facts: ModelFacts, *, devices: int, batch: int, per_node: int
                             continue
                         for rc in recomputes:
                             for z in (zero_stages if dp > 1 else (0,)):
-                                yield Config(dp=dp, tp=tp, pp=pp, micro_batch=mb, schedule=sched, virtual=v,
-                                             recompute=rc, zero_stage=z)
+                                for ep in eps(dp):
+                                    yield Config(dp=dp, tp=tp, pp=pp, micro_batch=mb, schedule=sched, virtual=v,
+                                                 recompute=rc, zero_stage=z, ep=ep)
 
 
 def search(facts: ModelFacts, cluster: Cluster, *, batch: int, budget: float | None = None,
@@ -525,7 +578,7 @@ def search(facts: ModelFacts, cluster: Cluster, *, batch: int, budget: float | N
 
 
 def _layout(c: Config) -> tuple:
-    return (c.dp, c.tp, c.pp, c.micro_batch, c.schedule, c.virtual)
+    return (c.dp, c.tp, c.pp, c.ep, c.micro_batch, c.schedule, c.virtual)
 
 
 def _rank_key(s: Score) -> tuple:

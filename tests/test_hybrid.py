@@ -129,3 +129,16 @@ def test_train_runs_the_chosen_plan_and_matches_single_process(capsys):
     assert code == 0, out
     assert "plan: dp=" in out and "largest relative difference" in out
     assert len([line for line in out.splitlines() if line.strip()[:1].isdigit()]) == 2
+
+
+def test_expert_parallelism_is_searched_for_moe_models():
+    w = load_workload("moe", batch=1, seq=256, overrides={"layers": "2", "hidden": "256", "experts": "8"})
+    facts = ModelFacts(capture_workload(w), seq=256, dtype="bf16")
+    cl = Cluster.from_spec("1x8", hardware="h100")
+    one, four = (simulate(facts, cl, Config(dp=8, tp=1, pp=1, micro_batch=1, ep=e), batch=16) for e in (1, 4))
+    assert four.memory["params"] < one.memory["params"]          # each rank keeps 1/ep of the experts
+    assert four.parts["tp_comm_per_block_s"] > one.parts["tp_comm_per_block_s"]   # the all-to-alls
+    eps = {c.ep for c in configurations(facts, devices=8, batch=16, per_node=8)}
+    assert eps == {1, 2, 4, 8}
+    with pytest.raises(ConfigError):
+        simulate(facts, cl, Config(dp=2, tp=4, pp=1, micro_batch=1, ep=4), batch=16)   # ep must divide dp
