@@ -208,7 +208,8 @@ def _plan_hybrid(args: argparse.Namespace, w, gm, cluster, start: float) -> int:
     """``autopar plan`` (default): the joint search over every parallelism (cost/hybrid.py)."""
     import json
 
-    from autopar.cost.hybrid import RECOMPUTE, search, smallest_cluster
+    from autopar.cost.hybrid import RECOMPUTE
+    from autopar.cost.plan_search import search, smallest_cluster
 
     facts = _hybrid_facts(args, gm)
     space = {}

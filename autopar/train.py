@@ -28,7 +28,8 @@ def runnable(c) -> bool:
 def choose(name: str, overrides: dict, ranks: int, batch: int, seq: int):
     """The fastest runnable configuration by the simulator, and how many were scored."""
     from autopar.cost.cluster import Cluster
-    from autopar.cost.hybrid import ModelFacts, configurations, simulate
+    from autopar.cost.hybrid import ModelFacts, simulate
+    from autopar.cost.plan_search import configurations
     from autopar.workload import capture_workload, load_workload
 
     w = load_workload(name, batch=batch, seq=seq, overrides={k: str(v) for k, v in overrides.items()})

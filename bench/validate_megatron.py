@@ -45,7 +45,8 @@ import logging  # noqa: E402
 logging.getLogger("autopar").setLevel(logging.ERROR)
 
 from autopar.cost.cluster import Cluster  # noqa: E402
-from autopar.cost.hybrid import Config, ModelFacts, search, simulate  # noqa: E402
+from autopar.cost.hybrid import Config, ModelFacts, simulate  # noqa: E402
+from autopar.cost.plan_search import search  # noqa: E402
 from autopar.errors import ConfigError  # noqa: E402
 from autopar.workload import capture_workload, load_workload  # noqa: E402
 

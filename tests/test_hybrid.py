@@ -8,7 +8,8 @@ import pytest
 
 from autopar.cli import main
 from autopar.cost.cluster import Cluster
-from autopar.cost.hybrid import Config, ModelFacts, configurations, search, simulate
+from autopar.cost.hybrid import Config, ModelFacts, simulate
+from autopar.cost.plan_search import configurations, search
 from autopar.errors import ConfigError
 from autopar.workload import capture_workload, load_workload
 

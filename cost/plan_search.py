@@ -1,0 +1,163 @@
+"""The joint search over the hybrid simulator's configurations (:mod:`autopar.cost.hybrid`).
+
+:func:`configurations` enumerates dp x tp x pp (tp within a node, pp dividing the layers, dp
+the rest dividing the batch) x ep (a sub-axis of dp for mixture-of-experts models) x ZeRO
+stage x recomputation x micro-batch x schedule. :func:`search` skips a configuration whose
+compute alone already loses, ranks the rest with the pipeline's closed form, re-scores the
+finalists with the event simulation, and explains why each other layout lost.
+:func:`smallest_cluster` finds the smallest cluster on which anything fits.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any, Iterable, Sequence
+
+from autopar.cost.cluster import Cluster
+from autopar.cost.hybrid import RECOMPUTE, Config, ModelFacts, Score, simulate
+from autopar.errors import ConfigError
+
+log = logging.getLogger("autopar.hybrid")
+
+
+def configurations(facts: ModelFacts, *, devices: int, batch: int, per_node: int,
+                   schedules: Sequence[str] = ("1f1b", "interleaved", "gpipe", "zb"),
+                   recomputes: Sequence[str] = RECOMPUTE, zero_stages: Sequence[int] = (0, 1, 2, 3),
+                   micro_batches: Sequence[int] = (1, 2, 4, 8), tp_max: int | None = None) -> Iterable[Config]:
+    """Every configuration the search considers: tp a power of two within a node, pp dividing
+    the layers, dp the rest dividing the batch."""
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= (tp_max or per_node) and devices % t == 0]
+
+    def eps(dp: int) -> list[int]:   # expert parallelism: a sub-axis of dp dividing the experts
+        if not facts.experts:
+            return [1]
+        return [e for e in range(1, dp + 1) if dp % e == 0 and facts.experts % e == 0]
+    for tp in tps:
+        for pp in [p for p in range(1, facts.layers + 1) if facts.layers % p == 0 and (devices // tp) % p == 0]:
+            dp = devices // (tp * pp)
+            if batch % dp:
+                continue
+            for mb in [b for b in micro_batches if (batch // dp) % b == 0]:
+                for sched in (schedules if pp > 1 else ("gpipe",)):
+                    vs = [2] if sched == "interleaved" else [1]
+                    for v in vs:
+                        if facts.layers % (pp * v) or (sched == "interleaved" and (batch // dp // mb) % pp):
+                            continue
+                        for rc in recomputes:
+                            for z in (zero_stages if dp > 1 else (0,)):
+                                for ep in eps(dp):
+                                    yield Config(dp=dp, tp=tp, pp=pp, micro_batch=mb, schedule=sched, virtual=v,
+                                                 recompute=rc, zero_stage=z, ep=ep)
+
+
+def search(facts: ModelFacts, cluster: Cluster, *, batch: int, budget: float | None = None,
+           top: int = 5, **space: Any) -> tuple[Score | None, list[Score], int]:
+    """The fastest configuration that fits, the next ``top`` with why each lost, and how many
+    were scored. Configurations whose compute alone (a lower bound) already exceeds the best
+    found are skipped."""
+    budget = budget if budget is not None else cluster.device.memory_bytes
+    scored: list[Score] = []
+    best: Score | None = None
+    count = 0
+    for c in configurations(facts, devices=cluster.world_size, batch=batch, per_node=cluster.devices_per_node,
+                            **space):
+        if best is not None and _lower_bound(facts, cluster, c, batch) >= best.step_time_s:
+            continue
+        try:
+            s = simulate(facts, cluster, c, batch=batch, budget=budget, fast=True)
+        except ConfigError:
+            continue
+        count += 1
+        scored.append(s)
+        if s.fits and (best is None or s.step_time_s < best.step_time_s):
+            best = s
+    log.info("search: %d configurations scored with the closed-form pipeline", count)
+    # the finalists, scored exactly by the event simulation
+    t0 = time.perf_counter()
+    ranked = sorted(scored, key=_rank_key)
+    final = [simulate(facts, cluster, s.config, batch=batch, budget=budget) for s in ranked[:max(8, 2 * top)]]
+    final.sort(key=_rank_key)
+    best = final[0] if final and final[0].fits else None
+    log.info("search: %d finalists event-simulated in %.2fs", len(final), time.perf_counter() - t0)
+    seen = {s.config for s in final}
+    others = final[1:] + [s for s in ranked if s.config not in seen]
+    out, layouts = [], {_layout(best.config)} if best is not None else set()
+    for s in others:              # the best variant of each other layout
+        if len(out) >= top:
+            break
+        if _layout(s.config) in layouts:
+            continue
+        layouts.add(_layout(s.config))
+        out.append(_with_reason(s, best, budget))
+    return best, out, count
+
+
+def _layout(c: Config) -> tuple:
+    return (c.dp, c.tp, c.pp, c.ep, c.micro_batch, c.schedule, c.virtual)
+
+
+def _rank_key(s: Score) -> tuple:
+    """Fits first, then time (to 0.1 %), then the simpler configuration: lower ZeRO stage,
+    less recomputation, fewer pipeline stages, smaller tp."""
+    return (not s.fits, round(s.step_time_s * 1000 / max(s.step_time_s, 1e-12)) if False else
+            round(math.log(max(s.step_time_s, 1e-12)) / math.log(1.001)),
+            s.config.zero_stage, RECOMPUTE.index(s.config.recompute), s.config.pp, s.config.tp)
+
+
+def _lower_bound(facts: ModelFacts, cluster: Cluster, c: Config, batch: int) -> float:
+    """Compute alone, perfectly split over tp and pp (no bubble, no communication): from this
+    degree's figures when known, else from the unsplit model's divided by tp (no tensor
+    solve needed to rule a configuration out)."""
+    parts, _ = facts._cache.get((c.tp, c.micro_batch, cluster.name), (None, None))
+    scale = 1.0
+    if parts is None:
+        parts, _ = facts._cache.get((1, c.micro_batch, cluster.name), (None, None))
+        scale = 1.0 / c.tp
+    if parts is None:
+        return 0.0
+    blk = parts["block"]
+    per_mb = facts.layers * (blk.fwd + blk.bwd) * scale / c.pp
+    return per_mb * batch / (c.dp * c.micro_batch)
+
+
+def _with_reason(s: Score, best: Score | None, budget: float) -> Score:
+    if not s.fits:
+        why = f"does not fit: needs {s.peak_memory_bytes / 1e9:.1f} GB, budget {budget / 1e9:.1f} GB"
+    elif best is None:
+        why = ""
+    else:
+        diffs = {"pipeline bubble and compute": s.parts["pipeline_s"] - best.parts["pipeline_s"],
+                 "exposed dp communication": s.exposed_comm_s - best.exposed_comm_s,
+                 "optimizer step": s.parts["optimizer_s"] - best.parts["optimizer_s"]}
+        worst = max(diffs, key=lambda k: diffs[k])
+        slower = s.step_time_s / best.step_time_s - 1
+        if slower < 1e-3:
+            why = (f"as fast (within 0.1%), but holds {s.peak_memory_bytes / 1e9:.1f} GB against "
+                   f"{best.peak_memory_bytes / 1e9:.1f} GB" if s.peak_memory_bytes > best.peak_memory_bytes
+                   else "as fast (within 0.1%); the chosen one is the simpler configuration")
+        else:
+            why = f"slower by {100 * slower:.1f}% ({worst} +{diffs[worst] * 1e3:.1f} ms)"
+    return Score(**{**{k: getattr(s, k) for k in s.__dataclass_fields__}, "reason": why})
+
+
+def smallest_cluster(facts: ModelFacts, cluster: Cluster, *, batch: int, budget: float | None = None,
+                     limit: int = 1 << 16) -> int | None:
+    """The smallest device count (whole nodes) on which some configuration fits."""
+    from autopar.cost.cluster import Cluster as C
+
+    per = cluster.devices_per_node
+    nodes = max(1, cluster.world_size // per)
+    while nodes * per <= limit:
+        nodes *= 2
+        bigger = C(nodes=nodes, devices_per_node=per, device=cluster.device, intra=cluster.intra,
+                   inter=cluster.inter, intra_peak_bandwidth=cluster.intra_peak_bandwidth,
+                   name=f"{nodes}x{per} {cluster.device.name}")
+        best, _, _ = search(facts, bigger, batch=batch, budget=budget, top=0, recomputes=("full",),
+                            schedules=("1f1b",), micro_batches=(1,))
+        if best is not None:
+            return nodes * per
+    return None
+
+
+__all__ = ["configurations", "search", "smallest_cluster"]
