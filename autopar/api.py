@@ -121,9 +121,16 @@ def _plan_of(gm: fx.GraphModule, sol: Solution, axes: tuple[tuple[str, int], ...
                  "state_bytes_per_rank": sol.state_bytes}
     tp = _tp_axes(axes)
     dp_axis = "dp" if any(a == "dp" for a, _ in axes) else None
+    shapes = _param_shapes(gm)
     return Plan(mesh=dict(axes), tp_axis=tp[0][0] if tp else None, params=params, nodes=nodes, predicted=predicted,
                 model=name, dp_axis=dp_axis, zero_stage=zero_stage if dp_axis else 0, bucket_bytes=bucket_bytes,
-                overlap=overlap, mixed_precision=mixed_precision)
+                overlap=overlap, mixed_precision=mixed_precision, shapes=shapes,
+                fingerprint=Plan.fingerprint_of(shapes))
+
+
+def _param_shapes(gm: fx.GraphModule) -> dict[str, list[int]]:
+    return {info(n).target_fqn: [int(d) for d in info(n).values[0].shape] for n in gm.graph.nodes
+            if n.op == "placeholder" and info(n).kind == "param" and info(n).values}
 
 
 def plan(model: nn.Module, mesh: Any, example_inputs: Any, *, dims: Any = None, hardware: str | None = None,
@@ -317,11 +324,13 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
     from autopar.runtime.dp import DPRuntime
     from autopar.runtime.tp_module import ParallelModule
 
+    if isinstance(plan, str):
+        plan = Plan.load(plan)
+    if plan is not None:
+        plan.check_model(model)    # a plan for another model stops here, before any collective
     if not dist.is_initialized():
         raise ConfigError("parallelize needs an initialised process group", where="parallelize",
                           fix="call torch.distributed.init_process_group (torchrun sets the environment) first")
-    if isinstance(plan, str):
-        plan = Plan.load(plan)
     if _has_axis(mesh, "ep") or (plan is not None and plan.ep_axis is not None):
         if plan is not None:
             raise ConfigError("re-applying a saved expert-parallel plan is not supported yet", where="parallelize",

@@ -69,6 +69,8 @@ class Plan:
     ep_axis: str | None = None                   # the axis that holds experts
     expert_placement: dict[str, list[int]] = field(default_factory=dict)  # MoE region -> experts in owner order
     capacity_factor: float | None = None          # MoE capacity factor (None: the model's own)
+    shapes: dict[str, list[int]] = field(default_factory=dict)   # the model's parameters, by state_dict key
+    fingerprint: str = ""                         # hash of ``shapes``: which model the plan is for
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
@@ -124,17 +126,50 @@ class Plan:
                        microbatches=int(data.get("microbatches", 1)),
                        virtual_stages=int(data.get("virtual_stages", 1)), ep_axis=data.get("ep_axis"),
                        expert_placement={k: list(v) for k, v in data.get("expert_placement", {}).items()},
-                       capacity_factor=data.get("capacity_factor"))
+                       capacity_factor=data.get("capacity_factor"),
+                       shapes={k: list(v) for k, v in data.get("shapes", {}).items()},
+                       fingerprint=str(data.get("fingerprint", "")))
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"plan is missing or mistypes a field: {exc}", where="plan",
                               fix="pass a file written by Plan.save") from exc
+
+    def check_model(self, model: Any) -> None:
+        """Raise a ConfigError naming the first parameters whose names or shapes differ from
+        the model the plan was made for (plans without recorded shapes are not checked)."""
+        if not self.shapes:
+            return
+        have = {k: list(p.shape) for k, p in model.named_parameters()}
+        missing = sorted(set(self.shapes) - set(have))
+        extra = sorted(set(have) - set(self.shapes))
+        differ = sorted(k for k in set(have) & set(self.shapes) if have[k] != self.shapes[k])
+        if missing or extra or differ:
+            got = "; ".join(part for part in (
+                f"missing {missing[:3]}" if missing else "", f"not in the plan {extra[:3]}" if extra else "",
+                ", ".join(f"{k} is {have[k]}, the plan has {self.shapes[k]}" for k in differ[:3])) if part)
+            raise ConfigError(f"the plan was made for another model ({self.model or 'unnamed'}, fingerprint "
+                              f"{self.fingerprint[:12] or '?'})", where="plan", expected="the same parameter names "
+                              "and shapes", got=got, fix="re-plan for this model: autopar.plan(model, mesh, inputs)")
+
+    @staticmethod
+    def fingerprint_of(shapes: dict[str, list[int]]) -> str:
+        import hashlib
+        return hashlib.sha256(json.dumps(sorted(shapes.items())).encode()).hexdigest()
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
 
     @classmethod
-    def load(cls, path: str | Path) -> "Plan":
-        return cls.from_json(Path(path).read_text())
+    def load(cls, path: str | Path, model: Any = None) -> "Plan":
+        """Read a plan file; with ``model``, check it is for that model before anything runs."""
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the plan file: {exc}", where=str(path),
+                              fix="pass the path of a file written by Plan.save") from exc
+        plan = cls.from_json(text)
+        if model is not None:
+            plan.check_model(model)
+        return plan
 
     def strategies(self) -> dict[str, Strategy]:
         return {k: v.strategy() for k, v in self.nodes.items()}

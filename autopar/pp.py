@@ -319,7 +319,8 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
                     nodes=dict(tp_plan.nodes) if tp_plan is not None else {}, predicted=final.as_dict(),
                     model=type(model).__name__, dp_axis="dp" if "dp" in sizes else None, pp_axis="pp",
                     stage_starts=tuple(starts), schedule=choice_s, microbatches=choice_m,
-                    virtual_stages=choice_v)
+                    virtual_stages=choice_v, shapes={k: list(q.shape) for k, q in model.named_parameters()})
+    the_plan = replace(the_plan, fingerprint=Plan.fingerprint_of(the_plan.shapes))
     shared = shared_params(stages)
 
     # 4. this rank's stages
