@@ -319,7 +319,6 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
 
     ``recompute``: ``"none"``, ``"selective"`` (attention cores re-run in backward) or
     ``"full"`` (every layer re-run in backward; forward keeps only each layer's inputs)."""
-    from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.runtime.dp import DPRuntime
     from autopar.runtime.tp_module import ParallelModule
@@ -352,13 +351,7 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
         raise ConfigError("the mesh does not match the plan's", where="parallelize", expected=str(plan.mesh),
                           got=str(dict(axes)), fix="pass the mesh the plan was made for, or re-plan for this mesh")
     world = math.prod(n for _, n in axes)
-    if world != dist.get_world_size():
-        raise ConfigError("the mesh does not cover the process group", where="parallelize",
-                          expected=f"{world} ranks ({dict(axes)})", got=f"world size {dist.get_world_size()}",
-                          fix="launch as many ranks as the mesh has devices, or pass a mesh of that size")
-    if not hasattr(mesh, "get_group"):
-        device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-        mesh = init_device_mesh(device, tuple(n for _, n in axes), mesh_dim_names=tuple(a for a, _ in axes))
+    mesh = device_mesh(mesh, axes)
     names = list(mesh.mesh_dim_names or ("tp",))
     tp_group = mesh.get_group(names.index("tp")) if "tp" in names else None
     gm, the_plan = planned_graph(model, mesh, example_inputs, dims=dims, plan=plan, hardware=hardware,
@@ -393,6 +386,22 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
                         the_plan, dim_map, dp=rt)
     pm.set_recompute(recompute)   # none | selective (attention cores) | full (every layer), checkpointed
     return pm
+
+
+def device_mesh(mesh: Any, axes: tuple[tuple[str, int], ...]):
+    """``mesh`` as a DeviceMesh over the whole process group (made from ``axes`` when it is a
+    mapping or an int), after checking that the axes cover every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = math.prod(n for _, n in axes)
+    if world != dist.get_world_size():
+        raise ConfigError("the mesh does not cover the process group", where="parallelize",
+                          expected=f"{world} ranks ({dict(axes)})", got=f"world size {dist.get_world_size()}",
+                          fix="launch as many ranks as the mesh has devices, or pass a mesh of that size")
+    if hasattr(mesh, "get_group"):
+        return mesh
+    device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device, tuple(n for _, n in axes), mesh_dim_names=tuple(a for a, _ in axes))
 
 
 def _has_axis(mesh: Any, axis: str) -> bool:

@@ -271,9 +271,8 @@ def parallelize_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, har
     ``capacity_factor`` overrides the MoE layers' own (set on the module of each region the
     graph shows, which must have a ``capacity_factor`` attribute; the model is then captured
     again), so tokens drop exactly as the single-device model's at that factor."""
-    from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar.api import _capture, planned_graph
+    from autopar.api import _capture, device_mesh, planned_graph
     from autopar.passes.ep_rewrite import ep_rewrite, expert_regions
     from autopar.plans import Plan
     from autopar.runtime.ep import EPRuntime
@@ -284,17 +283,7 @@ def parallelize_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, har
                           fix="call torch.distributed.init_process_group (torchrun sets the environment) first")
     axes = ep_axes(mesh)
     sizes = dict(axes)
-    world = math.prod(sizes.values())
-    if world != dist.get_world_size():
-        raise ConfigError("the mesh does not cover the process group", where="parallelize",
-                          expected=f"{world} ranks ({sizes})", got=f"world size {dist.get_world_size()}",
-                          fix="launch as many ranks as the mesh has devices")
-    if placement not in ("balanced", "contiguous"):
-        raise ConfigError(f"unknown expert placement {placement!r}", where="placement",
-                          expected="balanced or contiguous", fix="use placement='balanced'")
-    if not hasattr(mesh, "get_group"):
-        device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-        mesh = init_device_mesh(device_type, tuple(n for _, n in axes), mesh_dim_names=tuple(a for a, _ in axes))
+    mesh = device_mesh(mesh, axes)
     names = list(mesh.mesh_dim_names)
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     tensors: dict[str, torch.Tensor] = dict(model.named_parameters())

@@ -222,9 +222,8 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
                          memory_budget: float | None = None, sync_params: bool = True,
                          zero_stage: int | None = None, plan: Any = None):
     """This rank's :class:`~autopar.runtime.pp.PipelineModule` (see :func:`autopar.parallelize`)."""
-    from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar.api import _capture, default_dims, planned_graph
+    from autopar.api import _capture, default_dims, device_mesh, planned_graph
     from autopar.passes.pp_split import shared_params, split_stages
     from autopar.runtime.pp import PipelineModule, StageModule, stage_inputs_of
 
@@ -252,13 +251,7 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
         schedule, microbatches, virtual_stages = plan.schedule, plan.microbatches, plan.virtual_stages
     sizes = dict(axes)
     world = math.prod(sizes.values())
-    if world != dist.get_world_size():
-        raise ConfigError("the mesh does not cover the process group", where="parallelize",
-                          expected=f"{world} ranks ({sizes})", got=f"world size {dist.get_world_size()}",
-                          fix="launch as many ranks as the mesh has devices")
-    if not hasattr(mesh, "get_group"):
-        device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-        mesh = init_device_mesh(device_type, tuple(n for _, n in axes), mesh_dim_names=tuple(a for a, _ in axes))
+    mesh = device_mesh(mesh, axes)
     names = list(mesh.mesh_dim_names)
     device = torch.device(mesh.device_type if mesh.device_type != "cuda" else f"cuda:{torch.cuda.current_device()}")
     p = sizes["pp"]

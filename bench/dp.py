@@ -43,7 +43,6 @@ import datetime
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -53,6 +52,8 @@ import warnings
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 import torch  # after the filter above
+
+import _common as common  # noqa: E402 - bench/ is the script directory
 
 VARIANTS = ("local", "ddp", "ap0", "ap0-nov", "fsdp", "ap3", "ap3-nov")
 # (name, numerator, denominator, time goal as text, memory compared?)
@@ -323,20 +324,11 @@ def _print_final(worlds: list[dict], command: str, machine: str, wall: float) ->
 
 
 def _overrides(a: argparse.Namespace) -> dict:
-    out = {"max_seq": a.seq} if a.model != "mlp" else {}
-    for item in a.set or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set takes key=value, got {item!r}")
-        out[key] = value
-    return out
+    return common.overrides(a.set, {"max_seq": a.seq} if a.model != "mlp" else {})
 
 
 def _args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world", type=int, nargs="+", default=[2, 4], help="world sizes (default 2 4)")
-    ap.add_argument("--steps", type=int, default=20, help="timed steps per variant (default 20)")
-    ap.add_argument("--warmup", type=int, default=2, help="warm-up steps per variant (default 2)")
+    ap = common.base_parser(__doc__)
     ap.add_argument("--model", choices=("gpt", "llama", "mlp"), default="gpt")
     ap.add_argument("--set", action="extend", nargs="+", metavar="K=V",
                     help="model config overrides, e.g. --set hidden=512 layers=2")
@@ -363,8 +355,7 @@ def main() -> int:
     n_params = autopar.models.param_count(autopar.models.get_config(a.model, overrides))
     t_all = time.perf_counter()
     command = "python bench/dp.py " + " ".join(sys.argv[1:])
-    machine = (f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-               f"gloo, 1 thread per rank")
+    machine = common.machine_line()
     print(f"machine: {machine}")
     print(f"model: {a.model} {overrides} ({n_params:,} params, {n_params * 4 / 2**20:.1f} MiB fp32), "
           f"{a.batch} rows/rank, seq {a.seq}; loss logsumexp(-1).mean(); AdamW lr 1e-3; "

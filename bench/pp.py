@@ -63,7 +63,6 @@ import copy
 import datetime
 import json
 import os
-import platform
 import re
 import statistics
 import sys
@@ -73,6 +72,8 @@ import warnings
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 import torch  # after the filter above
+
+import _common as common  # noqa: E402 - bench/ is the script directory
 import torch.nn.functional as F
 from torch import nn
 
@@ -508,20 +509,11 @@ def _print_final(worlds: list[dict], command: str, machine: str, wall: float) ->
 # -- driver ---------------------------------------------------------------------------------------
 
 def _overrides(a: argparse.Namespace) -> dict:
-    out = {"max_seq": a.seq, "layers": 2 * max(a.world), "hidden": 128, "heads": 4, "vocab": 512}
-    for item in a.set or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set takes key=value, got {item!r}")
-        out[key] = value
-    return out
+    return common.overrides(a.set, {"max_seq": a.seq, "layers": 2 * max(a.world), "hidden": 128, "heads": 4, "vocab": 512})
 
 
 def _args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world", type=int, nargs="+", default=[2, 4], help="world sizes, each >= 2 (default 2 4)")
-    ap.add_argument("--steps", type=int, default=20, help="timed steps per variant (default 20)")
-    ap.add_argument("--warmup", type=int, default=2, help="warm-up steps per variant (default 2)")
+    ap = common.base_parser(__doc__, "world sizes, each >= 2 (default 2 4)")
     ap.add_argument("--model", choices=("gpt", "llama"), default="gpt")
     ap.add_argument("--set", action="extend", nargs="+", metavar="K=V",
                     help="model config overrides (defaults: hidden=128 heads=4 vocab=512 layers=2*max(world))")
@@ -572,8 +564,7 @@ def main() -> int:
     n_params = autopar.models.param_count(autopar.models.get_config(a.model, overrides))
     t_all = time.perf_counter()
     command = "python bench/pp.py " + " ".join(sys.argv[1:])
-    machine = (f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-               f"gloo, 1 thread per rank")
+    machine = common.machine_line()
     print(f"machine: {machine}")
     print(f"model: {a.model} {overrides} ({n_params:,} params), batch {a.batch} in {a.microbatches} micro-batches, "
           f"seq {a.seq}; loss cross_entropy; AdamW lr 1e-3; {a.warmup} warm-up + {a.steps} timed steps per "

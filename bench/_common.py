@@ -1,0 +1,33 @@
+"""What the benchmarks share: the common flags, ``--set`` overrides and the machine line."""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+
+import torch
+
+
+def base_parser(doc: str, world_help: str = "world sizes (default 2 4)") -> argparse.ArgumentParser:
+    """A parser with ``--world``, ``--steps`` and ``--warmup``."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--world", type=int, nargs="+", default=[2, 4], help=world_help)
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per variant (default 20)")
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up steps per variant (default 2)")
+    return ap
+
+
+def overrides(items: list[str] | None, base: dict) -> dict:
+    """``base`` with ``--set key=value`` items applied."""
+    out = dict(base)
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set takes key=value, got {item!r}")
+        out[key] = value
+    return out
+
+
+def machine_line() -> str:
+    return (f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+            f"gloo, 1 thread per rank")
