@@ -72,6 +72,13 @@ class Spec:
     value: Placement
     grad: Placement
 
+    def __post_init__(self) -> None:
+        # specs key the planners' dynamic programmes; hashing them is their hot loop
+        object.__setattr__(self, "_hash", hash((self.value, self.grad)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
     def __str__(self) -> str:
         return str(self.value) if self.grad == default_grad(self.value) else f"{self.value}/g{self.grad}"
 

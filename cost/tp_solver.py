@@ -35,7 +35,7 @@ from autopar.passes.sharding import Strategy, is_decision, strategies, tensor_in
 from autopar.placement import REP, Shard, Spec, comm_bytes, shard, transition
 
 log = logging.getLogger("autopar.solver")
-BEAM = 200  # states kept per step (lowest cost first); see solve()
+BEAM = 64  # states kept per step (lowest cost first); see solve()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,11 +184,12 @@ class _DP:
         self.p = pricer
         self.steps = steps
         self.uses_left = uses  # consumers (steps) still to come, per value
+        self._opt_cache: dict[fx.Node, list] = {}
 
     def run(self, start: dict, finals: dict[fx.Node, tuple[Spec, ...]]) -> tuple[float, dict[str, Strategy], float, float, float]:
         """``start`` maps live values to their specs; ``finals`` the specs the values left at
         the end must be converted to. Returns (cost, strategies, compute, comm, state)."""
-        init = tuple(sorted(((v, tuple(s), ()) for v, s in start.items()), key=_order))
+        init = tuple(sorted(((v, (tuple(s), ())) for v, s in start.items()), key=_order))
         layers = [{init: (0.0, None, None, 0.0, 0.0, 0.0)}]
         remaining = dict(self.uses_left)
         for step in self.steps:
@@ -196,15 +197,17 @@ class _DP:
             nxt: dict = {}
             dead = _consumed(step, remaining)
             for key, (cost, *_rest, c_s, m_s, b_s) in layers[-1].items():
-                for choice, extra, out_specs, dc, dm, db in self._expand(step, dict(_unkey(key))):
-                    state = dict(_unkey(key))
-                    for v in dead:
-                        state.pop(v, None)
+                before = dict(key)
+                after = dict(before)
+                for v in dead:
+                    after.pop(v, None)
+                for choice, extra, out_specs, dc, dm, db in self._expand(step, before):
+                    state = dict(after)
                     _apply_paid(state, extra)
                     if out_specs is not None:
                         for v, specs in out_specs.items():
                             state[v] = (specs, ())
-                    k2 = tuple(sorted(((v, s, paid) for v, (s, paid) in state.items()), key=_order))
+                    k2 = tuple(sorted(state.items(), key=_order))
                     total = cost + dc + dm + db * self.p.cfg.mem_weight
                     if k2 not in nxt or nxt[k2][0] > total:
                         nxt[k2] = (total, key, choice, c_s + dc, m_s + dm, b_s + db)
@@ -215,7 +218,7 @@ class _DP:
             layers.append(nxt)
         best_key, best, best_cost = None, None, math.inf
         for key, val in layers[-1].items():
-            state = dict(_unkey(key))
+            state = dict(key)
             end = sum(self._final_cost(v, state[v], finals[v]) for v in finals if v in state)
             if val[0] + end < best_cost:
                 best_key, best, best_cost = key, val, val[0] + end
@@ -243,23 +246,37 @@ class _DP:
             src, idx = node.args[0], node.args[1]
             yield {}, [], {node: (state[src][0][idx],)}, 0.0, 0.0, 0.0
             return
-        ins = tensor_inputs(node) if node.op != "placeholder" else []
-        for s in self.p.options(node):
-            comp, nbytes = self.p.compute(node, s)
-            comm, extra, choice = 0.0, [], {node.name: s}
-            for u, need in zip(ins, s.inputs):
-                if u in self.p.folded:
-                    stored = self.p.storage_for(u, need)
-                    choice[u.name] = stored
-                    nbytes += self.p.compute(u, stored)[1]
-                    comm += self.p.convert(u, 0, stored.outputs[0], need)
-                    continue
+        for s, comp, nbytes, comm0, choice, live in self._options(node):
+            comm, extra = comm0, []
+            for u, need in live:
                 specs, paid = state[u]
                 have = specs[0]
                 if have != need and (0, need) not in paid and (u, need) not in extra:
                     comm += self.p.convert(u, 0, have, need)
                     extra.append((u, need))
             yield choice, extra, {node: s.outputs}, comp, comm, nbytes
+
+    def _options(self, node: fx.Node) -> list:
+        """Per strategy of ``node``, the part of its price no state changes: compute, the
+        stored parameters' bytes and conversions, and the live inputs left to convert."""
+        if node in self._opt_cache:
+            return self._opt_cache[node]
+        ins = tensor_inputs(node) if node.op != "placeholder" else []
+        out = []
+        for s in self.p.options(node):
+            comp, nbytes = self.p.compute(node, s)
+            comm, choice, live = 0.0, {node.name: s}, []
+            for u, need in zip(ins, s.inputs):
+                if u in self.p.folded:
+                    stored = self.p.storage_for(u, need)
+                    choice[u.name] = stored
+                    nbytes += self.p.compute(u, stored)[1]
+                    comm += self.p.convert(u, 0, stored.outputs[0], need)
+                else:
+                    live.append((u, need))
+            out.append((s, comp, nbytes, comm, choice, live))
+        self._opt_cache[node] = out
+        return out
 
     def _expand_block(self, block: _Block, state: dict):
         for sigma, (b_comp, b_comm, b_state, plan) in block.plans.items():
@@ -282,10 +299,6 @@ def _apply_paid(state: dict, extra: list) -> None:
         specs, paid = state.get(u, (None, None))
         if specs is not None:
             state[u] = (specs, tuple(sorted(set(paid) | {(0, need)}, key=str)))
-
-
-def _unkey(key):
-    return [(v, (s, paid)) for v, s, paid in key]
 
 
 def _order(item) -> str:
