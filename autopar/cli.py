@@ -193,10 +193,11 @@ def _hybrid_facts(args: argparse.Namespace, gm):
 
 
 def _hybrid_json(w, cluster, args, best, others, planner_s: float, scored: int) -> dict:
+    from autopar.train import runtime_gaps
     data = {"model": w.name, "cluster": cluster.name, "devices": cluster.world_size, "batch": args.batch,
             "seq": args.seq, "dtype": args.dtype, **best.as_dict(), "planner_time_s": planner_s,
             "configurations_scored": scored, "memory_budget_bytes": _budget(args, cluster),
-            "alternatives": [o.as_dict() for o in others]}
+            "runtime_gaps": runtime_gaps(best.config), "alternatives": [o.as_dict() for o in others]}
     return data
 
 
@@ -245,6 +246,7 @@ def _plan_hybrid(args: argparse.Namespace, w, gm, cluster, start: float) -> int:
 
 def _hybrid_text(args, name: str, cluster, best, others, planner_s: float, scored: int) -> str:
     from autopar.dump import seconds
+    from autopar.train import runtime_gaps
     c = best.config
     mem = best.memory
     gb = lambda x: f"{x / 1e9:.2f}"  # noqa: E731
@@ -259,6 +261,9 @@ def _hybrid_text(args, name: str, cluster, best, others, planner_s: float, score
              f"  memory per device (GB): params {gb(mem['params'])}  grads {gb(mem['grads'])}  optimizer "
              f"{gb(mem['optimizer'])}  activations {gb(mem['activations'])}  total {gb(best.peak_memory_bytes)} "
              f"(budget {gb(_budget(args, cluster))})"]
+    gaps = runtime_gaps(c)
+    lines.append("  runtime: autopar builds this plan" if not gaps else
+                 "  runtime: a prediction only; autopar's runtime does not yet build " + ", ".join(gaps))
     if others:
         lines.append(f"alternatives (top {len(others)}):")
         lines.append(f"  {'dp':>4} {'tp':>3} {'pp':>3} {'ZeRO':>4} {'mb':>3} {'sched':>11} {'recompute':>9} "

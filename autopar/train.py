@@ -17,12 +17,28 @@ import torch
 from autopar.errors import ConfigError
 
 
+def runtime_gaps(c) -> list[str]:
+    """What autopar's runtime cannot build yet for configuration ``c`` (empty: it can)."""
+    gaps = []
+    if c.pp > 1:
+        if c.zero_stage:
+            gaps.append(f"ZeRO-{c.zero_stage} inside a pipeline")
+        if c.recompute != "none":
+            gaps.append(f"{c.recompute} recomputation inside a pipeline")
+        if c.dp > 1 and c.tp > 1:
+            gaps.append("a pipeline with both data and tensor axes")
+        if c.schedule == "zb" and c.dp * c.tp > 1:
+            gaps.append("the zero-bubble schedule with data or tensor axes")
+        if getattr(c, "ep", 1) > 1:
+            gaps.append("expert parallelism inside a pipeline")
+    elif c.zero_stage == 3 and c.recompute != "none":
+        gaps.append("recomputation under ZeRO-3")
+    return gaps
+
+
 def runnable(c) -> bool:
     """Can the runtime build this configuration today?"""
-    if c.pp > 1:
-        return c.zero_stage == 0 and c.recompute == "none" and not (c.dp > 1 and c.tp > 1) and c.schedule != "zb" \
-            or (c.zero_stage == 0 and c.recompute == "none" and c.schedule == "zb" and c.dp * c.tp == 1)
-    return c.zero_stage != 3 or c.recompute == "none"
+    return not runtime_gaps(c)
 
 
 def choose(name: str, overrides: dict, ranks: int, batch: int, seq: int):
