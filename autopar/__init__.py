@@ -15,7 +15,9 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 # or their backward is silently wrong (see DESIGN.md, rule 3).
 import torch.distributed._functional_collectives  # noqa: F401
 
-from autopar.errors import AutoparError, AutoparInternalError, CaptureError, ConfigError, InputMismatchError
+from autopar.errors import (AutoparError, AutoparInternalError, CaptureError, CheckpointError, ConfigError,
+                            DoesNotFitError, InputMismatchError, MeshError, OptimizerError, PeerFailureError,
+                            PlanFileError, ShardingError, UnsupportedError)
 from autopar.passes.capture import capture
 from autopar.passes.pipeline import analyze
 from autopar.plans import Plan
@@ -23,5 +25,7 @@ from autopar.api import optimizer, parallelize, plan
 
 __version__ = "0.1.0"
 
-__all__ = ["AutoparError", "AutoparInternalError", "CaptureError", "ConfigError", "InputMismatchError",
+__all__ = ["AutoparError", "AutoparInternalError", "CaptureError", "CheckpointError", "ConfigError",
+           "DoesNotFitError", "InputMismatchError", "MeshError", "OptimizerError", "PeerFailureError",
+           "PlanFileError", "ShardingError", "UnsupportedError",
            "Plan", "analyze", "capture", "optimizer", "parallelize", "plan", "__version__"]

@@ -40,6 +40,46 @@ class ConfigError(AutoparError):
     """A configuration value (model config, hardware profile, CLI flag) is invalid."""
 
 
+class ShardingError(ConfigError):
+    """A dimension is not divisible by the mesh axis a forced placement shards it over."""
+
+
+class DoesNotFitError(ConfigError):
+    """The model does not fit the devices; ``smallest_devices`` says how many would do."""
+
+    def __init__(self, what: str, *, smallest_devices: int | None = None, **kw) -> None:
+        self.smallest_devices = smallest_devices
+        super().__init__(what, **kw)
+
+
+class PlanFileError(ConfigError):
+    """A plan file is unreadable, from an incompatible version, or for another model."""
+
+
+class MeshError(ConfigError):
+    """A mesh, the world size and the plan disagree."""
+
+
+class UnsupportedError(ConfigError):
+    """A dtype, device or feature autopar does not support."""
+
+
+class OptimizerError(ConfigError):
+    """An optimizer was given parameters the plan does not know, or an unsupported class."""
+
+
+class CheckpointError(AutoparError):
+    """A checkpoint cannot be written or read (missing, partial, or for another model)."""
+
+
+class PeerFailureError(AutoparError):
+    """Another rank failed (raised, died or stalled); ``rank`` and ``step`` say which and when."""
+
+    def __init__(self, what: str, *, rank: int | None = None, step: int | None = None, **kw) -> None:
+        self.rank, self.step = rank, step
+        super().__init__(what, **kw)
+
+
 class AutoparInternalError(RuntimeError):
     """An invariant inside autopar failed: this is a bug in autopar, not in the user's model."""
 
