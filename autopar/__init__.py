@@ -22,10 +22,13 @@ from autopar.passes.capture import capture
 from autopar.passes.pipeline import analyze
 from autopar.plans import Plan
 from autopar.api import optimizer, parallelize, plan
+from autopar import checkpoint
+from autopar.checkpoint import load, save
 
 __version__ = "0.1.0"
 
 __all__ = ["AutoparError", "AutoparInternalError", "CaptureError", "CheckpointError", "ConfigError",
            "DoesNotFitError", "InputMismatchError", "MeshError", "OptimizerError", "PeerFailureError",
            "PlanFileError", "ShardingError", "UnsupportedError",
-           "Plan", "analyze", "capture", "optimizer", "parallelize", "plan", "__version__"]
+           "Plan", "analyze", "capture", "checkpoint", "load", "optimizer", "parallelize", "plan", "save",
+           "__version__"]

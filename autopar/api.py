@@ -286,6 +286,25 @@ def _checked(gm: fx.GraphModule, plan: Plan) -> dict:
     return plan.strategies()
 
 
+def _records_model(fn):
+    """Let the parallel module remember the original model's whole shapes and tied names
+    (what checkpoints are keyed by, whatever the plan)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapped(model: nn.Module, *args: Any, **kwargs: Any):
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()
+                  if isinstance(v, torch.Tensor)}
+        first: dict[int, str] = {}
+        aliases = {name: first.setdefault(id(p), name)
+                   for name, p in model.named_parameters(remove_duplicate=False)}
+        pm = fn(model, *args, **kwargs)
+        pm.global_shapes, pm.param_aliases = shapes, aliases
+        return pm
+    return wrapped
+
+
+@_records_model
 def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan | str | None = None,
                 dims: Any = None, hardware: str | None = None, memory_budget: float | None = None,
                 sizes: Mapping[str, int] | None = None, sync_params: bool = True, zero_stage: int | None = None,
