@@ -255,6 +255,24 @@ def _optimizer_entries(model: nn.Module, opt: Any) -> tuple[torch.optim.Optimize
     return inner, out
 
 
+def _masters(model: nn.Module, opt: Any, entries: list) -> list:
+    """Under mixed precision the fp32 masters in the optimizer are the parameters' true
+    values: checkpoint those (the compute-dtype copies are derived from them)."""
+    from autopar.runtime.optim import ShardedOptimizer
+    if not (isinstance(opt, ShardedOptimizer) and opt.mixed):
+        return entries
+    aliases = _aliases(model)
+    _, stepped = _optimizer_entries(model, opt)
+    masters = {key: (lay, m) for key, lay, m in stepped}
+    frozen = {aliases.get(f, f) for f, p in model.named_parameters() if not p.requires_grad}
+    out = []
+    for key, lay, t in entries:
+        if key in masters and key not in frozen:
+            lay, t = masters[key]
+        out.append((key, lay, t))
+    return out
+
+
 def _groups_of(inner: torch.optim.Optimizer, entries) -> list[dict]:
     key_of = {id(t): key for key, _, t in entries}
     return [{**{k: v for k, v in g.items() if k != "params"}, "params": [key_of[id(p)] for p in g["params"]]}
@@ -273,7 +291,6 @@ def save(model: nn.Module, optimizer: Any, path: str | os.PathLike, *, step: int
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    _refuse_mixed(optimizer, "autopar.save")
     root = Path(path)
     distributed = dist.is_initialized()
     name = f"step-{step:08d}" if step is not None else f"ckpt-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**9:09d}"
@@ -302,7 +319,7 @@ def save(model: nn.Module, optimizer: Any, path: str | os.PathLike, *, step: int
                                             properties=TensorProperties.create_from_tensor(view),
                                             size=torch.Size(lay.shape))))
 
-    for key, lay, t in _model_entries(model):
+    for key, lay, t in _masters(model, optimizer, _model_entries(model)):
         add(f"model/{key}", lay, t)
     if optimizer is not None:
         inner, entries = _optimizer_entries(model, optimizer)
@@ -394,7 +411,6 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike) -> dict:
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-    _refuse_mixed(optimizer, "autopar.load")
     distributed = dist.is_initialized()
     target = latest(path)
     md = dcp.FileSystemReader(str(target)).read_metadata().state_dict_metadata
@@ -417,7 +433,7 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike) -> dict:
             dests.setdefault((key, offsets), []).append(view)
 
     with torch.no_grad():
-        for key, lay, t in _model_entries(model):
+        for key, lay, t in _masters(model, optimizer, _model_entries(model)):
             if f"model/{key}" not in md and _is_buffer(model, key):
                 continue    # a buffer the saving model did not persist: keep this one's
             want(f"model/{key}", lay, t.data)
@@ -497,6 +513,7 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike) -> dict:
             state[sname] = objects[key]
         if optimizer is not None:
             _restore_groups(inner, objects["optim/param_groups"])
+            _masters_to_params(optimizer)
     meta = objects["autopar/meta"]
     return {"step": meta.get("step"), "extra": meta.get("extra"), "path": target}
 
@@ -541,8 +558,14 @@ def _restore_groups(inner: torch.optim.Optimizer, saved: list[dict]) -> None:
                 group[k] = v
 
 
-def _refuse_mixed(optimizer: Any, where: str) -> None:
+def _masters_to_params(opt: Any) -> None:
+    """After loading fp32 masters, refresh the compute-dtype parameters from them."""
     from autopar.runtime.optim import ShardedOptimizer
-    if isinstance(optimizer, ShardedOptimizer) and optimizer.mixed:
-        raise CheckpointError("mixed-precision models are not checkpointed yet (their fp32 masters live in the "
-                              "optimizer)", where=where, fix="checkpoint an fp32 run")
+    if not (isinstance(opt, ShardedOptimizer) and opt.mixed):
+        return
+    if opt.stage in (1, 2):
+        opt._gather_params()            # every rank's pieces, all-gathered and cast
+        return
+    named = opt._named()
+    for fqn, m in opt.masters.items():
+        named[fqn].data.copy_(m.detach())

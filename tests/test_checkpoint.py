@@ -285,3 +285,46 @@ def test_saving_over_the_current_checkpoint_is_refused(tmp_path):
     autopar.save(model, opt, tmp_path, step=5)
     with pytest.raises(autopar.CheckpointError, match="current checkpoint"):
         autopar.save(model, opt, tmp_path, step=5)
+
+
+def _mixed_phase(rank: int, world: int, root: str, mode: str) -> dict:
+    """dp=2 ZeRO-1 in bf16: its fp32 masters are what is saved and what a load restores."""
+    from autopar.runtime.dp import shard_range
+    model = _model(0 if mode == "save" else 7)
+    x, y = _batch(0)
+    pm = autopar.parallelize(model, {"dp": 2}, (x.chunk(2)[rank],), zero_stage=1, mixed_precision="bf16")
+    opt = autopar.optimizer(pm, torch.optim.AdamW, lr=LR)
+    if mode == "save":
+        for s in range(2):
+            _train_step("parallel", {"dp": 2}, pm, opt, s)
+        autopar.save(pm, opt, root, step=2)
+    else:
+        autopar.load(pm, opt, root)
+    named = dict(pm.named_parameters())
+    out = {}
+    for fqn, m in opt.masters.items():
+        lo, hi = shard_range(named[fqn].numel(), 2, rank)
+        out[fqn] = (lo, hi, m.detach().clone(), named[fqn].detach().clone())
+    return out
+
+
+def test_mixed_precision_checkpoints_hold_the_fp32_masters(tmp_path):
+    saved = run_ranks(_mixed_phase, 2, str(tmp_path / "bf16"), "save", timeout_s=300)
+    single = _model(3)
+    autopar.load(single, torch.optim.AdamW(single.parameters()), tmp_path / "bf16")
+    params = dict(single.named_parameters())
+    for r in saved:
+        for fqn, (lo, hi, master, _) in r.items():
+            assert master.dtype == torch.float32
+            assert torch.equal(params[fqn].detach().reshape(-1)[lo:hi], master), fqn
+    # and back: a single-process fp32 checkpoint restores the masters, the bf16 copies follow
+    opt = torch.optim.AdamW(single.parameters(), lr=LR)
+    _train_step("single", None, single, opt, 0)
+    autopar.save(single, opt, tmp_path / "fp32", step=1)
+    loaded = run_ranks(_mixed_phase, 2, str(tmp_path / "fp32"), "load", timeout_s=300)
+    params = dict(single.named_parameters())
+    for r in loaded:
+        for fqn, (lo, hi, master, param) in r.items():
+            want = params[fqn].detach()
+            assert torch.equal(master, want.reshape(-1)[lo:hi]), fqn
+            assert param.dtype == torch.bfloat16 and torch.equal(param, want.to(torch.bfloat16)), fqn
