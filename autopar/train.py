@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, DoesNotFitError
 
 
 def runtime_gaps(c) -> list[str]:
@@ -25,10 +25,6 @@ def runtime_gaps(c) -> list[str]:
             gaps.append(f"ZeRO-{c.zero_stage} inside a pipeline")
         if c.recompute != "none":
             gaps.append(f"{c.recompute} recomputation inside a pipeline")
-        if c.dp > 1 and c.tp > 1:
-            gaps.append("a pipeline with both data and tensor axes")
-        if c.schedule == "zb" and c.dp * c.tp > 1:
-            gaps.append("the zero-bubble schedule with data or tensor axes")
         if getattr(c, "ep", 1) > 1:
             gaps.append("expert parallelism inside a pipeline")
     elif c.zero_stage == 3 and c.recompute != "none":
@@ -64,8 +60,8 @@ def choose(name: str, overrides: dict, ranks: int, batch: int, seq: int):
         if s.fits and (best is None or s.step_time_s < best.step_time_s):
             best = s
     if best is None:
-        raise ConfigError("no configuration the runtime can run fits", where="autopar train",
-                          fix="use fewer ranks or a larger batch")
+        raise DoesNotFitError("no configuration the runtime can run fits", where="autopar train",
+                              fix="use fewer ranks or a larger batch")
     return best, scored
 
 

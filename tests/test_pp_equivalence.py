@@ -1,7 +1,7 @@
 """Pipeline parallelism computes what the single-process model computes.
 
 Real gloo processes: pp=2 and pp=4, pp=2 x tp=2 and pp=2 x dp=2, under each schedule
-(GPipe, 1F1B, interleaved 1F1B, zero-bubble). Every rank builds the model with the same
+(GPipe, 1F1B, interleaved 1F1B, zero-bubble), and pp=2 x dp=2 x tp=2 on eight ranks. Every rank builds the model with the same
 seed, trains its pipeline for three AdamW steps with ``pm.step(inputs, target=...)``, and
 trains a single-process copy on the same batch with the same loss (the mean over the
 batch, which is what the mean of equal micro-batch losses is). Per step the loss every rank
@@ -124,6 +124,12 @@ def test_pp2_with_tp2_or_dp2(schedule, virtual, inner):
     name = "gpt" if inner == "tp" else "llama"
     layers = 4 if virtual else 2
     res = run_ranks(_run, 4, name, {**SMALL[name], "layers": layers}, mesh, schedule, 2, virtual, 4, 8)
+    _check(res, mesh)
+
+
+def test_pp2_dp2_tp2_on_eight_ranks():
+    mesh = {"pp": 2, "dp": 2, "tp": 2}
+    res = run_ranks(_run, 8, "gpt", {**SMALL["gpt"], "layers": 2}, mesh, "1f1b", 2, None, 4, 8, timeout_s=300)
     _check(res, mesh)
 
 
