@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from autopar.runtime.launch import run_ranks
+from autopar.runtime.launch import run_ranks, run_ranks_outcomes
 
 from autopar.errors import AutoparError
 
@@ -64,3 +64,17 @@ def test_exiting_rank_is_reported_not_hung() -> None:
     msg = str(info.value)
     assert "rank 1" in msg
     assert "code 3" in msg
+
+
+def test_outcomes_of_a_clean_run() -> None:
+    outcomes = run_ranks_outcomes(_all_reduce, 2, timeout_s=60)
+    assert [(o.rank, o.kind, o.exitcode) for o in outcomes] == [(0, "ok", 0), (1, "ok", 0)]
+    assert all(o.result.tolist() == [3.0] and 0 < o.elapsed_s < 60 for o in outcomes)
+
+
+def test_a_killed_rank_is_reported_with_what_the_others_saw() -> None:
+    with pytest.raises(AutoparError) as info:
+        run_ranks(_exit_on_one, 2, timeout_s=20)
+    msg = str(info.value)
+    assert "rank 1 of 2 exited with code 3" in msg
+    assert "rank 1 died at step 0" in msg      # rank 0's diagnosis, through the health monitor
