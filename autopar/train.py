@@ -23,8 +23,8 @@ def runtime_gaps(c) -> list[str]:
     if c.pp > 1:
         if c.zero_stage:
             gaps.append(f"ZeRO-{c.zero_stage} inside a pipeline")
-        if c.recompute != "none":
-            gaps.append(f"{c.recompute} recomputation inside a pipeline")
+        if c.recompute != "none" and c.schedule == "zb":
+            gaps.append(f"{c.recompute} recomputation with the zero-bubble schedule")
         if getattr(c, "ep", 1) > 1:
             gaps.append("expert parallelism inside a pipeline")
     elif c.zero_stage == 3 and c.recompute != "none":

@@ -30,6 +30,7 @@ from autopar.errors import ConfigError, InputMismatchError
 from autopar.passes.meta import info
 from autopar.passes.pp_split import StageGraph
 from autopar.placement import Shard, Spec, parse
+from autopar.runtime.health import note_step
 from autopar.runtime.tp_module import _set
 
 SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
@@ -51,6 +52,7 @@ class StageModule(nn.Module):
         self._user_inputs = list(input_names)   # stage 0: the model's input names, in call order
         self.outputs = list(sg.outputs)
         self._state: dict[str, torch.Tensor] | None = None
+        self._recompute: dict[fx.Node, int] = {}
         for kind, fqn in sg.order:
             if kind not in ("param", "buffer"):
                 continue
@@ -66,6 +68,13 @@ class StageModule(nn.Module):
     @property
     def graph_module(self) -> fx.GraphModule:
         return self._graph[0]
+
+    def set_recompute(self, mode: str, layers: Sequence[str] = ()) -> None:
+        """Checkpoint this stage's share of ``layers`` (``full``) or its attention cores
+        (``selective``); see runtime/recompute.py."""
+        from autopar.runtime.recompute import regions
+        self._recompute = regions(self.graph_module, mode, list(layers))
+        self.recompute = mode
 
     def _apply(self, fn, recurse: bool = True):  # .to() and friends replace the tensors
         self._state = None
@@ -87,7 +96,11 @@ class StageModule(nn.Module):
         else:
             acts = iter(args)
         call = [state[key] if kind in ("param", "buffer") else next(acts) for kind, key in self._order]
-        outs = self.graph_module(*call)
+        if self._recompute:
+            from autopar.runtime.recompute import run
+            outs = run(self.graph_module, call, self._recompute)
+        else:
+            outs = self.graph_module(*call)
         outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
         return outs[0] if len(outs) == 1 else outs
 
@@ -177,6 +190,7 @@ class PipelineModule(nn.Module):
 
     def step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward of one batch; returns the mean micro-batch loss (every rank)."""
+        note_step()
         if target is None:
             raise ConfigError("a pipeline step needs the target", where="PipelineModule.step",
                               fix="call pm.step(inputs, target=targets) on every rank")

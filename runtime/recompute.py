@@ -24,8 +24,10 @@ MODES = ("none", "selective", "full")
 _SCORE_OPS = {"_softmax", "softmax", "_safe_softmax", "masked_fill", "where", "dropout", "native_dropout"}
 
 
-def regions(gm: fx.GraphModule, mode: str) -> dict[fx.Node, int]:
-    """Node -> region id for ``mode`` (empty for ``none``)."""
+def regions(gm: fx.GraphModule, mode: str, members: Sequence[str] | None = None) -> dict[fx.Node, int]:
+    """Node -> region id for ``mode`` (empty for ``none``). ``members`` names the layers
+    ``full`` checkpoints (default: the members of ``gm``'s largest repeated block class; a
+    pipeline stage passes the whole model's, since it holds only some of them)."""
     if mode not in MODES:
         raise ConfigError(f"unknown recompute mode {mode!r}", where="recompute", expected=", ".join(MODES),
                           fix="use none, selective or full")
@@ -34,16 +36,13 @@ def regions(gm: fx.GraphModule, mode: str) -> dict[fx.Node, int]:
         return out
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     if mode == "full":
-        classes = graph_info(gm).block_classes
-        if not classes:
-            raise ConfigError("full recomputation needs repeated layers, and the graph has none", where="recompute",
-                              fix="use recompute='selective' or 'none'")
-        cls = max(classes, key=lambda c: len(c.members) * c.nodes_per_member)
-        members = {m: i for i, m in enumerate(cls.members)}
+        if members is None:
+            members = layer_members(gm)
+        index = {m: i for i, m in enumerate(members)}
         for n in nodes:
             m = info(n).block_member
-            if m in members:
-                out[n] = members[m]
+            if m in index:
+                out[n] = index[m]
         return out
     rid = 0
     for i, n in enumerate(nodes):
@@ -59,6 +58,15 @@ def regions(gm: fx.GraphModule, mode: str) -> dict[fx.Node, int]:
                 out[n] = rid
                 rid += 1
     return out
+
+
+def layer_members(gm: fx.GraphModule) -> list[str]:
+    """The members (layers) of ``gm``'s largest repeated block class."""
+    classes = graph_info(gm).block_classes
+    if not classes:
+        raise ConfigError("full recomputation needs repeated layers, and the graph has none", where="recompute",
+                          fix="use recompute='selective' or 'none'")
+    return list(max(classes, key=lambda c: len(c.members) * c.nodes_per_member).members)
 
 
 def _name(n: fx.Node) -> str:
@@ -142,4 +150,4 @@ def _run_region(gm: fx.GraphModule, run_nodes: list[fx.Node], env: dict[fx.Node,
     env.update(zip(outs, got))
 
 
-__all__ = ["MODES", "HELD", "regions", "run"]
+__all__ = ["MODES", "HELD", "layer_members", "regions", "run"]

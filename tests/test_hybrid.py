@@ -100,7 +100,8 @@ def test_runtime_gaps_name_what_the_runtime_cannot_build():
     assert runtime_gaps(Config(dp=2, tp=2, pp=1, micro_batch=1, zero_stage=3)) == []
     assert runnable(Config(dp=1, tp=2, pp=2, micro_batch=1, schedule="interleaved", virtual=2))
     assert runnable(Config(dp=2, tp=2, pp=2, micro_batch=1, schedule="zb"))
-    gaps = runtime_gaps(Config(dp=2, tp=2, pp=2, micro_batch=1, zero_stage=1, recompute="full"))
+    assert runnable(Config(dp=2, tp=1, pp=2, micro_batch=1, recompute="full"))
+    gaps = runtime_gaps(Config(dp=2, tp=2, pp=2, micro_batch=1, schedule="zb", zero_stage=1, recompute="full"))
     assert len(gaps) == 2 and "ZeRO-1 inside a pipeline" in gaps
     assert not runnable(Config(dp=1, tp=1, pp=1, micro_batch=1, zero_stage=3, recompute="selective"))
 

@@ -1,7 +1,8 @@
 """Pipeline parallelism computes what the single-process model computes.
 
 Real gloo processes: pp=2 and pp=4, pp=2 x tp=2 and pp=2 x dp=2, under each schedule
-(GPipe, 1F1B, interleaved 1F1B, zero-bubble), and pp=2 x dp=2 x tp=2 on eight ranks. Every rank builds the model with the same
+(GPipe, 1F1B, interleaved 1F1B, zero-bubble), and pp=2 x dp=2 x tp=2 on eight ranks; and
+pp=2 with full and selective recomputation in the stages. Every rank builds the model with the same
 seed, trains its pipeline for three AdamW steps with ``pm.step(inputs, target=...)``, and
 trains a single-process copy on the same batch with the same loss (the mean over the
 batch, which is what the mean of equal micro-batch losses is). Per step the loss every rank
@@ -41,7 +42,7 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _run(rank: int, world: int, name: str, overrides: dict, mesh: dict, schedule: str, micro: int, virtual: int | None,
-         batch: int, seq: int) -> dict:
+         batch: int, seq: int, recompute: str = "none") -> dict:
     dp, tp = mesh.get("dp", 1), mesh.get("tp", 1)
     model = _build(name, overrides)
     ref = copy.deepcopy(model)
@@ -55,7 +56,7 @@ def _run(rank: int, world: int, name: str, overrides: dict, mesh: dict, schedule
     # under fp32 AdamW) makes the solver split weights rather than replicate this tiny model.
     budget = 0.75 * 16 * sum(p.numel() for p in model.parameters()) if tp > 1 else None
     pm = autopar.parallelize(model, mesh, local, loss_fn=_loss, schedule=schedule, microbatches=micro,
-                             virtual_stages=virtual, memory_budget=budget)
+                             virtual_stages=virtual, memory_budget=budget, recompute=recompute)
     opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-3, eps=1e-6)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-3, eps=1e-6)
     loss_err = 0.0
@@ -82,7 +83,8 @@ def _run(rank: int, world: int, name: str, overrides: dict, mesh: dict, schedule
         param_err = max(param_err, (v - want).abs().max().item() / scale)
     return {"loss_err": loss_err, "param_err": param_err, "keys": sorted(pm.state_dict()),
             "all_keys": sorted(ref_state), "stages": [s.index for s in pm.stages], "tp_slices": tp_slices,
-            "schedule": pm.schedule_name, "micro": pm.microbatches}
+            "schedule": pm.schedule_name, "micro": pm.microbatches,
+            "checkpointed": sum(len(st._recompute) for st in pm.stages)}
 
 
 def _check(results: list[dict], mesh: dict) -> None:
@@ -125,6 +127,14 @@ def test_pp2_with_tp2_or_dp2(schedule, virtual, inner):
     layers = 4 if virtual else 2
     res = run_ranks(_run, 4, name, {**SMALL[name], "layers": layers}, mesh, schedule, 2, virtual, 4, 8)
     _check(res, mesh)
+
+
+@pytest.mark.parametrize("recompute,schedule,virtual", [("full", "1f1b", None), ("selective", "interleaved", 2)])
+def test_pp2_with_recomputation(recompute, schedule, virtual):
+    mesh = {"pp": 2}
+    res = run_ranks(_run, 2, "gpt", {**SMALL["gpt"], "layers": 4}, mesh, schedule, 2, virtual, 4, 8, recompute)
+    _check(res, mesh)
+    assert all(r["checkpointed"] > 0 for r in res)     # every stage really runs checkpointed regions
 
 
 def test_pp2_dp2_tp2_on_eight_ranks():
