@@ -24,11 +24,12 @@ from autopar.plans import Plan
 from autopar.api import optimizer, parallelize, plan
 from autopar import checkpoint
 from autopar.checkpoint import load, save
+from autopar.runtime.health import init_distributed
 
 __version__ = "0.1.0"
 
 __all__ = ["AutoparError", "AutoparInternalError", "CaptureError", "CheckpointError", "ConfigError",
            "DoesNotFitError", "InputMismatchError", "MeshError", "OptimizerError", "PeerFailureError",
            "PlanFileError", "ShardingError", "UnsupportedError",
-           "Plan", "analyze", "capture", "checkpoint", "load", "optimizer", "parallelize", "plan", "save",
+           "Plan", "analyze", "capture", "checkpoint", "init_distributed", "load", "optimizer", "parallelize", "plan", "save",
            "__version__"]

@@ -10,10 +10,12 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
+from autopar.checks import (check_devices, check_fits, check_options, check_plan_placements, check_runtime_dtypes,
+                            forced_placements)
 from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
 from autopar.cost.tp_solver import Solution, SolverConfig, solve
-from autopar.errors import CaptureError, ConfigError
+from autopar.errors import CaptureError, ConfigError, InputMismatchError, MeshError, OptimizerError, PlanFileError
 from autopar.passes.capture import capture
 from autopar.passes.meta import graph_info, info
 from autopar.passes.pipeline import analyze
@@ -50,19 +52,19 @@ def mesh_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
         names = mesh.mesh_dim_names or (("tp",) if mesh.ndim == 1 else tuple(f"axis{i}" for i in range(mesh.ndim)))
         axes = tuple((names[i], mesh.size(i)) for i in range(mesh.ndim))
     else:
-        raise ConfigError("mesh must be a DeviceMesh, an int or a {axis: size} mapping", got=type(mesh).__name__,
-                          fix="pass e.g. {'dp': 2, 'tp': 2}, init_device_mesh('cpu', (2, 2), "
-                              "mesh_dim_names=('dp', 'tp')) or 4")
+        raise MeshError("mesh must be a DeviceMesh, an int or a {axis: size} mapping", where="mesh",
+                        got=type(mesh).__name__, fix="pass e.g. {'dp': 2, 'tp': 2}, init_device_mesh('cpu', (2, 2), "
+                                                     "mesh_dim_names=('dp', 'tp')) or 4")
     names = [a for a, _ in axes]
     if not axes or len(set(names)) != len(names) or any(a not in _SUPPORTED for a in names) \
             or any(size < 1 for _, size in axes):
-        raise ConfigError("this version parallelizes over a data axis and/or a tensor axis", where="mesh",
-                          expected="axes named dp and/or tp (dp outermost), each of size >= 1", got=str(axes),
-                          fix="e.g. {'dp': 2, 'tp': 2}; pipeline and expert axes are not supported yet"
-                          if any(a in _FIXED_ROLES for a in names) else "name the axes dp and tp")
+        raise MeshError("this version parallelizes over a data axis and/or a tensor axis", where="mesh",
+                        expected="axes named dp and/or tp (dp outermost), each of size >= 1", got=str(axes),
+                        fix="e.g. {'dp': 2, 'tp': 2}; pipeline and expert axes are not supported yet"
+                        if any(a in _FIXED_ROLES for a in names) else "name the axes dp and tp")
     if names == ["tp", "dp"]:
-        raise ConfigError("the data axis must be the outer mesh axis", where="mesh", got=str(axes),
-                          fix="list dp before tp, e.g. {'dp': 2, 'tp': 2}: tensor-parallel ranks are neighbours")
+        raise MeshError("the data axis must be the outer mesh axis", where="mesh", got=str(axes),
+                        fix="list dp before tp, e.g. {'dp': 2, 'tp': 2}: tensor-parallel ranks are neighbours")
     return axes
 
 
@@ -83,8 +85,11 @@ def _capture(model: nn.Module, example_inputs: Any, dims: Any) -> fx.GraphModule
 
 def _solve(gm: fx.GraphModule, axes: tuple[tuple[str, int], ...], *, hardware: str | None,
            memory_budget: float | None, sizes: Mapping[str, int] | None, dtype: str | None,
-           pinned: Any = None) -> tuple[Solution, Cluster]:
-    """Tensor-axis strategies for ``axes`` (an empty solution when there is no tensor axis)."""
+           pinned: Any = None, placements: Mapping[str, str] | None = None) -> tuple[Solution, Cluster]:
+    """Tensor-axis strategies for ``axes`` (an empty solution when there is no tensor axis),
+    with the parameters in ``placements`` stored as forced."""
+    check_options(sizes, memory_budget)
+    forced = forced_placements(gm, placements, axes) if placements else {}
     world = 1
     for _, size in axes:
         world *= size
@@ -96,8 +101,17 @@ def _solve(gm: fx.GraphModule, axes: tuple[tuple[str, int], ...], *, hardware: s
     ginfo = graph_info(gm)
     plan_sizes = {**ginfo.example_sizes, **dict(sizes or {})}
     cfg = SolverConfig(n=n, cluster=cluster, mesh_axes=axes, axis=axis, sizes=plan_sizes,
-                       dtype=dtype or _dtype_of(gm), memory_budget=memory_budget, pinned=pinned)
+                       dtype=dtype or _dtype_of(gm), memory_budget=memory_budget, pinned=pinned, forced=forced)
     return solve(gm, cfg), cluster
+
+
+def _master_dtype(gm: fx.GraphModule) -> torch.dtype:
+    """The dtype the optimizer steps: the first floating-point parameter's."""
+    for node in gm.graph.nodes:
+        rec = info(node)
+        if rec.kind == "param" and rec.values and rec.values[0].dtype.is_floating_point:
+            return rec.values[0].dtype
+    return torch.float32
 
 
 def _dtype_of(gm: fx.GraphModule) -> str:
@@ -136,17 +150,25 @@ def _param_shapes(gm: fx.GraphModule) -> dict[str, list[int]]:
 def plan(model: nn.Module, mesh: Any, example_inputs: Any, *, dims: Any = None, hardware: str | None = None,
          memory_budget: float | None = None, sizes: Mapping[str, int] | None = None,
          dtype: str | None = None, zero_stage: int | None = None, overlap: bool = True,
-         mixed_precision: str | None = None, bucket_bytes: int = 0) -> Plan:
+         mixed_precision: str | None = None, bucket_bytes: int = 0,
+         placements: Mapping[str, str] | None = None) -> Plan:
     """Find a plan for ``model`` on ``mesh`` without building anything (the model may live on
     the meta device). ``sizes`` overrides the planning sizes (e.g. ``{"batch": 8, "seq": 2048}``);
-    ``memory_budget`` bounds per-device bytes; ``zero_stage=None`` lets the planner choose the
-    ZeRO stage on a data axis (the lowest one that fits the budget)."""
+    ``memory_budget`` bounds per-device bytes (:class:`DoesNotFitError`, with the smallest
+    device count that would fit, when nothing meets it); ``zero_stage=None`` lets the planner
+    choose the ZeRO stage on a data axis (the lowest one that fits the budget);
+    ``placements`` forces how parameters are stored on the tensor axis, e.g.
+    ``{"fc1.weight": "S(0)", "fc2.weight": "R"}`` (:class:`ShardingError` if a split dim does
+    not divide by the axis)."""
     axes = mesh_axes(mesh)
     gm = _capture(model, example_inputs, dims)
-    sol, cluster = _solve(gm, axes, hardware=hardware, memory_budget=memory_budget, sizes=sizes, dtype=dtype)
+    sol, cluster = _solve(gm, axes, hardware=hardware, memory_budget=memory_budget, sizes=sizes, dtype=dtype,
+                          placements=placements)
     the_plan = _plan_of(gm, sol, axes, type(model).__name__, zero_stage=zero_stage or 0, overlap=overlap,
                         mixed_precision=mixed_precision, bucket_bytes=bucket_bytes)
-    return _with_memory(gm, the_plan, cluster, memory_budget, choose_stage=zero_stage is None)
+    the_plan = _with_memory(gm, the_plan, cluster, memory_budget, choose_stage=zero_stage is None)
+    check_fits(gm, the_plan, memory_budget, {**graph_info(gm).example_sizes, **dict(sizes or {})})
+    return the_plan
 
 
 def _with_memory(gm: fx.GraphModule, the_plan: Plan, cluster: Cluster, memory_budget: float | None, *,
@@ -205,7 +227,7 @@ def planned_graph(model: nn.Module, mesh: Any, example_inputs: Any, *, dims: Any
                   sizes: Mapping[str, int] | None = None, rewrite: bool = False, after: str | None = None,
                   group_name: str = "tp", zero_stage: int | None = None, overlap: bool = True,
                   bucket_bytes: int = 0, mixed_precision: str | None = None,
-                  pinned: Any = None) -> tuple[fx.GraphModule, Plan]:
+                  pinned: Any = None, placements: Mapping[str, str] | None = None) -> tuple[fx.GraphModule, Plan]:
     """Capture, plan (or take ``plan``) and annotate every node with its placement; ``after``
     = ``"rewrite"`` (or ``rewrite=True``) also produces the per-rank graph and ``"schedule"``
     additionally inserts the data-axis collectives and schedules them (what ``autopar dump
@@ -214,7 +236,7 @@ def planned_graph(model: nn.Module, mesh: Any, example_inputs: Any, *, dims: Any
     axes = mesh_axes(mesh)
     gm = _capture(model, example_inputs, dims)
     sol, cluster = _solve(gm, axes if plan is None else (), hardware=hardware, memory_budget=memory_budget,
-                          sizes=sizes, dtype=None, pinned=pinned)
+                          sizes=sizes, dtype=None, pinned=pinned, placements=placements)
     if plan is None:
         the_plan = _plan_of(gm, sol, axes, type(model).__name__, zero_stage=zero_stage or 0, overlap=overlap,
                             bucket_bytes=bucket_bytes, mixed_precision=mixed_precision)
@@ -275,14 +297,15 @@ def _checked(gm: fx.GraphModule, plan: Plan) -> dict:
     names = {n.name for n in gm.graph.nodes}
     missing = sorted(set(plan.nodes) - names)
     if missing:
-        raise ConfigError("the plan names graph nodes this model does not have", where="plan",
-                          expected="a plan made for this model", got=f"unknown nodes {missing[:5]}",
-                          fix="re-plan for this model with autopar.plan(model, mesh, example_inputs)")
+        raise PlanFileError("the plan names graph nodes this model does not have", where="plan",
+                            expected="a plan made for this model", got=f"unknown nodes {missing[:5]}",
+                            fix="re-plan for this model with autopar.plan(model, mesh, example_inputs)")
     fqns = {info(n).target_fqn for n in gm.graph.nodes if n.op == "placeholder"}
     unknown = sorted(set(plan.params) - fqns)
     if unknown:
-        raise ConfigError("the plan names parameters this model does not have", where="plan",
-                          got=str(unknown[:5]), fix="re-plan for this model")
+        raise PlanFileError("the plan names parameters this model does not have", where="plan",
+                            expected="a plan made for this model", got=str(unknown[:5]), fix="re-plan for this model")
+    check_plan_placements(gm, plan)
     return plan.strategies()
 
 
@@ -293,6 +316,8 @@ def _records_model(fn):
 
     @functools.wraps(fn)
     def wrapped(model: nn.Module, *args: Any, **kwargs: Any):
+        if not isinstance(model, nn.Module):
+            return fn(model, *args, **kwargs)      # refused inside, with an InputMismatchError
         shapes = {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()
                   if isinstance(v, torch.Tensor)}
         first: dict[int, str] = {}
@@ -311,7 +336,8 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
                 overlap: bool = True, bucket_bytes: int = 0, mixed_precision: str | None = None,
                 loss_fn: Any = None, schedule: str | None = None, microbatches: int | None = None,
                 virtual_stages: int | None = None, calibration: Any = None, expert_placement: str = "balanced",
-                capacity_factor: float | None = None, recompute: str = "none"):
+                capacity_factor: float | None = None, recompute: str = "none",
+                placements: Mapping[str, str] | None = None):
     """Split ``model`` over ``mesh`` and return this rank's :class:`ParallelModule`.
 
     Call on every rank after ``torch.distributed.init_process_group`` with the same model
@@ -337,18 +363,31 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
     order); ``capacity_factor`` overrides the MoE layers' own (tokens over capacity drop).
 
     ``recompute``: ``"none"``, ``"selective"`` (attention cores re-run in backward) or
-    ``"full"`` (every layer re-run in backward; forward keeps only each layer's inputs)."""
+    ``"full"`` (every layer re-run in backward; forward keeps only each layer's inputs).
+
+    ``placements`` (dp/tp meshes) forces how parameters are stored on the tensor axis, as in
+    :func:`plan`. Bad input raises an :class:`~autopar.errors.AutoparError` subclass before
+    any collective: MeshError, PlanFileError, ShardingError, DoesNotFitError, UnsupportedError."""
 
     from autopar.runtime.dp import DPRuntime
     from autopar.runtime.tp_module import ParallelModule
 
+    if not isinstance(model, nn.Module):
+        raise InputMismatchError("parallelize needs an nn.Module", where="parallelize", got=type(model).__name__,
+                                 fix="pass the model object itself, e.g. autopar.parallelize(MyModel(), mesh, (x,))")
     if isinstance(plan, str):
         plan = Plan.load(plan)
     if plan is not None:
         plan.check_model(model)    # a plan for another model stops here, before any collective
+    if plan is not None and placements:
+        raise ConfigError("placements= and plan= are both given", where="parallelize", got=str(dict(placements)),
+                          fix="put the placements in the plan (autopar.plan(..., placements=...)), or drop plan=")
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    check_devices(model, args, None)
     if not dist.is_initialized():
         raise ConfigError("parallelize needs an initialised process group", where="parallelize",
                           fix="call torch.distributed.init_process_group (torchrun sets the environment) first")
+    check_devices(model, args, "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
     if _has_axis(mesh, "ep") or (plan is not None and plan.ep_axis is not None):
         if plan is not None:
             raise ConfigError("re-applying a saved expert-parallel plan is not supported yet", where="parallelize",
@@ -364,11 +403,11 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
                                     example_inputs, loss_fn=loss_fn, schedule=schedule,
                                     microbatches=microbatches, virtual_stages=virtual_stages, hardware=hardware,
                                     memory_budget=memory_budget, sync_params=sync_params, zero_stage=zero_stage,
-                                    plan=plan)
+                                    plan=plan, recompute=recompute)
     axes = mesh_axes(mesh) if plan is None or not isinstance(mesh, int) else tuple(plan.mesh.items())
     if plan is not None and dict(axes) != plan.mesh:
-        raise ConfigError("the mesh does not match the plan's", where="parallelize", expected=str(plan.mesh),
-                          got=str(dict(axes)), fix="pass the mesh the plan was made for, or re-plan for this mesh")
+        raise MeshError("the mesh does not match the plan's", where="parallelize(plan=...)", expected=str(plan.mesh),
+                        got=str(dict(axes)), fix="pass the mesh the plan was made for, or re-plan for this mesh")
     world = math.prod(n for _, n in axes)
     mesh = device_mesh(mesh, axes)
     names = list(mesh.mesh_dim_names or ("tp",))
@@ -377,7 +416,10 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
                                  memory_budget=memory_budget, sizes=sizes, after="rewrite",
                                  group_name=tp_group.group_name if tp_group is not None else "tp",
                                  zero_stage=zero_stage, overlap=overlap, bucket_bytes=bucket_bytes,
-                                 mixed_precision=mixed_precision)
+                                 mixed_precision=mixed_precision, placements=placements)
+    if plan is None:
+        check_fits(gm, the_plan, memory_budget, {**graph_info(gm).example_sizes, **dict(sizes or {})})
+    check_runtime_dtypes(model, gm, the_plan)
     tensors = dict(model.named_parameters())
     tensors.update(dict(model.named_buffers()))
     if sync_params and dist.get_world_size() > 1:
@@ -387,7 +429,7 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
     trainable = {k: p.requires_grad for k, p in model.named_parameters()}
     rt = None
     device = torch.device(mesh.device_type if mesh.device_type != "cuda" else f"cuda:{torch.cuda.current_device()}")
-    master = _torch_dtype(_dtype_of(gm))
+    master = _master_dtype(gm)
     compute = _torch_dtype(the_plan.mixed_precision) if the_plan.mixed_precision else master
     if the_plan.dp_axis is not None and the_plan.dp > 1:
         dim = names.index(the_plan.dp_axis)
@@ -414,9 +456,9 @@ def device_mesh(mesh: Any, axes: tuple[tuple[str, int], ...]):
 
     world = math.prod(n for _, n in axes)
     if world != dist.get_world_size():
-        raise ConfigError("the mesh does not cover the process group", where="parallelize",
-                          expected=f"{world} ranks ({dict(axes)})", got=f"world size {dist.get_world_size()}",
-                          fix="launch as many ranks as the mesh has devices, or pass a mesh of that size")
+        raise MeshError("the mesh does not cover the process group", where="parallelize",
+                        expected=f"{world} ranks ({dict(axes)})", got=f"world size {dist.get_world_size()}",
+                        fix="launch as many ranks as the mesh has devices, or pass a mesh of that size")
     if hasattr(mesh, "get_group"):
         return mesh
     device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
@@ -433,13 +475,21 @@ def optimizer(module: Any, optimizer_cls: type, params: Any = None, **kwargs: An
     """The optimizer for a model from :func:`parallelize`: ``optimizer_cls`` (any elementwise
     ``torch.optim`` optimizer) over this rank's share of the parameters, as the model's
     ZeRO stage says. ``params`` optionally gives parameter groups of ``module``'s parameters."""
-    from autopar.runtime.optim import ShardedOptimizer
+    from autopar.runtime.optim import ShardedOptimizer, check_optimizer_class, check_params
     from autopar.runtime.pp import PipelineModule
+    from autopar.runtime.tp_module import ParallelModule
+    if not isinstance(module, (ParallelModule, PipelineModule)):
+        raise OptimizerError("autopar.optimizer takes the model autopar.parallelize returned",
+                             where="autopar.optimizer", expected="a ParallelModule or PipelineModule",
+                             got=type(module).__name__,
+                             fix="pm = autopar.parallelize(model, mesh, inputs); autopar.optimizer(pm, ...)")
+    check_optimizer_class(optimizer_cls)
     if isinstance(module, PipelineModule):   # each rank steps the parameters of its own stages
+        params = check_params(module, params)
         return optimizer_cls(params if params is not None else module.parameters(), **kwargs)
     if getattr(module, "ep_runtimes", None):
         from autopar.ep import EPOptimizer
-        return EPOptimizer(module, optimizer_cls, params, **kwargs)
+        return EPOptimizer(module, optimizer_cls, check_params(module, params), **kwargs)
     return ShardedOptimizer(module, optimizer_cls, params, **kwargs)
 
 

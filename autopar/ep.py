@@ -32,7 +32,7 @@ from torch import nn
 
 from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, MeshError
 from autopar.passes.meta import MoERegion, evaluate, graph_info, info
 
 AXES = ("dp", "ep", "tp")
@@ -257,9 +257,9 @@ def ep_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
     axes = named_axes(mesh, "e.g. {'ep': 2} or {'dp': 2, 'ep': 2}")
     names = [a for a, _ in axes]
     if names != [a for a in AXES if a in names] or "ep" not in names or any(s < 1 for _, s in axes):
-        raise ConfigError("expert-parallel mesh axes must be dp, ep, tp in that order (ep required)", where="mesh",
-                          expected="e.g. {'ep': 2}, {'dp': 2, 'ep': 2}, {'ep': 2, 'tp': 2}", got=str(dict(axes)),
-                          fix="list the axes in the order dp, ep, tp (pp is not supported with ep)")
+        raise MeshError("expert-parallel mesh axes must be dp, ep, tp in that order (ep required)", where="mesh",
+                        expected="e.g. {'ep': 2}, {'dp': 2, 'ep': 2}, {'ep': 2, 'tp': 2}", got=str(dict(axes)),
+                        fix="list the axes in the order dp, ep, tp (pp is not supported with ep)")
     return axes
 
 

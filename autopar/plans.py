@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, PlanFileError
 from autopar.passes.sharding import Strategy
 from autopar.placement import Spec
 
@@ -77,6 +77,9 @@ class Plan:
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError("zero_stage must be 0, 1, 2 or 3", where="plan", got=repr(self.zero_stage),
                               fix="pick a ZeRO stage between 0 and 3")
+        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 0:
+            raise ConfigError("bucket_bytes must be a non-negative integer", where="plan", got=repr(self.bucket_bytes),
+                              fix="pass bytes per gradient bucket, or 0 to let the cost model choose")
         if self.mixed_precision not in (None, "bf16", "fp16"):
             raise ConfigError("mixed_precision must be None, 'bf16' or 'fp16'", where="plan",
                               got=repr(self.mixed_precision), fix="use bf16 (or fp16) compute, or None for fp32")
@@ -109,32 +112,41 @@ class Plan:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"plan is not valid JSON: {exc}", where="plan", fix="pass a file written by Plan.save") from exc
+            raise PlanFileError(f"plan is not valid JSON: {exc}", where="plan",
+                                fix="pass a file written by Plan.save") from exc
         if not isinstance(data, dict) or data.get("version") not in _READABLE:
-            raise ConfigError("plan has an unknown version", where="plan", expected=f"version {PLAN_VERSION}",
-                              got=repr(data.get("version") if isinstance(data, dict) else data),
-                              fix="re-plan with this autopar version (autopar.plan(...).save(path))")
+            raise PlanFileError("plan has an unknown version", where="plan",
+                                expected=f"version {', '.join(map(str, _READABLE))}",
+                                got=repr(data.get("version") if isinstance(data, dict) else data),
+                                fix="re-plan with this autopar version (autopar.plan(...).save(path))")
         try:
-            nodes = {k: NodeStrategy(**{**v, "inputs": tuple(v["inputs"]), "outputs": tuple(v["outputs"])})
-                     for k, v in data["nodes"].items()}
-            return cls(mesh=dict(data["mesh"]), tp_axis=data["tp_axis"], params=dict(data["params"]), nodes=nodes,
-                       predicted=dict(data.get("predicted", {})), model=data.get("model", ""),
-                       dp_axis=data.get("dp_axis"), zero_stage=int(data.get("zero_stage", 0)),
-                       bucket_bytes=int(data.get("bucket_bytes", 0)), overlap=bool(data.get("overlap", True)),
-                       mixed_precision=data.get("mixed_precision"), pp_axis=data.get("pp_axis"),
-                       stage_starts=tuple(data.get("stage_starts", ())), schedule=data.get("schedule"),
-                       microbatches=int(data.get("microbatches", 1)),
-                       virtual_stages=int(data.get("virtual_stages", 1)), ep_axis=data.get("ep_axis"),
-                       expert_placement={k: list(v) for k, v in data.get("expert_placement", {}).items()},
-                       capacity_factor=data.get("capacity_factor"),
-                       shapes={k: list(v) for k, v in data.get("shapes", {}).items()},
-                       fingerprint=str(data.get("fingerprint", "")))
-        except (KeyError, TypeError) as exc:
-            raise ConfigError(f"plan is missing or mistypes a field: {exc}", where="plan",
-                              fix="pass a file written by Plan.save") from exc
+            return cls._from_dict(data)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise PlanFileError(f"plan is missing or mistypes a field: {type(exc).__name__}: {exc}", where="plan",
+                                fix="pass a file written by Plan.save") from exc
+        except ConfigError as exc:    # a field out of range (Plan.__post_init__)
+            raise PlanFileError(f"plan has an invalid field: {exc.what}", where="plan", got=exc.got,
+                                fix="pass a file written by Plan.save, or re-plan") from exc
+
+    @classmethod
+    def _from_dict(cls, data: dict) -> "Plan":
+        nodes = {k: NodeStrategy(**{**v, "inputs": tuple(v["inputs"]), "outputs": tuple(v["outputs"])})
+                 for k, v in data["nodes"].items()}
+        return cls(mesh=dict(data["mesh"]), tp_axis=data["tp_axis"], params=dict(data["params"]), nodes=nodes,
+                   predicted=dict(data.get("predicted", {})), model=data.get("model", ""),
+                   dp_axis=data.get("dp_axis"), zero_stage=int(data.get("zero_stage", 0)),
+                   bucket_bytes=int(data.get("bucket_bytes", 0)), overlap=bool(data.get("overlap", True)),
+                   mixed_precision=data.get("mixed_precision"), pp_axis=data.get("pp_axis"),
+                   stage_starts=tuple(data.get("stage_starts", ())), schedule=data.get("schedule"),
+                   microbatches=int(data.get("microbatches", 1)),
+                   virtual_stages=int(data.get("virtual_stages", 1)), ep_axis=data.get("ep_axis"),
+                   expert_placement={k: list(v) for k, v in data.get("expert_placement", {}).items()},
+                   capacity_factor=data.get("capacity_factor"),
+                   shapes={k: list(v) for k, v in data.get("shapes", {}).items()},
+                   fingerprint=str(data.get("fingerprint", "")))
 
     def check_model(self, model: Any) -> None:
-        """Raise a ConfigError naming the first parameters whose names or shapes differ from
+        """Raise a :class:`PlanFileError` naming the first parameters whose names or shapes differ from
         the model the plan was made for (plans without recorded shapes are not checked)."""
         if not self.shapes:
             return
@@ -146,9 +158,9 @@ class Plan:
             got = "; ".join(part for part in (
                 f"missing {missing[:3]}" if missing else "", f"not in the plan {extra[:3]}" if extra else "",
                 ", ".join(f"{k} is {have[k]}, the plan has {self.shapes[k]}" for k in differ[:3])) if part)
-            raise ConfigError(f"the plan was made for another model ({self.model or 'unnamed'}, fingerprint "
-                              f"{self.fingerprint[:12] or '?'})", where="plan", expected="the same parameter names "
-                              "and shapes", got=got, fix="re-plan for this model: autopar.plan(model, mesh, inputs)")
+            raise PlanFileError(f"the plan was made for another model ({self.model or 'unnamed'}, fingerprint "
+                                f"{self.fingerprint[:12] or '?'})", where="plan", expected="the same parameter names "
+                                "and shapes", got=got, fix="re-plan for this model: autopar.plan(model, mesh, inputs)")
 
     @staticmethod
     def fingerprint_of(shapes: dict[str, list[int]]) -> str:
@@ -164,11 +176,15 @@ class Plan:
         try:
             text = Path(path).read_text()
         except OSError as exc:
-            raise ConfigError(f"cannot read the plan file: {exc}", where=str(path),
-                              fix="pass the path of a file written by Plan.save") from exc
-        plan = cls.from_json(text)
-        if model is not None:
-            plan.check_model(model)
+            raise PlanFileError(f"cannot read the plan file: {exc}", where=str(path),
+                                fix="pass the path of a file written by Plan.save") from exc
+        try:
+            plan = cls.from_json(text)
+            if model is not None:
+                plan.check_model(model)
+        except PlanFileError as exc:      # say which file
+            raise PlanFileError(exc.what, where=f"plan file {path}", expected=exc.expected, got=exc.got,
+                                fix=exc.fix) from exc.__cause__
         return plan
 
     def strategies(self) -> dict[str, Strategy]:

@@ -24,7 +24,7 @@ from torch import nn
 from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
 from autopar.cost.compute import op_time
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, DoesNotFitError, MeshError
 from autopar.passes.meta import evaluate, info
 from autopar.passes.pp_split import CutPlan, OpCosts, op_costs, plan_cuts
 
@@ -65,8 +65,8 @@ def named_axes(mesh: Any, example: str) -> tuple[tuple[str, int], ...]:
         return tuple((n, mesh.size(i)) for i, n in enumerate(mesh.mesh_dim_names or ()))
     if isinstance(mesh, Mapping):
         return tuple((str(k), int(v)) for k, v in mesh.items())
-    raise ConfigError("the mesh must be a {axis: size} mapping or a DeviceMesh with named axes",
-                      got=type(mesh).__name__, fix=example)
+    raise MeshError("the mesh must be a {axis: size} mapping or a DeviceMesh with named axes", where="mesh",
+                    got=type(mesh).__name__, fix=example)
 
 
 def pipeline_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
@@ -75,9 +75,9 @@ def pipeline_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
     names = [a for a, _ in axes]
     order = [a for a in AXES if a in names]
     if names != order or len(set(names)) != len(names) or any(n < 1 for _, n in axes):
-        raise ConfigError("pipeline mesh axes must be pp, then dp and/or tp, each of size >= 1", where="mesh",
-                          expected="e.g. {'pp': 2}, {'pp': 2, 'dp': 2} or {'pp': 2, 'tp': 2}", got=str(dict(axes)),
-                          fix="list the axes in the order pp, dp, tp (ep is not supported with pp)")
+        raise MeshError("pipeline mesh axes must be pp, then dp and/or tp, each of size >= 1", where="mesh",
+                        expected="e.g. {'pp': 2}, {'pp': 2, 'dp': 2} or {'pp': 2, 'tp': 2}", got=str(dict(axes)),
+                        fix="list the axes in the order pp, dp, tp (ep is not supported with pp)")
     return axes
 
 
@@ -172,8 +172,8 @@ def plan_pipeline(costs_at: Callable[[int], OpCosts], *, devices: int, batch: in
                 if best is None or cand.step_time_s < best.step_time_s * (1 - 1e-9):
                     best = cand
     if best is None:
-        raise ConfigError(f"no pipeline of {p} stages fits", where="pipeline",
-                          fix="use more devices, fewer virtual stages, or a smaller micro-batch")
+        raise DoesNotFitError(f"no pipeline of {p} stages fits", where="pipeline",
+                              fix="use more devices, fewer virtual stages, or a smaller micro-batch")
     log.info("pipeline: %s, %d micro-batches, %d stages, predicted %.3g s (bubble %.2f)", best.schedule,
              best.microbatches, best.stages, best.step_time_s, best.bubble_fraction)
     return best
@@ -220,7 +220,7 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
                          schedule: str | None = None, microbatches: int | None = None,
                          virtual_stages: int | None = None, hardware: str | None = None,
                          memory_budget: float | None = None, sync_params: bool = True,
-                         zero_stage: int | None = None, plan: Any = None):
+                         zero_stage: int | None = None, plan: Any = None, recompute: str = "none"):
     """This rank's :class:`~autopar.runtime.pp.PipelineModule` (see :func:`autopar.parallelize`)."""
 
     from autopar.api import _capture, default_dims, device_mesh, planned_graph
@@ -246,8 +246,9 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
             raise ConfigError("the plan has no pipeline stages", where="parallelize(plan=...)",
                               fix="pass a plan made for a mesh with a pp axis, or leave plan out")
         if dict(axes) != plan.mesh:
-            raise ConfigError("the mesh does not match the plan's", where="parallelize", expected=str(plan.mesh),
-                              got=str(dict(axes)), fix="pass the mesh the plan was made for, or re-plan")
+            raise MeshError("the mesh does not match the plan's", where="parallelize(plan=...)",
+                            expected=str(plan.mesh), got=str(dict(axes)),
+                            fix="pass the mesh the plan was made for, or re-plan for this mesh")
         schedule, microbatches, virtual_stages = plan.schedule, plan.microbatches, plan.virtual_stages
     sizes = dict(axes)
     world = math.prod(sizes.values())
@@ -334,6 +335,15 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
                          input_names=inputs if sg.index == 0 else (), shared=made)
         made.update({k: v for k, v in st.named_parameters(remove_duplicate=False)})
         mine.append(st)
+    if recompute != "none":
+        if choice_s == "zb":
+            raise ConfigError("recomputation with the zero-bubble schedule is not supported yet", where="parallelize",
+                              got=f"recompute={recompute!r}, schedule='zb'",
+                              fix="use schedule='1f1b' or 'interleaved' with recompute, or recompute='none'")
+        from autopar.runtime.recompute import layer_members
+        layers = layer_members(gm) if recompute == "full" else ()
+        for st in mine:
+            st.set_recompute(recompute, layers)
     groups = _shared_groups(mesh, names, shared, p)
     pm = PipelineModule(mine, plan=the_plan, schedule=choice_s, microbatches=choice_m, num_stages=final.stages,
                         loss_fn=loss_fn, pp_group=pp_group, pp_rank=pp_rank, pp_size=p, dp_group=dp_group,

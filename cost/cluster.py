@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Literal, Sequence
 
 from autopar.cost.hardware import DeviceSpec, HardwareProfile, load_hardware, load_profile
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, MeshError
 
 MeshAxes = Sequence[tuple[str, int]]
 LinkKind = Literal["intra", "inter", "hierarchical"]
@@ -192,23 +192,23 @@ def validate_mesh(mesh_axes: MeshAxes,
     try:
         axes = tuple((str(name), size) for name, size in mesh_axes)
     except (TypeError, ValueError):
-        raise ConfigError("mesh axes must be a list of (name, size) pairs", where="mesh",
-                          expected="e.g. [('dp', 4), ('tp', 8)]", got=repr(mesh_axes)) from None
+        raise MeshError("mesh axes must be a list of (name, size) pairs", where="mesh",
+                        expected="e.g. [('dp', 4), ('tp', 8)]", got=repr(mesh_axes)) from None
     names = [name for name, _ in axes]
     if not axes or len(set(names)) != len(names) or not all(names):
-        raise ConfigError("mesh axis names must be unique and non-empty", where="mesh",
-                          got=repr(list(mesh_axes)), fix="rename the repeated or empty axis")
+        raise MeshError("mesh axis names must be unique and non-empty", where="mesh",
+                        got=repr(list(mesh_axes)), fix="rename the repeated or empty axis")
     for name, size in axes:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ConfigError(f"mesh axis {name!r} has a bad size", where=f"mesh axis {name!r}",
-                              expected="an int >= 1", got=repr(size))
+            raise MeshError(f"mesh axis {name!r} has a bad size", where=f"mesh axis {name!r}",
+                            expected="an int >= 1", got=repr(size))
     product = math.prod(size for _, size in axes)
     if world_size is not None and product != world_size:
         shown = " x ".join(f"{name}={size}" for name, size in axes)
-        raise ConfigError(f"mesh {shown} has {product} ranks but the cluster has {world_size}",
-                          where="mesh", expected=f"product of axis sizes == {world_size}",
-                          got=f"{product} ({shown})",
-                          fix="change the axis sizes so their product is the world size")
+        raise MeshError(f"mesh {shown} has {product} ranks but the cluster has {world_size}",
+                        where="mesh", expected=f"product of axis sizes == {world_size}",
+                        got=f"{product} ({shown})",
+                        fix="change the axis sizes so their product is the world size")
     return axes
 
 

@@ -6,15 +6,17 @@ conversion the choice implies (a forward collective where a value's placement di
 from what its consumer needs, a backward collective where the gradient the consumer emits
 differs from what the producer needs), plus ``mem_weight`` seconds per byte of
 per-rank parameter/gradient/optimizer state.
-Constraint: per-rank state bytes within ``memory_budget`` - met by raising ``mem_weight``
-until the plan fits (or reporting that it cannot).
+Constraints: per-rank state bytes within ``memory_budget`` - met by raising ``mem_weight``
+until the plan fits (or reporting that it cannot); parameters in ``forced`` stored as the
+user forced them (only dims the axis divides are ever offered, forced or not).
 
 Method: dynamic programming over the graph in topological order. A state is the
 placement of every live value plus the conversions already paid for it (one conversion
 per value and target placement: three column-parallel consumers of one replicated value
 share one backward all-reduce). Repeated blocks are solved once: the first member of the
 largest block class is solved for each placement of the values carried from one member to
-the next, and the outer DP steps over all members at once with that cost times their count.
+the next, and the outer DP steps over all members at once with that cost times their count
+(not with forced placements, which may differ from one member to the next).
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ class SolverConfig:
     memory_budget: float | None = None   # bytes of parameter+gradient+optimizer state per rank
     mem_weight: float = 0.0              # seconds charged per byte of that state
     pinned: Callable[[fx.Node], bool] | None = None   # nodes that must stay replicated on this axis
+    forced: dict[str, str] = field(default_factory=dict)  # placeholder name -> the placement the user forced
 
 
 @dataclass
@@ -102,6 +105,8 @@ class _Pricer:
         if node not in self._strategies:
             opts = (placeholder_options(node, self.cfg)
                     if node.op == "placeholder" else strategies(node, self.cfg.n, self.cfg.sizes))
+            if node.name in self.cfg.forced:     # checked divisible before solving (autopar/checks.py)
+                opts = [s for s in opts if str(s.outputs[0].value) == self.cfg.forced[node.name]]
             self._strategies[node] = opts[:1] if self.cfg.pinned is not None and self.cfg.pinned(node) else opts
         return self._strategies[node]
 
@@ -516,7 +521,7 @@ def _solve_once(gm: fx.GraphModule, cfg: SolverConfig) -> Solution:
     pricer = _Pricer(gm, cfg)
     nodes = list(gm.graph.nodes)
     steps = _steps(nodes, pricer.folded)
-    found = _find_block(gm, steps)
+    found = None if cfg.forced else _find_block(gm, steps)   # forced placements differ per layer
     outer: list = list(steps)
     if found is not None:
         block, i0, i1 = found

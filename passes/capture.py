@@ -30,7 +30,7 @@ from torch.export import Dim
 from torch.export.graph_signature import InputKind
 
 import autopar
-from autopar.errors import CaptureError, InputMismatchError
+from autopar.errors import AutoparError, CaptureError, InputMismatchError, UnsupportedError
 from autopar.passes.meta import META_KEY, GraphInfo, NodeInfo, graph_info, set_info, symbol
 
 log = logging.getLogger("autopar.capture")
@@ -58,10 +58,11 @@ def capture(model: nn.Module, example_inputs: Any, *, dims: DimLabels | None = N
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 ep = torch.export.export(model, args, dynamic_shapes=dynamic_shapes, strict=False)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a CaptureError
-            raise _capture_error(model, exc, list(stack)) from exc
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a CaptureError or InputMismatchError
+            raise _capture_error(model, args, exc, list(stack)) from exc
     gm = ep.graph_module
     _annotate(gm, ep, model, args, dims)
+    _check_dtypes(gm)
     ginfo = graph_info(gm)
     log.info("capture: %d nodes, %d parameters, symbols %s", len(gm.graph.nodes),
              len(ginfo.param_fqns), sorted(ginfo.symbols))
@@ -72,6 +73,7 @@ def _check_inputs(model: nn.Module, args: tuple, dims: DimLabels | None) -> None
     if not isinstance(model, nn.Module):
         raise InputMismatchError("capture needs an nn.Module", got=type(model).__name__,
                                  fix="pass the model object itself, e.g. capture(MyModel(), (x,))")
+    _check_real(model, args)
     try:
         inspect.signature(model.forward).bind(*args)
     except TypeError as exc:
@@ -97,6 +99,50 @@ def _check_inputs(model: nn.Module, args: tuple, dims: DimLabels | None) -> None
                     f"input {i} dim {d} ({name!r}) has example size {arg.shape[d]}; a symbolic size "
                     "needs an example of at least 2 (torch.export specializes sizes 0 and 1)",
                     fix=f"capture with {name} >= 2 and evaluate the formulas at {arg.shape[d]}")
+
+
+def _check_real(model: nn.Module, args: tuple) -> None:
+    """Complex parameters, buffers or inputs: autopar's sharding rules, reductions and
+    optimizer pieces assume real numbers."""
+    named = [(f"parameter {k}", t) for k, t in model.named_parameters()]
+    named += [(f"buffer {k}", t) for k, t in model.named_buffers()]
+    named += [(f"input {i}", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    for what, t in named:
+        if t.is_complex():
+            raise UnsupportedError(f"{what} is complex ({str(t.dtype).replace('torch.', '')}); autopar does not "
+                                   "support complex dtypes", where=what, expected="real dtypes (fp32, fp64, bf16, "
+                                   "fp16; integer buffers and inputs)", got=str(t.dtype),
+                                   fix="keep real and imaginary parts as two real tensors (torch.view_as_real)")
+
+
+# Ops whose tensor operands eager PyTorch requires to share one dtype.
+# The value is how many leading operands must agree (None: all of them).
+_SAME_DTYPE: dict[str, int | None] = {"linear": None, "matmul": None, "mm": None, "bmm": None, "addmm": None,
+                                      "baddbmm": None, "conv1d": None, "conv2d": None, "conv3d": None,
+                                      "convolution": None, "scaled_dot_product_attention": 3}
+
+
+def _check_dtypes(gm: fx.GraphModule) -> None:
+    """Refuse a graph in which a matmul-like op mixes dtypes: fake tensors let it through,
+    but the model itself would fail on these inputs when it runs."""
+    for node in gm.graph.nodes:
+        name = getattr(node.target, "__name__", "").split(".")[0]
+        if node.op != "call_function" or name not in _SAME_DTYPE:
+            continue
+        operands = [a for a in node.args if isinstance(a, fx.Node)][:_SAME_DTYPE[name]]
+        vals = [a.meta.get("val") for a in operands]
+        dtypes = {v.dtype for v in vals if isinstance(v, torch.Tensor)}
+        if len(dtypes) > 1:
+            stack = node.meta.get("nn_module_stack") or {}
+            fqn = _clean_fqn(list(stack.values())[-1][0]) if stack else ""
+            line = _user_line(node.meta.get("stack_trace") or "")
+            shown = ", ".join(f"{a.name}: {str(v.dtype).replace('torch.', '')}"
+                              for a, v in zip(operands, vals) if isinstance(v, torch.Tensor))
+            raise InputMismatchError(f"{name} in module {fqn or '<root>'} gets tensors of different dtypes",
+                                     where=f"node {node.name}, module {fqn or '<root>'}" + (f", {line}" if line else ""),
+                                     expected="one dtype for all its operands", got=shown,
+                                     fix="pass example inputs of the dtype the model's parameters have (e.g. "
+                                         "x.float()), or cast the model (model.to(dtype))")
 
 
 def _dynamic_shapes(dims: DimLabels, max_sizes: Mapping[str, int]) -> tuple:
@@ -221,7 +267,21 @@ def _module_tracker(model: nn.Module) -> Iterator[list[str]]:
             h.remove()
 
 
-def _capture_error(model: nn.Module, exc: Exception, stack: list[str]) -> CaptureError:
+def _user_line(stack_trace: str) -> str:
+    """``file:line: code`` of the innermost frame of a node's stack trace outside torch."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', stack_trace)
+    for filename, lineno, code in reversed(frames):
+        if not filename.startswith(_TORCH_DIR):
+            return f"{filename}:{lineno}: {code.strip()}"
+    return ""
+
+
+def _capture_error(model: nn.Module, args: tuple, exc: Exception, stack: list[str]) -> AutoparError:
+    """A CaptureError naming the module and source line, or an InputMismatchError when the
+    model itself fails on these inputs (eagerly, without torch.export)."""
+    eager = None if _is_tracing_limit(exc) else _eager_failure(model, args)
+    if eager is not None:
+        exc, stack = eager
     fqn = stack[-1] if stack else ""
     mods = dict(model.named_modules())
     mod_name = f"{fqn or '<root>'} ({type(mods.get(fqn, model)).__name__})"
@@ -231,10 +291,50 @@ def _capture_error(model: nn.Module, exc: Exception, stack: list[str]) -> Captur
         line = linecache.getline(frame.filename, frame.lineno).strip()
         where += f", {frame.filename}:{frame.lineno}: {line}"
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if eager is not None:
+        return InputMismatchError(
+            f"the model fails on its example inputs: {type(exc).__name__}: {first[:300]}", where=where,
+            expected=f"inputs {type(model).__name__}.forward{_signature(model)} accepts (shapes, dtypes, devices)",
+            got=", ".join(_describe(a) for a in args),
+            fix="pass example inputs the model runs on: check each input's shape and dtype against the line above")
     return CaptureError(
         f"torch.export could not capture the model: {type(exc).__name__}: {first[:300]}",
         where=where,
         fix=_fix_hint(exc))
+
+
+def _is_tracing_limit(exc: Exception) -> bool:
+    """A failure of tracing itself (data-dependent control flow, a size the model pins), not of the model."""
+    msg = str(exc)
+    names = {c.__name__ for c in type(exc).__mro__}
+    return bool(names & {"GuardOnDataDependentSymNode", "UserError", "Unsupported", "TorchRuntimeError"}) \
+        or "data-dependent" in msg or "Constraints violated" in msg
+
+
+def _eager_failure(model: nn.Module, args: tuple) -> tuple[Exception, list[str]] | None:
+    """Run the model eagerly (no grad, buffers and RNG restored): the exception and module stack
+    it fails with, or None when it runs."""
+    saved = {k: b.detach().clone() for k, b in model.named_buffers()}
+    with _module_tracker(model) as stack:
+        try:
+            with torch.random.fork_rng(devices=[]), torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model(*args)
+        except Exception as exc:  # noqa: BLE001 - any failure of the model itself
+            return exc, list(stack)
+        finally:
+            with torch.no_grad():
+                for k, b in model.named_buffers():
+                    if k in saved and not b.is_meta:
+                        b.copy_(saved[k])
+    return None
+
+
+def _signature(model: nn.Module) -> str:
+    try:
+        return str(inspect.signature(model.forward))
+    except (TypeError, ValueError):
+        return "(...)"
 
 
 def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:

@@ -30,7 +30,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, DoesNotFitError
 from autopar.passes.meta import evaluate, graph_info, info, set_info
 
 log = logging.getLogger("autopar.pp_split")
@@ -241,9 +241,9 @@ def plan_cuts(costs: OpCosts, stages: int, *, p2p_time: Callable[[float], float]
             pick = torch.where(close, tb, torch.full_like(tb, inf)).argmin()
             best[s, j], tie[s, j], back[s, j] = cand[pick], tb[pick], i[pick]
     if not torch.isfinite(best[stages - 1, n - 1]):
-        raise ConfigError(f"no way to cut the model into {stages} stages fits the memory budget", where="pipeline",
-                          expected=f"each stage within {budget / 2**30:.2f} GiB" if budget else "a fit",
-                          fix="use more pipeline stages, fewer micro-batches in flight, or recompute")
+        raise DoesNotFitError(f"no way to cut the model into {stages} stages fits the memory budget",
+                              where="pipeline", expected=f"each stage within {budget / 2**30:.2f} GiB" if budget
+                              else "a fit", fix="use more pipeline stages, fewer micro-batches in flight, or recompute")
     ends, j = [], n - 1
     for s in range(stages - 1, 0, -1):
         j = int(back[s, j])

@@ -234,7 +234,8 @@ class DPRuntime:
 
     def accumulate(self, fqn: str, g: torch.Tensor) -> None:
         have = self.sinks.get(fqn)
-        self.sinks[fqn] = g.to(torch.float32).clone() if have is None else have.add_(g)
+        dtype = torch.promote_types(torch.float32, self.reduce_dtype)    # fp32, or fp64 for a float64 model
+        self.sinks[fqn] = g.to(dtype).clone() if have is None else have.add_(g)
 
     def shards_of(self, b: Bucket) -> tuple[torch.Tensor, ...]:
         return tuple(self.shard_params[f] for f in b.fqns)

@@ -22,25 +22,58 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from autopar.errors import ConfigError
+from autopar.errors import OptimizerError
 from autopar.runtime.collectives import _c10d
 from autopar.runtime.dp import shard_range
 
 _NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam", "Muon")
 
 
+def check_optimizer_class(optimizer_cls: Any) -> None:
+    """Refuse what is not a ``torch.optim.Optimizer`` class, or one whose update is not elementwise."""
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+        raise OptimizerError("autopar.optimizer takes an optimizer class", where="autopar.optimizer",
+                             expected="e.g. torch.optim.AdamW", got=repr(optimizer_cls),
+                             fix="pass the class and its keyword arguments: "
+                                 "autopar.optimizer(pm, torch.optim.AdamW, lr=1e-3)")
+    if optimizer_cls.__name__ in _NOT_ELEMENTWISE:
+        raise OptimizerError(f"{optimizer_cls.__name__} does not update each element on its own, so it cannot "
+                             "step split or sharded pieces", where="autopar.optimizer", got=optimizer_cls.__name__,
+                             expected="an elementwise optimizer",
+                             fix="use an elementwise optimizer (AdamW, Adam, SGD, RMSprop, Adagrad)")
+
+
+def unknown_param_error(module: nn.Module, p: Any) -> OptimizerError:
+    """The error for a tensor handed to the optimizer that ``module`` does not hold."""
+    shape = tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+    return OptimizerError("the optimizer was given a tensor that is not a parameter of this parallel model",
+                          where="autopar.optimizer(params=...)",
+                          expected=f"parameters of {type(module).__name__} (its {sum(1 for _ in module.parameters())} "
+                                   "parameters, by pm.parameters() or pm.named_parameters())",
+                          got=f"a tensor of shape {shape} (the original model's parameters are not the parallel "
+                              "model's: parallelize copies this rank's share of each)",
+                          fix="pass parameters of the model autopar.parallelize returned, e.g. pm.parameters()")
+
+
+def check_params(module: nn.Module, params: Iterable | None) -> Any:
+    """``params`` (tensors or parameter groups) as a list, after checking every tensor is one of
+    ``module``'s parameters."""
+    if params is None:
+        return None
+    groups = [{**g, "params": list(g["params"])} if isinstance(g, dict) else g for g in params]
+    known = {id(p) for p in module.parameters()}
+    for g in groups:
+        for p in (g["params"] if isinstance(g, dict) else [g]):
+            if id(p) not in known:
+                raise unknown_param_error(module, p)
+    return groups
+
+
 class ShardedOptimizer:
     """See the module docstring. Build with :func:`autopar.optimizer`."""
 
     def __init__(self, module: Any, optimizer_cls: type, params: Iterable | None = None, **kwargs: Any) -> None:
-        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
-            raise ConfigError("autopar.optimizer takes an optimizer class", where="autopar.optimizer",
-                              expected="e.g. torch.optim.AdamW", got=repr(optimizer_cls),
-                              fix="pass the class and its keyword arguments: autopar.optimizer(pm, torch.optim.AdamW, lr=1e-3)")
-        if optimizer_cls.__name__ in _NOT_ELEMENTWISE:
-            raise ConfigError(f"{optimizer_cls.__name__} does not update each element on its own, so it cannot "
-                              "step sharded pieces", where="autopar.optimizer", got=optimizer_cls.__name__,
-                              fix="use an elementwise optimizer (AdamW, Adam, SGD, RMSprop, Adagrad)")
+        check_optimizer_class(optimizer_cls)
         self.module = module
         self.rt = module.dp_runtime
         self.stage = self.rt.stage if self.rt is not None else 0
@@ -79,9 +112,7 @@ class ShardedOptimizer:
             for p in g["params"]:
                 fqn = self._fqn_of.get(id(p))
                 if fqn is None:
-                    raise ConfigError("the optimizer was given a tensor that is not a parameter of this parallel "
-                                      "model", where="autopar.optimizer", got=f"tensor of shape {tuple(p.shape)}",
-                                      fix="pass parameters of the model autopar.parallelize returned (pm.parameters())")
+                    raise unknown_param_error(self.module, p)
                 if fqn in self.masters:
                     mapped.append(self.masters[fqn])
             out.append({**g, "params": mapped})
@@ -195,9 +226,10 @@ class ShardedOptimizer:
         index = {f: k for k, f in enumerate(order)}
         unknown = sorted(set(state_dict["state"]) - set(index))
         if unknown:
-            raise ConfigError("optimizer state names parameters this optimizer does not step",
-                              where="ShardedOptimizer.load_state_dict", got=str(unknown[:5]),
-                              fix="load a state_dict saved from an optimizer over the same model")
+            raise OptimizerError("optimizer state names parameters this optimizer does not step",
+                                 where="ShardedOptimizer.load_state_dict", got=str(unknown[:5]),
+                                 expected=f"names among {order[:3]}...",
+                                 fix="load a state_dict saved from an optimizer over the same model")
         state = {index[f]: {name: self._piece(f, v) for name, v in s.items()} for f, s in state_dict["state"].items()}
         groups = [{**g, "params": [index[f] for f in g["params"]]} for g in state_dict["param_groups"]]
         self.inner.load_state_dict({"state": state, "param_groups": groups})

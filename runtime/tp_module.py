@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import InputMismatchError
 from autopar.runtime.dp import DPRuntime, shard_range
+from autopar.runtime.health import note_step
 from autopar.passes.meta import evaluate, graph_info, info
 from autopar.placement import Shard, parse
 from autopar.runtime.collectives import _c10d
@@ -69,6 +70,7 @@ class ParallelModule(nn.Module):
                 _set(self, fqn, local, buffer=True)
         self._order = [(n.op, info(n).kind, info(n).target_fqn) for n in gm.graph.nodes if n.op == "placeholder"]
         self._split_sizes = _split_sizes(gm)
+        self._inputs = _input_specs(gm)
         self._register_state_dict_hook(_to_dtensors)
         self._register_load_state_dict_pre_hook(self._from_whole)
 
@@ -120,6 +122,7 @@ class ParallelModule(nn.Module):
         return full.detach().clone()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        note_step()
         gm = self.graph_module
         ginfo = graph_info(gm)
         flat, spec = pytree.tree_flatten((args, kwargs))
@@ -128,6 +131,7 @@ class ParallelModule(nn.Module):
                                      where=type(self).__name__, expected=str(ginfo.in_spec), got=str(spec),
                                      fix="call the parallel model exactly as the original one was called in "
                                          "example_inputs")
+        self._check_like_example(flat)
         self._check_sizes(flat)
         state = dict(self.named_parameters())
         state.update(dict(self.named_buffers()))
@@ -169,6 +173,22 @@ class ParallelModule(nn.Module):
                               fix="use zero_stage <= 2 with recompute, or recompute='none'")
         self._recompute = regions(self.graph_module, mode)
         self.recompute = mode
+
+    def _check_like_example(self, flat: list) -> None:
+        """Each tensor input has the example's dtype, rank and fixed sizes (symbolic ones may vary)."""
+        for i, (x, want) in enumerate(zip(flat, self._inputs)):
+            if want is None or not isinstance(x, torch.Tensor):
+                continue
+            dtype, shape = want
+            if x.dtype == dtype and x.dim() == len(shape) and all(d is None or d == n for d, n in zip(shape, x.shape)):
+                continue
+            shown = "[" + ", ".join("*" if d is None else str(d) for d in shape) + "]"
+            raise InputMismatchError(f"input {i} does not match the example the model was parallelized with",
+                                     where=f"{type(self).__name__}.forward, input {i}",
+                                     expected=f"{str(dtype).replace('torch.', '')} {shown} (* may vary)",
+                                     got=f"{str(x.dtype).replace('torch.', '')} {list(x.shape)}",
+                                     fix="call the parallel model with inputs shaped like example_inputs, or "
+                                         "parallelize again with these inputs")
 
     def _check_sizes(self, flat: list) -> None:
         """Dims the plan splits must divide by the axis size at the sizes given now."""
@@ -236,6 +256,21 @@ def _split_sizes(gm: fx.GraphModule) -> list[tuple[sympy.Expr, str]]:
             if expr.free_symbols and expr not in seen:
                 seen.add(expr)
                 out.append((expr, f"node {node.name} ({rec.fqn or '<root>'})"))
+    return out
+
+
+def _input_specs(gm: fx.GraphModule) -> list[tuple[torch.dtype, tuple[int | None, ...]] | None]:
+    """Per user input: its dtype and sizes (None where symbolic), from the captured example."""
+    out: list[tuple[torch.dtype, tuple[int | None, ...]] | None] = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or info(node).kind in ("param", "buffer"):
+            continue
+        vals = info(node).values
+        if not vals:
+            out.append(None)
+            continue
+        shape = tuple(None if sympy.sympify(d).free_symbols else int(d) for d in vals[0].shape)
+        out.append((vals[0].dtype, shape))
     return out
 
 

@@ -1,0 +1,306 @@
+"""Every bad input raises its own AutoparError subclass, and the message names the offending
+thing (module, node, parameter, file, rank count) and says how to fix it.
+
+Most checks run before any collective, so they need no ranks: ``autopar.plan`` needs none,
+and ``parallelize`` runs on a fake process group (``torch.distributed``'s "fake" backend:
+one process that believes it is one of N ranks; collectives do nothing). One test runs
+real gloo ranks: the solver avoids a dim the tensor axis does not divide, and the plan works.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import autopar
+from autopar import (CaptureError, DoesNotFitError, InputMismatchError, MeshError, OptimizerError, PlanFileError,
+                     ShardingError, UnsupportedError, models)
+from autopar.placement import Shard, parse
+from autopar.plans import Plan
+from autopar.runtime.launch import run_ranks
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int = 8) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, hidden)
+        self.down = nn.Linear(hidden, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.inner(x)
+        if y.sum() > 0:    # data-dependent branch
+            return y * 2
+        return y
+
+
+def _x(batch: int = 4, width: int = 8, **kw) -> torch.Tensor:
+    return torch.randn(batch, width, **kw)
+
+
+@pytest.fixture
+def fake_world():
+    """``fake_world(n)`` makes this process one of ``n`` fake ranks until the test ends."""
+    def start(n: int) -> None:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _says(err: pytest.ExceptionInfo, *needles: str) -> str:
+    text = str(err.value)
+    for needle in (*needles, "fix:"):
+        assert needle in text, f"{needle!r} not in:\n{text}"
+    return text
+
+
+# ---- capture and inputs -------------------------------------------------------------------
+
+def test_data_dependent_control_flow_is_a_capture_error_naming_module_and_line():
+    with pytest.raises(CaptureError) as err:
+        autopar.plan(Branchy(), {"tp": 2}, (_x(width=4),))
+    _says(err, "<root> (Branchy)", "test_errors.py", "if y.sum() > 0")
+
+
+def test_wrong_number_of_inputs_is_an_input_mismatch():
+    with pytest.raises(InputMismatchError) as err:
+        autopar.plan(MLP(), {"tp": 2}, (_x(), _x()))
+    _says(err, "MLP.forward", "2 positional input(s)")
+
+
+def test_wrong_input_shape_is_an_input_mismatch_naming_the_module():
+    with pytest.raises(InputMismatchError) as err:
+        autopar.plan(MLP(), {"tp": 2}, (_x(width=5),))
+    _says(err, "up (Linear)", "4x5", "Tensor(4, 5)")
+
+
+def test_wrong_input_dtype_is_an_input_mismatch_naming_the_node():
+    with pytest.raises(InputMismatchError) as err:
+        autopar.plan(MLP(), {"tp": 2}, (torch.randint(0, 3, (4, 8)),))
+    _says(err, "node linear", "module up", "int64", "float32")
+
+
+def test_calling_the_parallel_model_with_other_inputs_is_an_input_mismatch(fake_world):
+    fake_world(2)
+    pm = autopar.parallelize(MLP(), {"tp": 2}, (_x(),))
+    pm(_x(batch=6))                               # the batch is symbolic: any size
+    with pytest.raises(InputMismatchError) as err:
+        pm(_x(width=5))
+    _says(err, "input 0", "float32 [*, 8]", "[4, 5]")
+    with pytest.raises(InputMismatchError) as err:
+        pm(_x(dtype=torch.float64))
+    _says(err, "input 0", "float64 [4, 8]")
+    with pytest.raises(InputMismatchError):
+        autopar.parallelize(lambda x: x, {"tp": 2}, (_x(),))
+
+
+# ---- sharding -----------------------------------------------------------------------------
+
+def test_forced_split_of_an_indivisible_dim_names_parameter_and_sizes():
+    with pytest.raises(ShardingError) as err:
+        autopar.plan(MLP(hidden=6), {"tp": 4}, (_x(),), placements={"up.weight": "S(0)"})
+    _says(err, "up.weight", "dim 0 of size 6", "tensor axis of size 4")
+
+
+def test_an_edited_plan_splitting_an_indivisible_dim_is_refused():
+    model = MLP(hidden=6)
+    good = autopar.plan(model, {"tp": 4}, (_x(),))
+    bad = Plan.from_json(good.to_json().replace('"up.weight": "R"', '"up.weight": "S(0)"'))
+    assert bad.params["up.weight"] == "S(0)"
+    with pytest.raises(ShardingError) as err:
+        autopar.api.planned_graph(model, {"tp": 4}, (_x(),), plan=bad)
+    _says(err, "parameter up.weight", "size 6", "size 4")
+
+
+def test_forced_placements_are_honoured_where_they_divide():
+    plan = autopar.plan(MLP(hidden=8), {"tp": 4}, (_x(),), placements={"up.weight": "S(1)", "down.weight": "R"})
+    assert plan.params["up.weight"] == "S(1)" and plan.params["down.weight"] == "R"
+
+
+def _hidden6_rank(rank: int, world: int, plan: Plan) -> dict:
+    torch.manual_seed(0)
+    model = MLP(hidden=6)
+    ref = copy.deepcopy(model)
+    x = _x()
+    pm = autopar.parallelize(model, world, (x,), plan=plan)
+    out, want = pm(x), ref(x)
+    out.pow(2).mean().backward()
+    want.pow(2).mean().backward()
+    refs = dict(ref.named_parameters())
+    grad = 0.0
+    for fqn, p in pm.named_parameters():
+        g = refs[fqn].grad
+        place = pm.placement_of(fqn)
+        g = g.chunk(world, place.dim)[rank] if isinstance(place, Shard) else g
+        grad = max(grad, (p.grad - g).abs().max().item())
+    return {"out": (out - want).abs().max().item(), "grad": grad}
+
+
+def test_unforced_plan_avoids_the_indivisible_dim_and_works():
+    model = MLP(hidden=6)
+    plan = autopar.plan(model, {"tp": 4}, (_x(),), memory_budget=1)    # as lean as possible
+    shapes = dict(model.named_parameters())
+    for fqn, text in plan.params.items():
+        p = parse(text)
+        assert not isinstance(p, Shard) or shapes[fqn].shape[p.dim] % 4 == 0, (fqn, text)
+    assert any(text != "R" for text in plan.params.values()), "the lean plan split nothing"
+    for res in run_ranks(_hidden6_rank, 4, plan, timeout_s=120):
+        assert res["out"] < 1e-5 and res["grad"] < 1e-5, res
+
+
+# ---- does not fit -------------------------------------------------------------------------
+
+def test_a_model_over_the_budget_says_how_many_devices_would_fit():
+    model = models.build("gpt", {"layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "max_seq": 16}, device="meta")
+    args, _ = models.example_inputs(model, 8, 8, device="meta")
+    state = 16 * sum(p.numel() for p in model.parameters())
+    with pytest.raises(DoesNotFitError) as err:
+        autopar.plan(model, {"tp": 2}, args, memory_budget=state / 6)
+    assert err.value.smallest_devices is not None and err.value.smallest_devices > 2
+    _says(err, f"{err.value.smallest_devices} devices would fit", "memory_budget", "zero_stage=3")
+
+
+def test_cli_plan_too_big_for_the_cluster_is_does_not_fit():
+    from autopar.cli import build_parser
+    args = build_parser().parse_args(["plan", "--model", "gpt", "--set", "layers=8", "--set", "hidden=4096",
+                                      "--cluster", "1x2", "--hardware", "a100", "--batch", "16", "--seq", "1024",
+                                      "--memory-budget", "4", "-q"])
+    with pytest.raises(DoesNotFitError) as err:
+        args.fn(args)
+    assert err.value.smallest_devices is not None and err.value.smallest_devices > 2
+    _says(err, f"{err.value.smallest_devices} devices", "4.0 GB per device")
+
+
+# ---- plan files ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,needle", [("{not json", "not valid JSON"), ('{"version": 99}', "unknown version"),
+                                          ('{"version": 3, "mesh": {"tp": 2}}', "missing or mistypes"),
+                                          ('{"version": 3, "mesh": {"tp": 2}, "tp_axis": "tp", "params": {}, '
+                                           '"nodes": {}, "zero_stage": 7}', "invalid field")])
+def test_a_bad_plan_file_is_a_plan_file_error_naming_the_file(tmp_path, text, needle):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(PlanFileError) as err:
+        Plan.load(path)
+    _says(err, needle, str(path))
+
+
+def test_a_plan_for_another_model_is_a_plan_file_error(tmp_path):
+    path = tmp_path / "plan.json"
+    autopar.plan(MLP(hidden=8), {"tp": 2}, (_x(),)).save(path)
+    with pytest.raises(PlanFileError) as err:
+        Plan.load(path, model=MLP(hidden=16))
+    _says(err, "another model", "up.weight is [16, 8], the plan has [8, 8]", str(path))
+    with pytest.raises(PlanFileError):       # parallelize checks before it needs a process group
+        autopar.parallelize(MLP(hidden=16), {"tp": 2}, (_x(),), plan=str(path))
+
+
+# ---- mesh ---------------------------------------------------------------------------------
+
+def test_a_plan_applied_on_a_mesh_of_another_size_is_a_mesh_error(fake_world):
+    plan = autopar.plan(MLP(), {"tp": 2}, (_x(),))
+    fake_world(4)
+    with pytest.raises(MeshError) as err:
+        autopar.parallelize(MLP(), {"tp": 4}, (_x(),), plan=plan)
+    _says(err, "{'tp': 2}", "{'tp': 4}")
+    with pytest.raises(MeshError) as err:        # the plan's mesh on a world of 4 ranks
+        autopar.parallelize(MLP(), 4, (_x(),), plan=plan)
+    _says(err, "world size 4", "2 ranks")
+
+
+def test_a_mesh_that_does_not_cover_the_world_is_a_mesh_error(fake_world):
+    fake_world(4)
+    with pytest.raises(MeshError) as err:
+        autopar.parallelize(MLP(), {"dp": 2}, (_x(),))
+    _says(err, "world size 4", "2 ranks")
+
+
+def test_bad_mesh_specs_are_mesh_errors():
+    from autopar.cost.cluster import validate_mesh
+    with pytest.raises(MeshError) as err:
+        autopar.plan(MLP(), {"tp": 2, "dp": 2}, (_x(),))
+    _says(err, "data axis must be the outer", "('tp', 2)")
+    with pytest.raises(MeshError) as err:
+        validate_mesh([("dp", 2), ("tp", 4)], world_size=16)
+    _says(err, "8 ranks", "16")
+
+
+# ---- unsupported dtypes and devices -------------------------------------------------------
+
+@pytest.mark.filterwarnings("ignore:Complex modules")
+def test_a_complex_model_is_unsupported():
+    model = MLP().to(torch.complex64)
+    with pytest.raises(UnsupportedError) as err:
+        autopar.plan(model, {"tp": 2}, (_x(dtype=torch.complex64),))
+    _says(err, "parameter up.weight", "complex64")
+
+
+def test_a_meta_model_cannot_be_parallelized():
+    model = MLP().to("meta")
+    with pytest.raises(UnsupportedError) as err:
+        autopar.parallelize(model, {"tp": 2}, (_x(device="meta"),))
+    _says(err, "meta device", "parameter up.weight", "to_empty")
+    autopar.plan(model, {"tp": 2}, (_x(device="meta"),))    # planning on meta is what meta is for
+
+
+class IntParam(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.table = nn.Parameter(torch.arange(8), requires_grad=False)
+
+    def forward(self, x):
+        return self.lin(x) + self.table.float()
+
+
+def test_integer_parameter_under_zero3_is_unsupported(fake_world):
+    fake_world(2)
+    with pytest.raises(UnsupportedError) as err:
+        autopar.parallelize(IntParam(), {"dp": 2}, (_x(),), zero_stage=3)
+    _says(err, "parameter table", "int64", "register_buffer")
+
+
+def test_float64_under_mixed_precision_is_unsupported(fake_world):
+    fake_world(2)
+    with pytest.raises(UnsupportedError) as err:
+        autopar.parallelize(MLP().double(), {"dp": 2}, (_x(dtype=torch.float64),), mixed_precision="bf16")
+    _says(err, "float64", "parameter up.weight", "model.float()")
+
+
+# ---- optimizer ----------------------------------------------------------------------------
+
+def test_optimizer_over_parameters_the_parallel_model_does_not_hold(fake_world):
+    fake_world(2)
+    model = MLP()
+    pm = autopar.parallelize(model, {"tp": 2}, (_x(),))
+    with pytest.raises(OptimizerError) as err:
+        autopar.optimizer(pm, torch.optim.AdamW, params=model.parameters(), lr=1e-3)
+    _says(err, "not a parameter of this parallel model", "shape (8, 8)", "pm.parameters()")
+    with pytest.raises(OptimizerError) as err:
+        autopar.optimizer(pm, torch.optim.LBFGS)
+    _says(err, "LBFGS", "elementwise")
+    with pytest.raises(OptimizerError) as err:
+        autopar.optimizer(model, torch.optim.AdamW)
+    _says(err, "MLP", "autopar.parallelize")
+    autopar.optimizer(pm, torch.optim.AdamW, params=[{"params": list(pm.parameters())}], lr=1e-3)
+
+
+def test_every_error_is_a_config_error_where_it_was_one():
+    from autopar import AutoparError, ConfigError
+    for cls in (ShardingError, DoesNotFitError, PlanFileError, MeshError, UnsupportedError, OptimizerError):
+        assert issubclass(cls, ConfigError)
+    for cls in (CaptureError, InputMismatchError):
+        assert issubclass(cls, AutoparError)
