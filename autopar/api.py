@@ -420,12 +420,7 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
     if plan is None:
         check_fits(gm, the_plan, memory_budget, {**graph_info(gm).example_sizes, **dict(sizes or {})})
     check_runtime_dtypes(model, gm, the_plan)
-    tensors = dict(model.named_parameters())
-    tensors.update(dict(model.named_buffers()))
-    if sync_params and dist.get_world_size() > 1:
-        with torch.no_grad():
-            for t in tensors.values():
-                dist.broadcast(t.data, src=0)
+    tensors = model_tensors(model, sync=sync_params)
     trainable = {k: p.requires_grad for k, p in model.named_parameters()}
     rt = None
     device = torch.device(mesh.device_type if mesh.device_type != "cuda" else f"cuda:{torch.cuda.current_device()}")
@@ -447,6 +442,18 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
                         the_plan, dim_map, dp=rt)
     pm.set_recompute(recompute)   # none | selective (attention cores) | full (every layer), checkpointed
     return pm
+
+
+def model_tensors(model: nn.Module, *, sync: bool) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by ``state_dict`` key; with ``sync``, rank 0's
+    values broadcast to every rank first (so ranks that built the model apart agree)."""
+    tensors = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
+    if sync and dist.get_world_size() > 1:
+        with torch.no_grad():
+            for t in tensors.values():
+                dist.broadcast(t.data, src=0)
+    return tensors
 
 
 def device_mesh(mesh: Any, axes: tuple[tuple[str, int], ...]):

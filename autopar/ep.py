@@ -272,7 +272,7 @@ def parallelize_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, har
     graph shows, which must have a ``capacity_factor`` attribute; the model is then captured
     again), so tokens drop exactly as the single-device model's at that factor."""
 
-    from autopar.api import _capture, device_mesh, planned_graph
+    from autopar.api import _capture, device_mesh, model_tensors, planned_graph
     from autopar.passes.ep_rewrite import ep_rewrite, expert_regions
     from autopar.plans import Plan
     from autopar.runtime.ep import EPRuntime
@@ -286,12 +286,7 @@ def parallelize_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, har
     mesh = device_mesh(mesh, axes)
     names = list(mesh.mesh_dim_names)
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
-    tensors.update(dict(model.named_buffers()))
-    if sync_params and dist.get_world_size() > 1:
-        with torch.no_grad():
-            for t in tensors.values():
-                dist.broadcast(t.data, src=0)
+    tensors = model_tensors(model, sync=sync_params)
     if capacity_factor is not None:
         _set_capacity(model, _capture(model, args, ()), capacity_factor)
     n_ep = sizes["ep"]

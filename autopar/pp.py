@@ -223,7 +223,7 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
                          zero_stage: int | None = None, plan: Any = None, recompute: str = "none"):
     """This rank's :class:`~autopar.runtime.pp.PipelineModule` (see :func:`autopar.parallelize`)."""
 
-    from autopar.api import _capture, default_dims, device_mesh, planned_graph
+    from autopar.api import _capture, default_dims, device_mesh, model_tensors, planned_graph
     from autopar.passes.pp_split import shared_params, split_stages
     from autopar.runtime.pp import PipelineModule, StageModule, stage_inputs_of
 
@@ -318,12 +318,7 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
     shared = shared_params(stages)
 
     # 4. this rank's stages
-    tensors: dict[str, Any] = dict(model.named_parameters())
-    tensors.update(dict(model.named_buffers()))
-    if sync_params and dist.get_world_size() > 1:
-        with torch.no_grad():
-            for t in tensors.values():
-                dist.broadcast(t.data, src=0)
+    tensors = model_tensors(model, sync=sync_params)
     trainable = {k: q.requires_grad for k, q in model.named_parameters()}
     inputs = stage_inputs_of(gm)
     mine: list[StageModule] = []
