@@ -2,13 +2,17 @@
 
 The planner (``cost/hybrid.py``) searches dp x tp x pp, ZeRO, recomputation, micro-batches
 and schedule for ``--ranks`` gloo ranks on this machine (the ``cpu`` hardware) and keeps the
-fastest configuration the runtime can run (pipelines with ZeRO-0 and no recomputation, one
-of dp or tp beside them). The ranks then train the model with it, and each step's loss is
-printed beside the loss of the same model trained in one process on the whole batch.
+fastest configuration the runtime can run (:func:`runtime_gaps`). The ranks then train the
+model with it, and each step's loss is printed beside the loss of the same model trained in
+one process on the whole batch. ``--save DIR`` checkpoints the parallel run and the
+reference after the steps; ``--resume DIR`` starts from such a checkpoint under whatever
+plan this run chooses (another rank count gives another plan), so re-planning a run is
+checked step by step too.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -69,7 +73,8 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(out.flatten(0, -2), target.flatten())
 
 
-def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: int, seq: int, steps: int) -> dict:
+def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: int, seq: int, steps: int,
+          save: str | None = None, resume: str | None = None) -> dict:
     import copy
 
     import torch.distributed as dist
@@ -92,12 +97,17 @@ def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: i
         pm = autopar.parallelize(model, mesh, local, loss_fn=_loss, schedule=cfg["schedule"],
                                  microbatches=batch // dp // cfg["micro_batch"],
                                  virtual_stages=cfg["virtual"] if cfg["schedule"] == "interleaved" else None,
-                                 memory_budget=budget)
+                                 memory_budget=budget, recompute=cfg["recompute"])
     else:
         pm = autopar.parallelize(model, mesh, local, zero_stage=cfg["zero_stage"], recompute=cfg["recompute"],
                                  memory_budget=budget)
     opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    first, resumed = 0, None
+    if resume:   # whatever plan wrote it: the parallel model's state, and the reference's beside it
+        resumed = autopar.load(pm, opt, os.path.join(resume, "parallel"))
+        autopar.load(ref, ref_opt, os.path.join(resume, "reference"))
+        first = int(resumed["step"] or 0)
     rows = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -123,7 +133,10 @@ def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: i
         ref_opt.step()
         ref_opt.zero_grad()
         rows.append((loss.item(), want.item(), seconds))
-    return {"rows": rows}
+    if save:
+        autopar.save(pm, opt, os.path.join(save, "parallel"), step=first + steps, extra={"plan": cfg})
+        autopar.save(ref, ref_opt, os.path.join(save, "reference"), step=first + steps)
+    return {"rows": rows, "first": first, "saved_plan": (resumed or {}).get("extra", {}) or {}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--save", metavar="DIR", help="checkpoint the model, optimizer and reference after the steps")
+    ap.add_argument("--resume", metavar="DIR", help="start from the checkpoint in DIR, whatever plan and rank "
+                    "count wrote it")
     args = ap.parse_args(argv)
     over = {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "max_seq": args.seq}
     over.update(parse_overrides(args.set))
@@ -151,10 +167,18 @@ def main(argv: list[str] | None = None) -> int:
           f"predicted step {best.step_time_s * 1e3:.1f} ms on the built-in cpu estimate")
     cfg = {"dp": c.dp, "tp": c.tp, "pp": c.pp, "zero_stage": c.zero_stage, "recompute": c.recompute,
            "micro_batch": c.micro_batch, "schedule": c.schedule, "virtual": c.virtual}
-    res = run_ranks(_rank, args.ranks, args.model, over, cfg, args.batch, args.seq, args.steps, timeout_s=600)
+    save = os.path.abspath(args.save) if args.save else None
+    resume = os.path.abspath(args.resume) if args.resume else None
+    res = run_ranks(_rank, args.ranks, args.model, over, cfg, args.batch, args.seq, args.steps, save, resume,
+                    timeout_s=600)
+    if resume:
+        was = res[0]["saved_plan"].get("plan", {})
+        print(f"resumed from {resume} at step {res[0]['first']}" + (
+            f" (saved under dp={was.get('dp')} tp={was.get('tp')} pp={was.get('pp')} ZeRO-{was.get('zero_stage')})"
+            if was else ""))
     print(f"{'step':>4} {'parallel loss':>14} {'single-process':>15} {'difference':>11} {'step ms':>8}")
     worst = 0.0
-    for i, (got, want, seconds) in enumerate(res[0]["rows"]):
+    for i, (got, want, seconds) in enumerate(res[0]["rows"], start=res[0]["first"]):
         worst = max(worst, abs(got - want) / abs(want))
         print(f"{i:>4} {got:>14.6f} {want:>15.6f} {got - want:>11.2e} {seconds * 1e3:>8.1f}")
     print(f"largest relative difference {worst:.1e}" + ("" if worst < 1e-5 else "  (above 1e-5)"))

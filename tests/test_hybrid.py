@@ -145,6 +145,30 @@ def test_train_runs_the_chosen_plan_and_matches_single_process(capsys):
     assert len([line for line in out.splitlines() if line.strip()[:1].isdigit()]) == 2
 
 
+def _train_rows(out: str) -> dict[int, float]:
+    rows = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 5 and parts[0].isdigit():
+            rows[int(parts[0])] = float(parts[1])
+    return rows
+
+
+def test_train_resumes_a_checkpoint_under_another_plan(capsys, tmp_path):
+    small = ["--batch", "4", "--seq", "16", "--set", "layers=2", "--set", "hidden=32"]
+    assert main(["train", "--ranks", "1", "--steps", "3", *small]) == 0
+    straight = _train_rows(capsys.readouterr().out)
+    assert main(["train", "--ranks", "2", "--steps", "2", "--save", str(tmp_path), *small]) == 0
+    capsys.readouterr()
+    # one rank now: another plan; the run goes on from step 2 as if never stopped
+    assert main(["train", "--ranks", "1", "--steps", "1", "--resume", str(tmp_path), *small]) == 0
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "at step 2" in out
+    resumed = _train_rows(out)
+    assert list(resumed) == [2]
+    assert abs(resumed[2] - straight[2]) <= 1e-5 * abs(straight[2])
+
+
 def test_expert_parallelism_is_searched_for_moe_models():
     w = load_workload("moe", batch=1, seq=256, overrides={"layers": "2", "hidden": "256", "experts": "8"})
     facts = ModelFacts(capture_workload(w), seq=256, dtype="bf16")
