@@ -1,9 +1,11 @@
-"""What the benchmarks share: the common flags, ``--set`` overrides and the machine line."""
+"""What the benchmarks share: the common flags, ``--set`` overrides, the machine line and
+one timed training step."""
 from __future__ import annotations
 
 import argparse
 import os
 import platform
+import time
 
 import torch
 
@@ -31,3 +33,23 @@ def overrides(items: list[str] | None, base: dict) -> dict:
 def machine_line() -> str:
     return (f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
             f"gloo, 1 thread per rank")
+
+
+def timed_step(module, opt, args: tuple, measure=None) -> tuple[list[float], float]:
+    """One training step: ([forward, backward, optimizer, process CPU] seconds, loss). The CPU
+    time counts every thread of the rank (gloo's included). Ranks are aligned by a barrier
+    first. ``measure(module, opt)`` runs between opt.step() and zero_grad."""
+    import torch.distributed as dist
+    dist.barrier()
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    loss = module(*args).logsumexp(-1).mean()
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    opt.step()
+    if measure is not None:
+        measure(module, opt)
+    opt.zero_grad(set_to_none=True)
+    t3 = time.perf_counter()
+    return [t1 - t0, t2 - t1, t3 - t2, time.process_time() - c0], float(loss.detach())

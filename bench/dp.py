@@ -105,26 +105,6 @@ def _make(variant: str, name: str, overrides: dict, args: tuple, world: int, buc
     return pm, autopar.optimizer(pm, torch.optim.AdamW, lr=1e-3)
 
 
-def _step(module, opt, args: tuple, measure=None) -> tuple[list[float], float]:
-    """One training step: ([forward, backward, optimizer, process CPU] seconds, loss). The CPU
-    time counts every thread of the rank (gloo's included). Ranks are aligned by a barrier
-    first. ``measure(module, opt)`` runs between opt.step() and zero_grad."""
-    import torch.distributed as dist
-    dist.barrier()
-    c0 = time.process_time()
-    t0 = time.perf_counter()
-    loss = module(*args).logsumexp(-1).mean()
-    t1 = time.perf_counter()
-    loss.backward()
-    t2 = time.perf_counter()
-    opt.step()
-    if measure is not None:
-        measure(module, opt)
-    opt.zero_grad(set_to_none=True)
-    t3 = time.perf_counter()
-    return [t1 - t0, t2 - t1, t3 - t2, time.process_time() - c0], float(loss.detach())
-
-
 # -- memory -----------------------------------------------------------------------------------
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -196,7 +176,7 @@ def _step_rss(module, opt, args: tuple) -> int:
     except OSError:
         return -1
     before = _status_kb("VmRSS")
-    _step(module, opt, args)
+    common.timed_step(module, opt, args)
     return (_status_kb("VmHWM") - before) * 1024
 
 
@@ -231,13 +211,13 @@ def rank_work(rank: int, world: int, name: str, overrides: dict, batch: int, seq
     for i in range(warmup + steps):
         k = i % len(variants)                     # rotate: every variant takes every slot
         for v in variants[k:] + variants[:k]:
-            phases, loss = _step(*built[v], args)
+            phases, loss = common.timed_step(*built[v], args)
             losses[v].append(loss)
             if i >= warmup:
                 times[v].append(phases)
     held, rss = {}, {}
     for v in variants:
-        _step(*built[v], args, measure=lambda m, o, v=v: held.__setitem__(v, _held_bytes(m, o)))
+        common.timed_step(*built[v], args, measure=lambda m, o, v=v: held.__setitem__(v, _held_bytes(m, o)))
         rss[v] = _step_rss(*built[v], args)
     dist.barrier()
     return {"times": times, "losses": losses, "held": held, "rss": rss, "setup_s": setup_s,

@@ -112,21 +112,6 @@ def _make(variant: str, overrides: dict, args: tuple, glob: tuple, rank: int, wo
     return pm, autopar.optimizer(pm, torch.optim.AdamW, lr=1e-3)
 
 
-def _step(module, opt, args: tuple) -> tuple[list[float], float]:
-    """One training step after a barrier: ([forward, backward, optimizer] seconds, loss)."""
-    import torch.distributed as dist
-    dist.barrier()
-    t0 = time.perf_counter()
-    loss = module(*args).logsumexp(-1).mean()
-    t1 = time.perf_counter()
-    loss.backward()
-    t2 = time.perf_counter()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    t3 = time.perf_counter()
-    return [t1 - t0, t2 - t1, t3 - t2], float(loss.detach())
-
-
 def _order(i: int, names: list[str]) -> list[str]:
     """Round ``i``'s order: the rows of a Williams Latin square in turn, so that every name
     takes every slot and follows every other name equally often (plain rotation would put
@@ -239,7 +224,7 @@ def _run_steps(built: dict, args: tuple, warmup: int, steps: int, errors: dict) 
             if v in errors:
                 continue
             try:
-                phases, loss = _step(*built[v], args)
+                phases, loss = common.timed_step(*built[v], args)
             except Exception as exc:  # noqa: BLE001 - reported per variant
                 errors[v] = _headline(exc)
             if not _agree(v not in errors):
