@@ -15,7 +15,8 @@ from autopar.checks import (check_devices, check_fits, check_options, check_plan
 from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
 from autopar.cost.tp_solver import Solution, SolverConfig, solve
-from autopar.errors import CaptureError, ConfigError, InputMismatchError, MeshError, OptimizerError, PlanFileError
+from autopar.errors import (CaptureError, ConfigError, InputMismatchError, MeshError, OptimizerError, PlanFileError,
+                            UnsupportedError)
 from autopar.passes.capture import capture
 from autopar.passes.meta import graph_info, info
 from autopar.passes.pipeline import analyze
@@ -28,17 +29,24 @@ _FIXED_ROLES = ("pp", "ep")
 _SUPPORTED = ("dp", "tp")
 
 
-def default_dims(example_inputs: tuple) -> tuple[dict[int, str], ...]:
-    """Dim 0 of every tensor input is the batch; dim 1 of an integer (token) tensor the sequence."""
-    dims = []
-    for x in example_inputs:
+def default_dims(example_inputs: tuple, kwargs: Mapping[str, Any] | None = None) -> Any:
+    """Dim 0 of every tensor input is the batch; dim 1 of an integer (token) tensor the sequence.
+    Per positional input (a tuple), or by position and name when there are keyword inputs."""
+    def labels(x: Any) -> dict[int, str]:
         d: dict[int, str] = {}
         if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] >= 2:
             d[0] = "batch"
             if x.dim() >= 2 and not x.is_floating_point() and x.shape[1] >= 2:
                 d[1] = "seq"
-        dims.append(d)
-    return tuple(dims)
+        return d
+    positional = tuple(labels(x) for x in example_inputs)
+    if not kwargs:
+        return positional
+    return {**dict(enumerate(positional)), **{k: labels(v) for k, v in kwargs.items()}}
+
+
+def _as_args(example_inputs: Any) -> tuple:
+    return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
 
 
 def mesh_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
@@ -72,15 +80,16 @@ def _tp_axes(axes: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
     return tuple(a for a in axes if a[0] == "tp")
 
 
-def _capture(model: nn.Module, example_inputs: Any, dims: Any) -> fx.GraphModule:
-    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+def _capture(model: nn.Module, example_inputs: Any, dims: Any,
+             kwargs: Mapping[str, Any] | None = None) -> fx.GraphModule:
+    args = _as_args(example_inputs)
     if dims is None:
         try:
-            return analyze(capture(model, args, dims=default_dims(args)))
+            return analyze(capture(model, args, kwargs=kwargs, dims=default_dims(args, kwargs)))
         except CaptureError as exc:
             log.info("capture with symbolic batch/seq failed (%s); capturing with fixed sizes", exc)
-            return analyze(capture(model, args))
-    return analyze(capture(model, args, dims=dims or None))
+            return analyze(capture(model, args, kwargs=kwargs))
+    return analyze(capture(model, args, kwargs=kwargs, dims=dims or None))
 
 
 def _solve(gm: fx.GraphModule, axes: tuple[tuple[str, int], ...], *, hardware: str | None,
@@ -147,7 +156,8 @@ def _param_shapes(gm: fx.GraphModule) -> dict[str, list[int]]:
             if n.op == "placeholder" and info(n).kind == "param" and info(n).values}
 
 
-def plan(model: nn.Module, mesh: Any, example_inputs: Any, *, dims: Any = None, hardware: str | None = None,
+def plan(model: nn.Module, mesh: Any, example_inputs: Any = (), *, example_kwargs: Mapping[str, Any] | None = None,
+         dims: Any = None, hardware: str | None = None,
          memory_budget: float | None = None, sizes: Mapping[str, int] | None = None,
          dtype: str | None = None, zero_stage: int | None = None, overlap: bool = True,
          mixed_precision: str | None = None, bucket_bytes: int = 0,
@@ -161,7 +171,7 @@ def plan(model: nn.Module, mesh: Any, example_inputs: Any, *, dims: Any = None, 
     ``{"fc1.weight": "S(0)", "fc2.weight": "R"}`` (:class:`ShardingError` if a split dim does
     not divide by the axis)."""
     axes = mesh_axes(mesh)
-    gm = _capture(model, example_inputs, dims)
+    gm = _capture(model, example_inputs, dims, example_kwargs)
     sol, cluster = _solve(gm, axes, hardware=hardware, memory_budget=memory_budget, sizes=sizes, dtype=dtype,
                           placements=placements)
     the_plan = _plan_of(gm, sol, axes, type(model).__name__, zero_stage=zero_stage or 0, overlap=overlap,
@@ -222,7 +232,8 @@ def _local_shape(shape: Any, placement: str, tp: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def planned_graph(model: nn.Module, mesh: Any, example_inputs: Any, *, dims: Any = None, plan: Plan | None = None,
+def planned_graph(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
+                  example_kwargs: Mapping[str, Any] | None = None, dims: Any = None, plan: Plan | None = None,
                   hardware: str | None = None, memory_budget: float | None = None,
                   sizes: Mapping[str, int] | None = None, rewrite: bool = False, after: str | None = None,
                   group_name: str = "tp", zero_stage: int | None = None, overlap: bool = True,
@@ -234,7 +245,7 @@ def planned_graph(model: nn.Module, mesh: Any, example_inputs: Any, *, dims: Any
     --after`` shows)."""
     after = after or ("rewrite" if rewrite else "plan")
     axes = mesh_axes(mesh)
-    gm = _capture(model, example_inputs, dims)
+    gm = _capture(model, example_inputs, dims, example_kwargs)
     sol, cluster = _solve(gm, axes if plan is None else (), hardware=hardware, memory_budget=memory_budget,
                           sizes=sizes, dtype=None, pinned=pinned, placements=placements)
     if plan is None:
@@ -330,7 +341,8 @@ def _records_model(fn):
 
 
 @_records_model
-def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan | str | None = None,
+def parallelize(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
+                example_kwargs: Mapping[str, Any] | None = None, plan: Plan | str | None = None,
                 dims: Any = None, hardware: str | None = None, memory_budget: float | None = None,
                 sizes: Mapping[str, int] | None = None, sync_params: bool = True, zero_stage: int | None = None,
                 overlap: bool = True, bucket_bytes: int = 0, mixed_precision: str | None = None,
@@ -341,7 +353,11 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
     """Split ``model`` over ``mesh`` and return this rank's :class:`ParallelModule`.
 
     Call on every rank after ``torch.distributed.init_process_group`` with the same model
-    and example inputs (one rank's call: under data parallelism, its share of the batch).
+    and example inputs (one rank's call: under data parallelism, its share of the batch):
+    positional ones in ``example_inputs``, keyword ones in ``example_kwargs`` (e.g. a
+    ``transformers`` batch ``{"input_ids": ..., "labels": ...}``). The parallel module is
+    called the same way (``pm(**batch)``) and returns what the model returns (a
+    ``ModelOutput`` whose ``loss`` backward runs on, when ``labels`` are given).
     ``mesh`` is a DeviceMesh with axes ``dp`` and/or ``tp``, a ``{"dp": 2, "tp": 2}``
     mapping, or an int (a tensor axis of that size); ``plan`` a Plan or a path to one
     (otherwise one is found by cost, with ``zero_stage``, ``overlap``, ``bucket_bytes`` and
@@ -382,17 +398,23 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
     if plan is not None and placements:
         raise ConfigError("placements= and plan= are both given", where="parallelize", got=str(dict(placements)),
                           fix="put the placements in the plan (autopar.plan(..., placements=...)), or drop plan=")
-    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    check_devices(model, args, None)
+    args = _as_args(example_inputs)
+    kwargs = {k: v for k, v in (example_kwargs or {}).items() if v is not None}
+    check_devices(model, (*args, *kwargs.values()), None)
     if not dist.is_initialized():
         raise ConfigError("parallelize needs an initialised process group", where="parallelize",
                           fix="call torch.distributed.init_process_group (torchrun sets the environment) first")
-    check_devices(model, args, "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
+    check_devices(model, (*args, *kwargs.values()),
+                  "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
     if _has_axis(mesh, "ep") or (plan is not None and plan.ep_axis is not None):
         if plan is not None:
             raise ConfigError("re-applying a saved expert-parallel plan is not supported yet", where="parallelize",
                               got="plan= with an ep axis",
                               fix="call parallelize without plan= (placement comes from calibration=)")
+        if kwargs:
+            raise UnsupportedError("keyword example inputs with an expert axis are not supported yet",
+                                   where="parallelize", got=f"example_kwargs {sorted(kwargs)}",
+                                   fix="wrap the model so forward takes the tensors positionally")
         from autopar.ep import parallelize_experts
         return parallelize_experts(model, mesh, example_inputs, hardware=hardware, memory_budget=memory_budget,
                                    sync_params=sync_params, calibration=calibration,
@@ -412,7 +434,7 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
     mesh = device_mesh(mesh, axes)
     names = list(mesh.mesh_dim_names or ("tp",))
     tp_group = mesh.get_group(names.index("tp")) if "tp" in names else None
-    gm, the_plan = planned_graph(model, mesh, example_inputs, dims=dims, plan=plan, hardware=hardware,
+    gm, the_plan = planned_graph(model, mesh, args, example_kwargs=kwargs, dims=dims, plan=plan, hardware=hardware,
                                  memory_budget=memory_budget, sizes=sizes, after="rewrite",
                                  group_name=tp_group.group_name if tp_group is not None else "tp",
                                  zero_stage=zero_stage, overlap=overlap, bucket_bytes=bucket_bytes,
@@ -437,7 +459,7 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, *, plan: Plan 
     elif compute != master:   # mixed precision without a data axis: fp32 masters, nothing to reduce
         rt = DPRuntime(stage=0, n=1, rank=0, group_name="", device=device, master_dtype=master, compute_dtype=compute)
     used = {info(n).target_fqn for n in gm.graph.nodes if n.op == "placeholder" and info(n).target_fqn}
-    dim_map = _dim_map(example_inputs, dims)
+    dim_map = input_dims(model, args, dims, kwargs)
     pm = ParallelModule(gm, the_plan.params, {k: v for k, v in tensors.items() if k in used}, trainable, mesh,
                         the_plan, dim_map, dp=rt)
     pm.set_recompute(recompute)   # none | selective (attention cores) | full (every layer), checkpointed
@@ -505,10 +527,25 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 
 def _dim_map(example_inputs: Any, dims: Any) -> dict[str, tuple[int, int]]:
-    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    """:func:`input_dims` of positional inputs."""
+    args = _as_args(example_inputs)
     labels = dims if dims is not None else default_dims(args)
     out: dict[str, tuple[int, int]] = {}
     for i, d in enumerate(labels or ()):
         for dim, name in (d or {}).items():
+            out.setdefault(name, (i, dim))
+    return out
+
+
+def input_dims(model: nn.Module, example_inputs: Any, dims: Any,
+               kwargs: Mapping[str, Any] | None = None) -> dict[str, tuple[int, int]]:
+    """Named size -> (user input index in call order, dim) of its first appearance."""
+    from autopar.passes.capture import flat_labels
+    args = _as_args(example_inputs)
+    kwargs = dict(kwargs or {})
+    labels = flat_labels(model, args, kwargs, dims if dims is not None else default_dims(args, kwargs))
+    out: dict[str, tuple[int, int]] = {}
+    for i, d in enumerate(labels):
+        for dim, name in d.items():
             out.setdefault(name, (i, dim))
     return out

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.export import Dim
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import InputKind, TensorArgument
 
 import autopar
 from autopar.errors import AutoparError, CaptureError, InputMismatchError, UnsupportedError
@@ -40,57 +40,184 @@ DimLabels = Sequence[Mapping[int, str]]
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
 
-def capture(model: nn.Module, example_inputs: Any, *, dims: DimLabels | None = None,
+def capture(model: nn.Module, example_inputs: Any = (), *, kwargs: Mapping[str, Any] | None = None,
+            dims: DimLabels | Mapping[str, Mapping[int, str]] | None = None,
             max_sizes: Mapping[str, int] | None = None) -> fx.GraphModule:
-    """Capture ``model`` called on ``example_inputs`` into an annotated ATen graph.
+    """Capture ``model`` called on ``example_inputs`` (and keyword inputs ``kwargs``) into an
+    annotated ATen graph.
 
-    ``dims`` labels, per positional input, the dims that are symbolic sizes, e.g.
-    ``({0: "batch", 1: "seq"},)``; the same name on several inputs is one size. Without
-    it the capture is static (every size an integer). ``max_sizes`` bounds a symbol's
-    range (default 2**20). A model that cannot be captured raises :class:`CaptureError`
-    naming the module and source line that failed.
+    ``dims`` labels the dims that are symbolic sizes: per positional input, e.g.
+    ``({0: "batch", 1: "seq"},)``, or by input name or position, e.g.
+    ``{"input_ids": {0: "batch", 1: "seq"}}`` (the form that reaches keyword inputs); the same name on several inputs is one size.
+    Without it the capture is static (every size an integer). ``max_sizes`` bounds a symbol's
+    range (default 2**20). A model with a ``config.use_cache`` (``transformers``) is captured
+    with it off: a training graph never returns cache objects. Tied parameters (one tensor
+    under several names) become one placeholder under the first name. A model that cannot be
+    captured raises :class:`CaptureError` naming the module and source line that failed.
     """
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    _check_inputs(model, args, dims)
-    dynamic_shapes = _dynamic_shapes(dims, max_sizes or {}) if dims else None
-    with _module_tracker(model) as stack:
+    kwargs = {k: v for k, v in (kwargs or {}).items() if v is not None}
+    _check_inputs(model, args, dims, kwargs)
+    flat_dims = flat_labels(model, args, kwargs, dims)
+    dynamic_shapes = _dynamic_shapes(model, args, kwargs, flat_dims, max_sizes or {}) if dims else None
+    with _module_tracker(model) as stack, training_config(model):
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), _quiet_export():
                 warnings.simplefilter("ignore")
-                ep = torch.export.export(model, args, dynamic_shapes=dynamic_shapes, strict=False)
+                ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a CaptureError or InputMismatchError
-            raise _capture_error(model, args, exc, list(stack)) from exc
+            raise _capture_error(model, args, exc, list(stack), kwargs) from exc
     gm = ep.graph_module
-    _annotate(gm, ep, model, args, dims)
-    _check_dtypes(gm)
+    aliases = _untie(gm, ep, model)
+    _annotate(gm, ep, model, [*args, *kwargs.values()], flat_dims if dims else None)
     ginfo = graph_info(gm)
-    log.info("capture: %d nodes, %d parameters, symbols %s", len(gm.graph.nodes),
-             len(ginfo.param_fqns), sorted(ginfo.symbols))
+    ginfo.param_aliases = aliases
+    ginfo.constants = _lifted_constants(ep)
+    ginfo.without_cache = uses_cache(model)
+    _check_dtypes(gm)
+    log.info("capture: %d nodes, %d parameters, symbols %s%s", len(gm.graph.nodes),
+             len(ginfo.param_fqns), sorted(ginfo.symbols), " (use_cache off)" if ginfo.without_cache else "")
     return gm
 
 
-def _check_inputs(model: nn.Module, args: tuple, dims: DimLabels | None) -> None:
+def uses_cache(model: nn.Module) -> bool:
+    """Does the model keep an inference cache it would return (``config.use_cache``)?"""
+    return bool(getattr(getattr(model, "config", None), "use_cache", False))
+
+
+@contextmanager
+def training_config(model: nn.Module) -> Iterator[None]:
+    """``config.use_cache`` off while the model is traced: a training graph has no cache."""
+    cfg = getattr(model, "config", None)
+    if not uses_cache(model):
+        yield
+        return
+    cfg.use_cache = False
+    try:
+        yield
+    finally:
+        cfg.use_cache = True
+
+
+@contextmanager
+def _quiet_export() -> Iterator[None]:
+    """torch.export logs the graph it failed on (twice) before raising; autopar's error names
+    the module and line instead. ``autopar -v`` (DEBUG logging) keeps torch's dumps."""
+    if logging.getLogger("autopar").isEnabledFor(logging.DEBUG):
+        yield
+        return
+    names = ("torch._dynamo", "torch.export", "torch._export", "torch.fx.experimental.symbolic_shapes",
+             "torch._subclasses.fake_tensor", "torch.fx.experimental.proxy_tensor")
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def flat_labels(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
+                dims: DimLabels | Mapping[str, Mapping[int, str]] | None) -> list[dict[int, str]]:
+    """The dims labels per user input in call order (positional inputs, then keyword ones)."""
+    n = len(args) + len(kwargs)
+    if not dims:
+        return [{} for _ in range(n)]
+    if not isinstance(dims, Mapping):
+        return [dict(d or {}) for d in dims] + [{} for _ in kwargs]
+    names = _positional_names(model, len(args)) + list(kwargs)
+    keys = [i if i in dims else name for i, name in enumerate(names)]
+    unknown = sorted(map(str, set(dims) - set(keys)))
+    if unknown:
+        raise InputMismatchError(f"dims labels inputs the call does not pass: {unknown}", where="dims",
+                                 expected=f"positions or names among {names}", got=str(sorted(map(str, dims))),
+                                 fix="label only the inputs given in example_inputs / example_kwargs")
+    return [dict(dims.get(key) or {}) for key in keys]
+
+
+def _positional_names(model: nn.Module, count: int) -> list[str]:
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return [f"arg{i}" for i in range(count)]
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return [names[i] if i < len(names) else f"arg{i}" for i in range(count)]
+
+
+def _untie(gm: fx.GraphModule, ep: torch.export.ExportedProgram, model: nn.Module) -> dict[str, str]:
+    """One placeholder per tied tensor. torch.export gives every name of a tied parameter (an
+    embedding shared with the output head) its own placeholder; autopar plans, stores and
+    steps it once, under the first name ``named_parameters()`` gives. Returns alias -> name."""
+    canonical: dict[str, str] = {}
+    for named in (model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)):
+        first: dict[int, str] = {}
+        for name, t in named:
+            canonical[name] = first.setdefault(id(t), name)
+    holder: dict[str, fx.Node] = {}
+    phs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    aliases: dict[str, str] = {}
+    specs = [s for s in ep.graph_signature.input_specs if s.kind in (InputKind.PARAMETER, InputKind.BUFFER)]
+    for spec in sorted(specs, key=lambda s: s.target != canonical.get(s.target, s.target)):
+        name = canonical.get(spec.target, spec.target)
+        node = phs[spec.arg.name]
+        if name not in holder:
+            holder[name] = node
+            continue
+        node.replace_all_uses_with(holder[name])
+        gm.graph.erase_node(node)
+        aliases[spec.target] = name
+    if aliases:
+        gm.recompile()
+        log.info("capture: tied %s", ", ".join(f"{a} = {n}" for a, n in sorted(aliases.items())))
+    return aliases
+
+
+def _lifted_constants(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
+    """Tensors export lifts out of the model's code (``x[..., [-2]]`` makes an index tensor):
+    part of the program, not inputs. Their placeholders are kind ``constant``; runtimes hold
+    them as non-persistent buffers under these names."""
+    out = {}
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind == InputKind.CUSTOM_OBJ:
+            raise UnsupportedError("the model holds a script object autopar cannot place", where=str(spec.target),
+                                   fix="keep only tensors, parameters and buffers on the model")
+        if spec.kind == InputKind.CONSTANT_TENSOR:
+            out[str(spec.target)] = ep.constants[spec.target].detach().clone()
+    return out
+
+
+def _check_inputs(model: nn.Module, args: tuple, dims: Any, kwargs: Mapping[str, Any]) -> None:
     if not isinstance(model, nn.Module):
         raise InputMismatchError("capture needs an nn.Module", got=type(model).__name__,
                                  fix="pass the model object itself, e.g. capture(MyModel(), (x,))")
-    _check_real(model, args)
+    _check_real(model, args, kwargs)
     try:
-        inspect.signature(model.forward).bind(*args)
+        inspect.signature(model.forward).bind(*args, **kwargs)
     except TypeError as exc:
+        got = [f"{len(args)} positional input(s): {', '.join(_describe(a) for a in args)}"]
+        if kwargs:
+            got.append("keywords " + ", ".join(f"{k}={_describe(v)}" for k, v in kwargs.items()))
         raise InputMismatchError(
             f"example inputs do not match {type(model).__name__}.forward: {exc}",
             where=_source_of(model.forward),
             expected=f"forward{inspect.signature(model.forward)}",
-            got=f"{len(args)} positional input(s): {', '.join(_describe(a) for a in args)}",
-            fix="pass a tuple with one example value per positional argument of forward") from None
-    if dims is None:
+            got="; ".join(got),
+            fix="pass one example value per argument of forward (positional in example_inputs, by name in "
+                "example_kwargs)") from None
+    if dims is None or isinstance(dims, Mapping):
         return
     if len(dims) != len(args):
         raise InputMismatchError("dims must label each positional input (use {} for none)",
                                  expected=f"{len(args)} entries", got=f"{len(dims)}",
-                                 fix="e.g. dims=({0: 'batch', 1: 'seq'},) for one token-id input")
-    for i, (arg, labels) in enumerate(zip(args, dims)):
-        for d, name in labels.items():
+                                 fix="e.g. dims=({0: 'batch', 1: 'seq'},) for one token-id input; label "
+                                     "keyword inputs by name: dims={'input_ids': {0: 'batch', 1: 'seq'}}")
+
+
+def _check_labels(inputs: Sequence[Any], labels: Sequence[Mapping[int, str]]) -> None:
+    for i, (arg, dims) in enumerate(zip(inputs, labels)):
+        for d, name in dims.items():
             if not isinstance(arg, torch.Tensor) or d >= arg.dim():
                 raise InputMismatchError(f"dims labels dim {d} of input {i} as {name!r}, which it lacks",
                                          got=_describe(arg), fix="label only dims the input has")
@@ -101,12 +228,13 @@ def _check_inputs(model: nn.Module, args: tuple, dims: DimLabels | None) -> None
                     fix=f"capture with {name} >= 2 and evaluate the formulas at {arg.shape[d]}")
 
 
-def _check_real(model: nn.Module, args: tuple) -> None:
+def _check_real(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> None:
     """Complex parameters, buffers or inputs: autopar's sharding rules, reductions and
     optimizer pieces assume real numbers."""
     named = [(f"parameter {k}", t) for k, t in model.named_parameters()]
     named += [(f"buffer {k}", t) for k, t in model.named_buffers()]
     named += [(f"input {i}", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    named += [(f"input {k}", a) for k, a in kwargs.items() if isinstance(a, torch.Tensor)]
     for what, t in named:
         if t.is_complex():
             raise UnsupportedError(f"{what} is complex ({str(t.dtype).replace('torch.', '')}); autopar does not "
@@ -145,21 +273,40 @@ def _check_dtypes(gm: fx.GraphModule) -> None:
                                          "x.float()), or cast the model (model.to(dtype))")
 
 
-def _dynamic_shapes(dims: DimLabels, max_sizes: Mapping[str, int]) -> tuple:
+def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], labels: list[dict[int, str]],
+                    max_sizes: Mapping[str, int]) -> Any:
+    """torch.export's ``dynamic_shapes`` for the labelled dims: a tuple over positional inputs,
+    or (with keyword inputs) a mapping from forward's parameter names, as export wants."""
+    _check_labels([*args, *kwargs.values()], labels)
     named: dict[str, Dim] = {}
-    spec = []
-    for labels in dims:
-        entry = {}
-        for d, name in labels.items():
+
+    def spec_of(entry: Mapping[int, str]) -> dict[int, Dim] | None:
+        out = {}
+        for d, name in entry.items():
             if name not in named:
                 named[name] = Dim(name, min=2, max=max_sizes.get(name, 1 << 20))
-            entry[d] = named[name]
-        spec.append(entry or None)
-    return tuple(spec)
+            out[d] = named[name]
+        return out or None
+    specs = [spec_of(entry) for entry in labels]
+    if not kwargs:
+        return tuple(specs)
+    by_value = {id(v): s for v, s in zip([*args, *kwargs.values()], specs)}
+    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    params = inspect.signature(model.forward).parameters
+    out: dict[str, Any] = {}
+    for name, value in bound.items():
+        kind = params[name].kind
+        if kind == inspect.Parameter.VAR_KEYWORD:
+            out[name] = {k: by_value.get(id(v)) for k, v in value.items()}
+        elif kind == inspect.Parameter.VAR_POSITIONAL:
+            out[name] = tuple(by_value.get(id(v)) for v in value)
+        else:
+            out[name] = by_value.get(id(value))
+    return out
 
 
 def _annotate(gm: fx.GraphModule, ep: torch.export.ExportedProgram, model: nn.Module,
-              args: tuple, dims: DimLabels | None) -> None:
+              args: list, dims: list[dict[int, str]] | None) -> None:
     """Give every node its NodeInfo and the graph its GraphInfo (names, symbols)."""
     ginfo = GraphInfo(symbols={}, example_sizes={})
     ginfo.module_types = {fqn: type(m).__name__ for fqn, m in model.named_modules()}
@@ -177,6 +324,9 @@ def _annotate(gm: fx.GraphModule, ep: torch.export.ExportedProgram, model: nn.Mo
             ginfo.input_names.append(name)
         else:
             kinds[name] = ("constant", spec.target)
+    ginfo.input_constants = {i: spec.arg.value for i, spec in enumerate(
+        s for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT)
+        if not isinstance(spec.arg, TensorArgument)}
     ginfo.symbols, ginfo.example_sizes, ginfo.export_symbols = _symbol_map(gm, ginfo.input_names, args, dims)
     ginfo.in_spec, ginfo.out_spec = ep.call_spec.in_spec, ep.call_spec.out_spec
     ginfo.output_targets = [(spec.kind.name, getattr(spec, "target", None)) for spec in ep.graph_signature.output_specs]
@@ -276,10 +426,12 @@ def _user_line(stack_trace: str) -> str:
     return ""
 
 
-def _capture_error(model: nn.Module, args: tuple, exc: Exception, stack: list[str]) -> AutoparError:
+def _capture_error(model: nn.Module, args: tuple, exc: Exception, stack: list[str],
+                   kwargs: Mapping[str, Any] | None = None) -> AutoparError:
     """A CaptureError naming the module and source line, or an InputMismatchError when the
     model itself fails on these inputs (eagerly, without torch.export)."""
-    eager = None if _is_tracing_limit(exc) else _eager_failure(model, args)
+    kwargs = dict(kwargs or {})
+    eager = None if _is_tracing_limit(exc) else _eager_failure(model, args, kwargs)
     if eager is not None:
         exc, stack = eager
     fqn = stack[-1] if stack else ""
@@ -311,7 +463,7 @@ def _is_tracing_limit(exc: Exception) -> bool:
         or "data-dependent" in msg or "Constraints violated" in msg
 
 
-def _eager_failure(model: nn.Module, args: tuple) -> tuple[Exception, list[str]] | None:
+def _eager_failure(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> tuple[Exception, list[str]] | None:
     """Run the model eagerly (no grad, buffers and RNG restored): the exception and module stack
     it fails with, or None when it runs."""
     saved = {k: b.detach().clone() for k, b in model.named_buffers()}
@@ -319,7 +471,8 @@ def _eager_failure(model: nn.Module, args: tuple) -> tuple[Exception, list[str]]
         try:
             with torch.random.fork_rng(devices=[]), torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                model(*args)
+                with training_config(model):
+                    model(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - any failure of the model itself
             return exc, list(stack)
         finally:
@@ -349,6 +502,9 @@ def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
 
 def _fix_hint(exc: Exception) -> str:
     msg = str(exc)
+    if "Found <class" in msg and "output" in msg:
+        return ("forward returns an object torch.export cannot flatten; return tensors, tuples, dicts or a "
+                "transformers ModelOutput (an inference cache is never part of a training graph)")
     if "data-dependent" in msg or "GuardOnDataDependent" in type(exc).__name__ or ".item()" in msg:
         return ("the forward branches on or sizes by tensor values; rewrite it with shape-static "
                 "ops (torch.where, masks, fixed capacities) so the graph does not depend on data")

@@ -140,6 +140,10 @@ class GraphInfo:
     in_spec: Any = None                        # pytree spec of the user's inputs (export's)
     out_spec: Any = None                       # pytree spec of the user's outputs
     output_targets: list[tuple[str, str | None]] = field(default_factory=list)  # (kind, buffer fqn)
+    param_aliases: dict[str, str] = field(default_factory=dict)  # tied name -> the name the graph uses
+    input_constants: dict[int, Any] = field(default_factory=dict)  # user input index -> non-tensor value
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)  # lifted tensors, by placeholder target
+    without_cache: bool = False                # captured with the model's config.use_cache turned off
 
 
 def info(node: fx.Node) -> NodeInfo:

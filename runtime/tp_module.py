@@ -68,6 +68,14 @@ class ParallelModule(nn.Module):
                     dp.shard_params[fqn] = p
             else:
                 _set(self, fqn, local, buffer=True)
+        for name, value in ginfo.constants.items():
+            _set(self, name, value.clone(), buffer=True, persistent=False)
+        self._aliases = dict(ginfo.param_aliases)   # a tied name -> the name the graph uses
+        for alias, name in self._aliases.items():
+            if name in tensors:                      # the same Parameter under both names, as in the model
+                _set(self, alias, _get(self, name), buffer=name not in ginfo.param_fqns.values())
+                if name in self._placements:
+                    self._placements[alias] = self._placements[name]
         self._order = [(n.op, info(n).kind, info(n).target_fqn) for n in gm.graph.nodes if n.op == "placeholder"]
         self._split_sizes = _split_sizes(gm)
         self._inputs = _input_specs(gm)
@@ -125,18 +133,13 @@ class ParallelModule(nn.Module):
         note_step()
         gm = self.graph_module
         ginfo = graph_info(gm)
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        if ginfo.in_spec is not None and spec != ginfo.in_spec:
-            raise InputMismatchError("inputs do not have the structure the model was captured with",
-                                     where=type(self).__name__, expected=str(ginfo.in_spec), got=str(spec),
-                                     fix="call the parallel model exactly as the original one was called in "
-                                         "example_inputs")
+        flat = self._flatten(ginfo, args, kwargs)
         self._check_like_example(flat)
         self._check_sizes(flat)
-        state = dict(self.named_parameters())
-        state.update(dict(self.named_buffers()))
+        state = dict(self.named_parameters(remove_duplicate=False))
+        state.update(dict(self.named_buffers(remove_duplicate=False)))
         inputs = iter(flat)
-        call = [state[fqn] if kind in ("param", "buffer") else next(inputs) for _, kind, fqn in self._order]
+        call = [state[fqn] if kind in ("param", "buffer", "constant") else next(inputs) for _, kind, fqn in self._order]
         rt = self._dp[0]
         if rt is None:
             outs = self._run(gm, call)
@@ -155,6 +158,32 @@ class ParallelModule(nn.Module):
             else:
                 user.append(value)
         return pytree.tree_unflatten(user, ginfo.out_spec) if ginfo.out_spec is not None else tuple(user)
+
+    def _flatten(self, ginfo: Any, args: tuple, kwargs: dict) -> list:
+        """The call's leaves in the order the graph takes them: keyword inputs in the captured
+        order (whatever order they come in), ``None`` ones dropped as at capture, and the
+        non-tensor ones checked against the values the graph was specialised for."""
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        spec = ginfo.in_spec
+        captured = list(spec.child(1).context) if spec is not None and spec.num_children == 2 else []
+        if set(kwargs) == set(captured):
+            kwargs = {k: kwargs[k] for k in captured}
+        flat, got = pytree.tree_flatten((args, kwargs))
+        if spec is not None and got != spec:
+            names = f"keywords {captured}" if captured else "positional inputs only"
+            raise InputMismatchError("inputs do not have the structure the model was captured with",
+                                     where=type(self).__name__,
+                                     expected=f"{spec.child(0).num_children} positional input(s), {names}",
+                                     got=f"{len(args)} positional input(s), keywords {sorted(kwargs)}",
+                                     fix="call the parallel model with the inputs it was parallelized with "
+                                         "(example_inputs positionally, example_kwargs by name)")
+        for i, value in ginfo.input_constants.items():
+            if i < len(flat) and flat[i] != value:
+                raise InputMismatchError(f"input {i} is {flat[i]!r}, but the graph was captured with {value!r}",
+                                         where=f"{type(self).__name__}.forward, input {i}", expected=repr(value),
+                                         got=repr(flat[i]), fix="pass the value the model was parallelized with, "
+                                                                "or parallelize again with this one")
+        return flat
 
     def _run(self, gm: fx.GraphModule, call: list) -> Any:
         """The graph, with the recomputation regions checkpointed (runtime/recompute.py)."""
@@ -209,7 +238,7 @@ class ParallelModule(nn.Module):
 
     def _from_whole(self, state_dict: dict, prefix: str, *args: Any) -> None:
         for key in list(state_dict):
-            fqn = key[len(prefix):]
+            fqn = self._aliases.get(key[len(prefix):], key[len(prefix):])
             value = state_dict[key]
             if isinstance(value, DTensor):
                 value = value.full_tensor()
@@ -232,7 +261,7 @@ class ParallelModule(nn.Module):
 def _to_dtensors(module: ParallelModule, state_dict: dict, prefix: str, local_metadata: Any) -> dict:
     rt = module.dp_runtime
     for key in list(state_dict):
-        fqn = key[len(prefix):]
+        fqn = module._aliases.get(key[len(prefix):], key[len(prefix):])
         if module.zero3 and fqn in rt.where:
             state_dict[key] = module._whole_local(fqn, state_dict[key])
         p = module._placements.get(fqn)
@@ -263,7 +292,7 @@ def _input_specs(gm: fx.GraphModule) -> list[tuple[torch.dtype, tuple[int | None
     """Per user input: its dtype and sizes (None where symbolic), from the captured example."""
     out: list[tuple[torch.dtype, tuple[int | None, ...]] | None] = []
     for node in gm.graph.nodes:
-        if node.op != "placeholder" or info(node).kind in ("param", "buffer"):
+        if node.op != "placeholder" or info(node).kind in ("param", "buffer", "constant"):
             continue
         vals = info(node).values
         if not vals:
@@ -274,7 +303,15 @@ def _input_specs(gm: fx.GraphModule) -> list[tuple[torch.dtype, tuple[int | None
     return out
 
 
-def _set(root: nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool = False) -> None:
+def _get(root: nn.Module, fqn: str) -> torch.Tensor:
+    *path, leaf = fqn.split(".")
+    mod = root
+    for part in path:
+        mod = getattr(mod, part)
+    return getattr(mod, leaf)
+
+
+def _set(root: nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool = False, persistent: bool = True) -> None:
     *path, leaf = fqn.split(".")
     mod = root
     for part in path:
@@ -282,7 +319,7 @@ def _set(root: nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool = False
             mod.add_module(part, nn.Module())
         mod = getattr(mod, part)
     if buffer:
-        mod.register_buffer(leaf, value)
+        mod.register_buffer(leaf, value, persistent=persistent)
     else:
         mod.register_parameter(leaf, value)
 
