@@ -107,12 +107,18 @@ def shard(dim: int) -> Spec:
     return Spec(Shard(dim), Shard(dim))
 
 
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+LOCAL_KINDS = ("none", "chunk", "mask", "pad")
+
+
 @dataclass(frozen=True)
 class Step:
     """What converting a tensor from one placement to another takes on each rank.
 
-    ``kind`` is ``none`` / ``chunk`` (local slice) / ``mask`` (rank 0 keeps, others
-    zero) / ``all_reduce`` / ``all_gather`` / ``reduce_scatter`` / ``all_to_all``;
+    ``kind`` is one of the local steps ``none`` / ``chunk`` (keep this rank's slice along
+    ``dst_dim``) / ``mask`` (rank 0 keeps the tensor, the others zeros) / ``pad`` (put this
+    rank's shard at its slot along ``src_dim`` of a zero tensor of the whole shape), or one
+    of the collectives ``all_reduce`` / ``all_gather`` / ``reduce_scatter`` / ``all_to_all``;
     ``src_dim``/``dst_dim`` are the tensor dims involved.
     """
 
@@ -122,17 +128,21 @@ class Step:
 
     @property
     def is_comm(self) -> bool:
-        return self.kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+        return self.kind in COLLECTIVE_KINDS
 
 
 NONE = Step("none")
 
 
-def transition(src: Placement, dst: Placement) -> Step:
+def transition(src: Placement, dst: Placement, ndim: int | None = None) -> Step:
     """The step that turns a tensor placed ``src`` into one placed ``dst``.
 
     Used for values in forward (producer → consumer) and for gradients in backward
-    (consumer's emitted gradient → producer's expected gradient)."""
+    (consumer's emitted gradient → producer's expected gradient). Given the tensor's
+    ``ndim``, negative dims are resolved first (``S(-1)`` and ``S(1)`` of a 2-d tensor are
+    one placement, and the step's dims are then never negative)."""
+    if ndim is not None:
+        src, dst = normalize(src, ndim), normalize(dst, ndim)
     if src == dst:
         return NONE
     if isinstance(dst, Replicate):
@@ -148,13 +158,13 @@ def transition(src: Placement, dst: Placement) -> Step:
     # dst is Partial
     if isinstance(src, Replicate):
         return Step("mask")
-    return Step("all_gather", src_dim=src.dim)  # gather, then keep on rank 0 only
+    return Step("pad", src_dim=src.dim)  # the shards, each zero-padded to the whole, sum to it
 
 
 def comm_bytes(step: Step, full_bytes: float, n: int) -> float:
     """Bytes of the *whole* tensor a collective step moves (cost/comm's convention:
     all-reduce and all-to-all take the full size, all-gather its output, reduce-scatter
-    its input)."""
+    its input); local steps (``chunk``, ``mask``, ``pad``) move none."""
     return float(full_bytes) if step.is_comm and n > 1 else 0.0
 
 

@@ -73,6 +73,7 @@ def capture(model: nn.Module, example_inputs: Any = (), *, kwargs: Mapping[str, 
     ginfo = graph_info(gm)
     ginfo.param_aliases = aliases
     ginfo.constants = _lifted_constants(ep)
+    ginfo.transient_buffers = set(dict(model.named_buffers())) - set(model.state_dict())
     ginfo.without_cache = uses_cache(model)
     _check_dtypes(gm)
     log.info("capture: %d nodes, %d parameters, symbols %s%s", len(gm.graph.nodes),

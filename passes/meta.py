@@ -143,6 +143,7 @@ class GraphInfo:
     param_aliases: dict[str, str] = field(default_factory=dict)  # tied name -> the name the graph uses
     input_constants: dict[int, Any] = field(default_factory=dict)  # user input index -> non-tensor value
     constants: dict[str, torch.Tensor] = field(default_factory=dict)  # lifted tensors, by placeholder target
+    transient_buffers: set[str] = field(default_factory=set)  # buffers outside state_dict (persistent=False)
     without_cache: bool = False                # captured with the model's config.use_cache turned off
 
 

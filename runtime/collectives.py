@@ -33,6 +33,8 @@ def apply_step(x: torch.Tensor, step: Step, group_name: str, n: int) -> torch.Te
         return x.chunk(n, step.dst_dim)[_group_rank(group_name)].contiguous()
     if step.kind == "mask":
         return x.clone() if _group_rank(group_name) == 0 else torch.zeros_like(x)
+    if step.kind == "pad":
+        return _pad(x, step.src_dim, _group_rank(group_name), n)
     if step.kind == "all_reduce":
         return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group_name))
     if step.kind == "all_gather":
@@ -53,6 +55,16 @@ def _single_rank(x: torch.Tensor, step: Step) -> torch.Tensor:
     return x.clone() if step.kind != "none" else x
 
 
+def _pad(x: torch.Tensor, dim: int, rank: int, n: int) -> torch.Tensor:
+    """Shard ``rank`` of ``n`` along ``dim`` to a partial: zeros of the whole shape with
+    ``x`` at its slot, so that the sum over ranks is the whole tensor (no communication)."""
+    shape = list(x.shape)
+    shape[dim] *= n
+    out = x.new_zeros(shape)
+    out.narrow(dim, rank * x.shape[dim], x.shape[dim]).copy_(x)
+    return out
+
+
 def _all_gather(x: torch.Tensor, dim: int, group_name: str, n: int) -> torch.Tensor:
     moved = x.movedim(dim, 0).contiguous()
     out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(moved, n, group_name))
@@ -63,7 +75,7 @@ def _out_shape(shape: list[int], step: Step, n: int) -> list[int]:
     shape = list(shape)
     if step.kind in ("chunk", "reduce_scatter"):
         shape[step.dst_dim] //= n
-    elif step.kind == "all_gather":
+    elif step.kind in ("all_gather", "pad"):
         shape[step.src_dim] *= n
     elif step.kind == "all_to_all":
         shape[step.src_dim] *= n
@@ -75,7 +87,7 @@ def _out_shape(shape: list[int], step: Step, n: int) -> list[int]:
 def redistribute(x: torch.Tensor, src: str, dst: str, group_name: str, n: int) -> torch.Tensor:
     """Convert ``x`` from spec ``src`` to spec ``dst`` (strings like ``"R/gP"``, ``"S(1)"``)
     along the axis whose process group is ``group_name`` (``n`` ranks)."""
-    step = transition(Spec.parse(src).value, Spec.parse(dst).value)
+    step = transition(Spec.parse(src).value, Spec.parse(dst).value, x.dim())
     out = apply_step(x, step, group_name, n)
     return out.clone() if _aliases(out, x) else out
 
@@ -86,7 +98,7 @@ def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @redistribute.register_fake
 def _(x: torch.Tensor, src: str, dst: str, group_name: str, n: int) -> torch.Tensor:
-    step = transition(Spec.parse(src).value, Spec.parse(dst).value)
+    step = transition(Spec.parse(src).value, Spec.parse(dst).value, x.dim())
     return x.new_empty(_out_shape(list(x.shape), step, n))
 
 
@@ -96,7 +108,7 @@ def _setup(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad: torch.Tensor):
     src, dst = Spec.parse(ctx.src), Spec.parse(ctx.dst)
-    step = transition(dst.grad, src.grad)
+    step = transition(dst.grad, src.grad, grad.dim())
     out = apply_step(grad.contiguous(), step, ctx.group_name, ctx.n)
     return out, None, None, None, None
 

@@ -45,7 +45,7 @@ from autopar.errors import AutoparError
 
 __all__ = ["RankOutcome", "run_ranks", "run_ranks_outcomes"]
 
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed._functional_collectives", "autopar"]
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed._functional_collectives", "torch._dynamo", "autopar"]
 _CTX: Any = None
 _GRACE_S = 1.0  # after a first failure, how long to wait for the other ranks' reports
 # A rank whose traceback has one of these most likely failed because a peer died first.

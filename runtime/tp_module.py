@@ -67,7 +67,7 @@ class ParallelModule(nn.Module):
                 if self.zero3 and fqn in dp.where:
                     dp.shard_params[fqn] = p
             else:
-                _set(self, fqn, local, buffer=True)
+                _set(self, fqn, local, buffer=True, persistent=fqn not in ginfo.transient_buffers)
         for name, value in ginfo.constants.items():
             _set(self, name, value.clone(), buffer=True, persistent=False)
         self._aliases = dict(ginfo.param_aliases)   # a tied name -> the name the graph uses

@@ -7,8 +7,9 @@ import pytest
 
 from autopar.cli import main, parse_mesh
 from autopar.errors import ConfigError
+from autopar.placement import COLLECTIVE_KINDS, LOCAL_KINDS
 
-STEP_KINDS = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "chunk", "mask", "none"}
+STEP_KINDS = set(COLLECTIVE_KINDS + LOCAL_KINDS)
 SMALL_GPT = ["--model", "gpt", "--set", "layers=2", "--set", "hidden=64", "--set", "heads=4", "--set", "vocab=256"]
 
 
