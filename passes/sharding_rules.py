@@ -13,6 +13,7 @@ gets a ``Partial`` gradient.
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
 from autopar.passes.sharding import OpCtx, Strategy, rule
 from autopar.placement import P, R, Spec, shard
@@ -45,6 +46,9 @@ _LINEAR_ALL = {aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.to.dtype
                aten.mul.Scalar, aten.div.Scalar}
 # Ops linear in their first argument when the others are replicated.
 _LINEAR_FIRST = {aten.mul.Tensor, aten.div.Tensor}
+# Sums that are affine, not linear, when an operand is a number: P + 1e-6 would add the
+# number once per rank.
+_SUMS = {aten.add.Tensor, aten.sub.Tensor}
 
 
 @rule(*POINTWISE)
@@ -68,6 +72,8 @@ def pointwise(ctx: OpCtx) -> list[Strategy]:
 
 def _partial_strategies(ctx: OpCtx) -> list[Strategy]:
     op = ctx.node.target
+    if op in _SUMS and not all(isinstance(a, fx.Node) for a in ctx.node.args[:2]):
+        return []
     if op in _LINEAR_ALL and all(s == ctx.out_shapes[0] for s in ctx.in_shapes):
         return [ctx.strategy("partial", [PARTIAL] * len(ctx.in_shapes), [PARTIAL], work=1.0)]
     if op in _LINEAR_FIRST and ctx.in_shapes and ctx.in_shapes[0] == ctx.out_shapes[0] \

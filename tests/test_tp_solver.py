@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from autopar import models
 from autopar.api import planned_graph
@@ -117,3 +118,19 @@ def test_every_zoo_op_has_a_rule_or_is_a_source(caplog):
     for rec in caplog.records:
         if "no sharding rule" in rec.getMessage():
             assert any(s in rec.getMessage() for s in sources), rec.getMessage()
+
+
+class _Norm(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def test_adding_a_number_never_keeps_a_partial_value():
+    """P + 1e-6 would add the number once per rank: only tensor + tensor stays partial."""
+    from conftest import analysed
+    gm = analysed(_Norm(), (torch.randn(2, 4, 8),))
+    adds = [n for n in gm.graph.nodes if n.op == "call_function" and "add" in str(n.target)]
+    assert adds
+    for node in adds:
+        for s in strategies(node, 2, {}):
+            assert all(spec.value != P for spec in s.inputs + s.outputs), str(s)
