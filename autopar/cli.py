@@ -8,7 +8,7 @@ import sys
 import time
 
 from autopar.cli_hybrid import _plan_hybrid, _positive_int, _progress, _simulate
-from autopar.errors import AutoparError, ConfigError, DoesNotFitError
+from autopar.errors import AutoparError, ConfigError, DoesNotFitError, UnsupportedError
 
 
 def _dump(args: argparse.Namespace) -> int:
@@ -284,7 +284,19 @@ def _models(args: argparse.Namespace) -> int:
     for name in models.list_models():
         cfg = models.get_config(name)
         print(f"{name:<16} {models.param_count(cfg) / 1e9:9.3f}B params  {type(cfg).__name__}")
+    try:
+        shipped = models.list_hf_configs()
+        for name in shipped:
+            cfg = models.get_config(name)
+            print(f"{name:<24} {models.param_count(cfg) / 1e9:9.3f}B params  {cfg.model_type} (transformers)")
+    except UnsupportedError:  # transformers is not installed: no hf: models
+        pass
     return 0
+
+
+_MODEL_HELP = ("zoo name (see `autopar models`), path/to/file.py:factory, or a Hugging Face config built on the "
+               "meta device without weights: hf:DIR (a transformers config.json), hf:NAME (one shipped with "
+               "autopar, e.g. hf:llama3-405b) or hf:MODEL_TYPE (the library's default, e.g. hf:mixtral)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -293,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("dump", help="print the annotated graph of a model")
-    d.add_argument("--model", required=True, help="zoo name (see `autopar models`) or path/to/file.py:factory")
+    d.add_argument("--model", required=True, help=_MODEL_HELP)
     d.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model config field")
     d.add_argument("--batch", type=int, default=1, help="global batch size to evaluate at (default 1)")
     d.add_argument("--seq", type=int, default=128, help="sequence length to evaluate at (default 128)")
@@ -326,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=_dump)
 
     pl = sub.add_parser("plan", help="pick data/tensor parallel degrees and the ZeRO stage for a cluster")
-    pl.add_argument("--model", required=True, help="zoo name (see `autopar models`) or path/to/file.py:factory")
+    pl.add_argument("--model", required=True, help=_MODEL_HELP)
     pl.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model config field")
     pl.add_argument("--cluster", required=True, metavar="NODESxGPUS", help="e.g. 1x8 or 4x8")
     pl.add_argument("--hardware", default="h100", help="a100, h100, cpu or a profile from `autopar calibrate`")
@@ -354,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(fn=_plan)
 
     sm = sub.add_parser("simulate", help="score one fixed configuration with the planner's simulator (JSON)")
-    sm.add_argument("--model", required=True, help="zoo name (see `autopar models`) or path/to/file.py:factory")
+    sm.add_argument("--model", required=True, help=_MODEL_HELP)
     sm.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model config field")
     sm.add_argument("--cluster", required=True, metavar="NODESxGPUS")
     sm.add_argument("--hardware", default="h100")

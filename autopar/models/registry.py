@@ -10,12 +10,13 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from . import hf
 from .gpt import GPT, GPTConfig
 from .llama import Llama, LlamaConfig
 from .mlp import MLP, MLPConfig
 from .moe import MoE, MoEConfig
 
-ModelConfig = Union[GPTConfig, LlamaConfig, MoEConfig, MLPConfig]
+ModelConfig = Union[GPTConfig, LlamaConfig, MoEConfig, MLPConfig, hf.HFConfig]
 Override = Union[str, int, float]
 
 _LLAMA3 = dict(kv_heads=8, vocab=128256, rope_theta=500000.0, norm_eps=1e-5)
@@ -51,8 +52,13 @@ _MODEL_CLASSES: tuple[tuple[type, type[nn.Module]], ...] = (
 
 
 def list_models() -> list[str]:
-    """Every name :func:`get_config` and :func:`build` accept."""
+    """Every zoo name :func:`get_config` and :func:`build` accept (``hf:`` names aside)."""
     return list(MODEL_NAMES)
+
+
+def list_hf_configs() -> list[str]:
+    """The ``hf:NAME`` configs shipped with autopar (``autopar/models/configs/NAME/config.json``)."""
+    return [hf.HF_PREFIX + name for name in hf.shipped_configs()]
 
 
 def _convert(cls: type, key: str, value: Override) -> Any:
@@ -97,7 +103,13 @@ def _apply_overrides(cls: type, base: Mapping[str, Any], overrides: Mapping[str,
 
 
 def get_config(name: str, overrides: Mapping[str, Override] | None = None) -> ModelConfig:
-    """The config dataclass of the named model, with ``overrides`` (short field keys) applied."""
+    """The config dataclass of the named model, with ``overrides`` (short field keys) applied.
+
+    ``hf:SPEC`` names a Hugging Face config (a directory, a shipped config or a model_type;
+    see :mod:`autopar.models.hf`) and returns an :class:`~autopar.models.hf.HFConfig`.
+    """
+    if hf.is_hf_spec(name):
+        return hf.load_config(name, overrides)
     if name not in _NAMED:
         raise ConfigError(f"unknown model {name!r}", where="model name",
                           expected=f"one of {', '.join(MODEL_NAMES)}", got=repr(name),
@@ -111,9 +123,11 @@ def _resolve(name_or_config: str | ModelConfig, overrides: Mapping[str, Override
     """A config from a name or an existing config, with overrides applied."""
     if isinstance(name_or_config, str):
         return get_config(name_or_config, overrides)
+    if isinstance(name_or_config, hf.HFConfig):
+        return hf.with_overrides(name_or_config, overrides)
     if not dataclasses.is_dataclass(name_or_config) or isinstance(name_or_config, type):
         raise ConfigError("expected a model name or a model config", where="model",
-                          expected="str or one of GPTConfig, LlamaConfig, MoEConfig, MLPConfig",
+                          expected="str or one of GPTConfig, LlamaConfig, MoEConfig, MLPConfig, HFConfig",
                           got=type(name_or_config).__name__)
     if not overrides:
         return name_or_config
@@ -136,6 +150,8 @@ def build(name_or_config: str | ModelConfig, overrides: Mapping[str, Override] |
           device: str | torch.device = "meta", dtype: torch.dtype = torch.float32) -> nn.Module:
     """Instantiate a model on ``device`` (``meta`` by default: no memory is allocated)."""
     cfg = _resolve(name_or_config, overrides)
+    if isinstance(cfg, hf.HFConfig):
+        return hf.build_model(cfg, device=device, dtype=dtype)
     with torch.device(device):
         model = _model_class(cfg)(cfg)
     if dtype != torch.float32:
@@ -152,6 +168,8 @@ def example_inputs(model_or_name: nn.Module | str | ModelConfig, batch: int, seq
 
     ``dtype`` applies to float inputs (the MLP's); it defaults to the model's parameter dtype.
     """
+    if isinstance(model_or_name, nn.Module) and hf.is_hf_model(model_or_name):
+        return hf.example_inputs(model_or_name.config, batch, seq, device=device)
     if isinstance(model_or_name, nn.Module):
         cfg = getattr(model_or_name, "config", None)
         if cfg is None:
@@ -161,6 +179,8 @@ def example_inputs(model_or_name: nn.Module | str | ModelConfig, batch: int, seq
             dtype = next(model_or_name.parameters()).dtype
     else:
         cfg = _resolve(model_or_name, overrides)
+    if isinstance(cfg, hf.HFConfig):
+        return hf.example_inputs(cfg, batch, seq, device=device)
     if isinstance(cfg, MLPConfig):
         x = torch.randn(batch, cfg.width, device=device, dtype=dtype or torch.float32)
         return (x,), ({0: "batch"},)
@@ -181,8 +201,11 @@ def _llama_counts(cfg: LlamaConfig) -> tuple[int, int, int]:
 
 
 def param_count(config: ModelConfig | str) -> int:
-    """Analytic number of parameters of the model ``build(config)`` makes."""
+    """Analytic number of parameters of the model ``build(config)`` makes (``hf:`` models:
+    counted on the meta-device model, a tied embedding and head once)."""
     cfg = _resolve(config, None)
+    if isinstance(cfg, hf.HFConfig):
+        return hf.param_count(cfg)
     if isinstance(cfg, MLPConfig):
         return cfg.depth * (cfg.width * cfg.width + cfg.width)
     if isinstance(cfg, GPTConfig):
@@ -198,6 +221,8 @@ def param_count(config: ModelConfig | str) -> int:
 def active_param_count(config: ModelConfig | str) -> int:
     """Parameters used per token: for MoE only ``top_k`` of the experts count (router included)."""
     cfg = _resolve(config, None)
+    if isinstance(cfg, hf.HFConfig):
+        return hf.active_param_count(cfg)
     if not isinstance(cfg, MoEConfig):
         return param_count(cfg)
     outer, attn, mlp = _llama_counts(cfg)
