@@ -20,6 +20,7 @@ from autopar.errors import (CaptureError, ConfigError, InputMismatchError, MeshE
 from autopar.passes.capture import capture
 from autopar.passes.meta import graph_info, info
 from autopar.passes.pipeline import analyze
+from autopar.passes.sharding import replication_reason
 from autopar.passes.tp_rewrite import tp_rewrite
 from autopar.placement import Shard, parse
 from autopar.plans import NodeStrategy, Plan
@@ -260,7 +261,8 @@ def planned_graph(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
         for node in gm.graph.nodes:
             s = strategies.get(node.name)
             if s is not None:
-                info(node).strategy = str(s)
+                why = replication_reason(node) if s.name == "replicate" else None
+                info(node).strategy = str(s) + (f"  (replicated: {why})" if why else "")
                 info(node).placement = ",".join(str(x) for x in s.outputs)
         return gm, the_plan
     _rewrite(gm, the_plan, strategies, cluster, sizes, group_name)
@@ -422,10 +424,10 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
     if _has_axis(mesh, "pp") or (plan is not None and plan.pp_axis is not None):
         from autopar.pp import parallelize_pipeline
         return parallelize_pipeline(model, mesh if plan is None or not isinstance(mesh, int) else plan.mesh,
-                                    example_inputs, loss_fn=loss_fn, schedule=schedule,
+                                    args, loss_fn=loss_fn, schedule=schedule,
                                     microbatches=microbatches, virtual_stages=virtual_stages, hardware=hardware,
                                     memory_budget=memory_budget, sync_params=sync_params, zero_stage=zero_stage,
-                                    plan=plan, recompute=recompute)
+                                    plan=plan, recompute=recompute, example_kwargs=kwargs)
     axes = mesh_axes(mesh) if plan is None or not isinstance(mesh, int) else tuple(plan.mesh.items())
     if plan is not None and dict(axes) != plan.mesh:
         raise MeshError("the mesh does not match the plan's", where="parallelize(plan=...)", expected=str(plan.mesh),

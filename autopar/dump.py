@@ -130,6 +130,8 @@ def to_json(gm: fx.GraphModule, sizes: dict[str, int], *, model: str = "", optim
                          "router_weight": r.router_weight, "expert_params": list(r.expert_params)}
                         for r in ginfo.moe_regions],
         "passes": list(ginfo.passes_run),
+        "capture": {"use_cache": False if ginfo.without_cache else None, "tied": dict(ginfo.param_aliases),
+                    "constants": sorted(ginfo.constants)},
     }
     if parallel is not None:
         out["parallel"] = dict(parallel)
@@ -285,6 +287,11 @@ def _totals_text(data: dict[str, Any]) -> str:
                      f"top-{r['top_k']}, capacity {r['capacity']}")
     if data["symbols"]:
         lines.append(f"formulas        forward FLOPs = {data['formulas']['flops_fwd']}")
+    cap = data["capture"]
+    if cap["use_cache"] is False:
+        lines.append("captured with    use_cache=False (a training graph holds no inference cache)")
+    for alias, name in sorted(cap["tied"].items()):
+        lines.append(f"tied            {alias} is {name} (one parameter)")
     return "\n".join(lines)
 
 

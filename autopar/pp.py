@@ -11,6 +11,8 @@ rank's stages run under a ``torch.distributed.pipelining`` schedule
 """
 from __future__ import annotations
 
+import functools
+
 import logging
 import math
 from dataclasses import dataclass
@@ -220,16 +222,16 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
                          schedule: str | None = None, microbatches: int | None = None,
                          virtual_stages: int | None = None, hardware: str | None = None,
                          memory_budget: float | None = None, sync_params: bool = True,
-                         zero_stage: int | None = None, plan: Any = None, recompute: str = "none"):
-    """This rank's :class:`~autopar.runtime.pp.PipelineModule` (see :func:`autopar.parallelize`)."""
+                         zero_stage: int | None = None, plan: Any = None, recompute: str = "none",
+                         example_kwargs: Mapping[str, Any] | None = None):
+    """This rank's :class:`~autopar.runtime.pp.PipelineModule` (see :func:`autopar.parallelize`).
+    Without ``loss_fn``, a model that computes its own loss (a ``transformers`` model given
+    ``labels``) trains on that loss."""
 
     from autopar.api import _capture, default_dims, device_mesh, model_tensors, planned_graph
     from autopar.passes.pp_split import shared_params, split_stages
     from autopar.runtime.pp import PipelineModule, StageModule, stage_inputs_of
 
-    if loss_fn is None:
-        raise ConfigError("a pipelined model needs a loss function", where="parallelize",
-                          fix="pass loss_fn=lambda output, target: ... (it runs on the last stage)")
     if zero_stage not in (None, 0):
         raise ConfigError(f"ZeRO stage {zero_stage} is not supported with a pipeline axis yet", where="parallelize",
                           fix="use zero_stage=0 (gradients averaged over dp after each step) with pp")
@@ -262,7 +264,12 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
     tp_group = mesh.get_group(names.index("tp")) if "tp" in names else None
     tp_rank = mesh.get_local_rank(names.index("tp")) if "tp" in names else 0
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    batch = int(args[0].shape[0])
+    kwargs = {k: v for k, v in (example_kwargs or {}).items() if v is not None}
+    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    if first is None or first.dim() == 0:
+        raise ConfigError("a pipeline needs a batched tensor input to split into micro-batches", where="parallelize",
+                          fix="pass the batch's tensors (dim 0 the batch) in example_inputs / example_kwargs")
+    batch = int(first.shape[0])
     cluster = Cluster.from_spec(f"1x{world}", hardware=hardware or ("h100" if torch.cuda.is_available() else "cpu"))
     dtype = "fp32"
     budget = memory_budget
@@ -271,13 +278,13 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
     if microbatches and schedule and (virtual_stages or schedule != "interleaved"):
         choice_m, choice_s, choice_v = microbatches, schedule, virtual_stages or (2 if schedule == "interleaved" else 1)
     else:
-        sym = _capture(model, args, None)
+        sym = _capture(model, args, None, kwargs)
         symbols = {str(k) for k in info_symbols(sym)}
 
         def priced(mb: int) -> OpCosts:
             at = {"batch": mb} if "batch" in symbols else {}
-            if "seq" in symbols and args[0].dim() > 1:
-                at["seq"] = int(args[0].shape[1])
+            if "seq" in symbols and first.dim() > 1:
+                at["seq"] = int(first.shape[1])
             return op_costs(sym, node_time=node_time_fn(cluster.device, dtype, at), sizes=at)
         pre = plan_pipeline(priced, devices=p, batch=batch, cluster=cluster, axes=axes, schedule=schedule,
                             microbatches=microbatches, virtual=virtual_stages, budget=budget)
@@ -286,17 +293,21 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
         raise ConfigError(f"the batch of {batch} does not split into {choice_m} micro-batches", where="parallelize",
                           expected=f"a multiple of {choice_m}", got=str(batch), fix="pass a divisible batch")
     mb_args = tuple(a.chunk(choice_m)[0] if isinstance(a, torch.Tensor) else a for a in args)
+    mb_kwargs = {k: a.chunk(choice_m)[0] if isinstance(a, torch.Tensor) else a for k, a in kwargs.items()}
 
     # 2. the graph at the micro-batch size (static), rewritten for the tensor axis
     tp_plan = None
     if tp_n > 1:
         given = None if plan is None else replace(plan, mesh={"tp": tp_n}, dp_axis=None, pp_axis=None,
                                                   stage_starts=(), schedule=None)
-        gm, tp_plan = planned_graph(model, {"tp": tp_n}, mb_args, dims=(), after="rewrite", hardware=hardware,
+        gm, tp_plan = planned_graph(model, {"tp": tp_n}, mb_args, example_kwargs=mb_kwargs, dims=(), after="rewrite",
+                                    hardware=hardware,
                                     group_name=tp_group.group_name, memory_budget=memory_budget, plan=given)
         placements = dict(tp_plan.params)
     else:
-        gm, placements = _capture(model, mb_args, ()), {}
+        gm, placements = _capture(model, mb_args, (), mb_kwargs), {}
+    own = loss_fn is None
+    loss_fn = loss_fn or own_loss(gm)
     del default_dims
 
     # 3. cuts on this graph (or the plan's)
@@ -328,6 +339,7 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
             continue
         st = StageModule(sg, tensors, trainable, placements, tp_rank, tp_n,
                          input_names=inputs if sg.index == 0 else (), shared=made)
+        st.is_last = sg.index == len(stages) - 1
         made.update({k: v for k, v in st.named_parameters(remove_duplicate=False)})
         mine.append(st)
     if recompute != "none":
@@ -342,11 +354,31 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
     groups = _shared_groups(mesh, names, shared, p)
     pm = PipelineModule(mine, plan=the_plan, schedule=choice_s, microbatches=choice_m, num_stages=final.stages,
                         loss_fn=loss_fn, pp_group=pp_group, pp_rank=pp_rank, pp_size=p, dp_group=dp_group,
-                        shared=groups, device=device,
-                        examples=[st.io_examples(tp_n, device, mb_args if st.index == 0 else None) for st in mine])
+                        shared=groups, device=device, keyword_names=list(kwargs), own_loss=own,
+                        examples=[st.io_examples(tp_n, device, (*mb_args, *mb_kwargs.values()) if st.index == 0 else None)
+                                  for st in mine])
     pm.stage_graphs = stages
     pm.pipeline_plan = final       # the simulator's view: stage times, step time, bubble
     return pm
+
+
+def own_loss(gm: fx.GraphModule) -> Callable:
+    """The loss function of a model that returns its own loss (a ``ModelOutput`` with ``loss``,
+    as ``transformers`` models given ``labels`` do): pick it from the last stage's outputs."""
+    from autopar.passes.meta import graph_info
+    spec = graph_info(gm).out_spec
+    keys = list(spec.context) if spec is not None and isinstance(spec.context, (list, tuple)) else []
+    if "loss" not in keys:
+        raise ConfigError("a pipelined model needs a loss function", where="parallelize",
+                          fix="pass loss_fn=lambda output, target: ... (it runs on the last stage), or give a "
+                              "transformers model its labels so it returns its own loss")
+    at = keys.index("loss")
+    return functools.partial(_pick, at=at)
+
+
+def _pick(output: Any, target: Any, *, at: int) -> torch.Tensor:
+    loss = output[at] if isinstance(output, (tuple, list)) else output
+    return loss.reshape(())          # the last stage hands its scalars over as [1] (runtime/pp.py)
 
 
 def _shared_groups(mesh, names: list[str], shared: Mapping[str, list[int]], p: int) -> dict[str, Any]:

@@ -74,7 +74,7 @@ def capture(model: nn.Module, example_inputs: Any = (), *, kwargs: Mapping[str, 
     ginfo.param_aliases = aliases
     ginfo.constants = _lifted_constants(ep)
     ginfo.transient_buffers = set(dict(model.named_buffers())) - set(model.state_dict())
-    ginfo.without_cache = uses_cache(model)
+    ginfo.without_cache = hasattr(getattr(model, "config", None), "use_cache")   # traced with it off
     _check_dtypes(gm)
     log.info("capture: %d nodes, %d parameters, symbols %s%s", len(gm.graph.nodes),
              len(ginfo.param_fqns), sorted(ginfo.symbols), " (use_cache off)" if ginfo.without_cache else "")

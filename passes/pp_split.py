@@ -60,7 +60,7 @@ def const_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     out: set[fx.Node] = set()
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            if info(node).kind in ("param", "buffer"):
+            if info(node).kind in ("param", "buffer", "constant"):
                 out.add(node)
         elif node.op in ("call_function", "get_attr"):
             if all(a in out for a in node.all_input_nodes):

@@ -190,4 +190,12 @@ def reset_warnings() -> None:
 
 
 # The rules register themselves on import.
-from autopar.passes import sharding_rules  # noqa: E402,F401
+from autopar.passes import sharding_rules, sharding_rules_library  # noqa: E402,F401
+
+
+def replication_reason(node: fx.Node) -> str | None:
+    """Why ``node`` can only run replicated: the op's stated reason, or that it has no rule."""
+    if node.op != "call_function" or node.target in IGNORED or \
+            node.target in RULES and RULES[node.target] is not sharding_rules_library.replicated_by_design:
+        return None
+    return sharding_rules_library.replication_reason(node.target) or f"no sharding rule for {node.target}"

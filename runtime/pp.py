@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch import nn
 
 from autopar.errors import ConfigError, InputMismatchError
-from autopar.passes.meta import info
+from autopar.passes.meta import graph_info, info
 from autopar.passes.pp_split import StageGraph
 from autopar.placement import Shard, Spec, parse
 from autopar.runtime.health import note_step
@@ -51,9 +51,15 @@ class StageModule(nn.Module):
         self._inputs = list(sg.inputs)
         self._user_inputs = list(input_names)   # stage 0: the model's input names, in call order
         self.outputs = list(sg.outputs)
+        self.is_last = False             # set by PipelineModule
         self._state: dict[str, torch.Tensor] | None = None
         self._recompute: dict[fx.Node, int] = {}
+        ginfo = graph_info(sg.gm)
+        self.transient = {fqn for kind, fqn in sg.order if kind == "constant" or fqn in ginfo.transient_buffers}
         for kind, fqn in sg.order:
+            if kind == "constant":       # a tensor the model's code made: part of the program
+                _set(self, fqn, ginfo.constants[fqn].clone(), buffer=True, persistent=False)
+                continue
             if kind not in ("param", "buffer"):
                 continue
             if shared and fqn in shared:    # also held by another stage on this rank: the same Parameter
@@ -63,7 +69,8 @@ class StageModule(nn.Module):
             if kind == "param":
                 _set(self, fqn, nn.Parameter(local, requires_grad=trainable.get(fqn, True)))
             else:
-                _set(self, fqn, local, buffer=True)
+                _set(self, fqn, local, buffer=True, persistent=fqn not in ginfo.transient_buffers)
+        self._mutated = _mutated_inputs(sg.gm)   # received values the stage writes in place
 
     @property
     def graph_module(self) -> fx.GraphModule:
@@ -95,13 +102,18 @@ class StageModule(nn.Module):
             acts = iter(by_name[n] for n in self._inputs)
         else:
             acts = iter(args)
-        call = [state[key] if kind in ("param", "buffer") else next(acts) for kind, key in self._order]
+        call = [state[key] if kind in ("param", "buffer", "constant") else next(acts) for kind, key in self._order]
+        for i in self._mutated:          # a received activation is a leaf the schedule owns: write a copy
+            call[i] = call[i].clone()
         if self._recompute:
             from autopar.runtime.recompute import run
             outs = run(self.graph_module, call, self._recompute)
         else:
             outs = self.graph_module(*call)
         outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+        outs = tuple(o.contiguous() if isinstance(o, torch.Tensor) else o for o in outs)  # sends need it
+        if self.is_last:                 # the schedule concatenates the last stage's micro-batch outputs
+            outs = tuple(o.reshape(1) if isinstance(o, torch.Tensor) and o.dim() == 0 else o for o in outs)
         return outs[0] if len(outs) == 1 else outs
 
 
@@ -116,7 +128,26 @@ class StageModule(nn.Module):
             ins = tuple(_example(phs[name], tp_n, device) for kind, name in self._order if kind == "act")
         out_node = next(n for n in self.graph_module.graph.nodes if n.op == "output")
         outs = out_node.args[0] if isinstance(out_node.args[0], (tuple, list)) else (out_node.args[0],)
-        return ins, tuple(_example(n, tp_n, device) for n in outs)
+        outs = tuple(_example(n, tp_n, device) for n in outs)
+        if self.is_last:
+            outs = tuple(o.reshape(1) if o.dim() == 0 else o for o in outs)
+        return ins, outs
+
+
+def _mutated_inputs(gm: fx.GraphModule) -> list[int]:
+    """Positions of the placeholders an op of ``gm`` writes in place (``relu_`` on a received
+    activation): the stage runs those on a copy."""
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out = []
+    for i, ph in enumerate(phs):
+        for user in ph.users:
+            schema = getattr(user.target, "_schema", None)
+            if schema is None:
+                continue
+            for arg, value in zip(schema.arguments, user.args):
+                if value is ph and arg.alias_info is not None and arg.alias_info.is_write:
+                    out.append(i)
+    return sorted(set(out))
 
 
 def _example(node: fx.Node, tp_n: int, device: torch.device) -> torch.Tensor:
@@ -149,7 +180,8 @@ class PipelineModule(nn.Module):
                  num_stages: int, loss_fn: Callable, pp_group: dist.ProcessGroup, pp_rank: int, pp_size: int,
                  dp_group: dist.ProcessGroup | None, shared: dict[str, dist.ProcessGroup],
                  device: torch.device,
-                 examples: list[tuple[tuple, tuple]] | None = None) -> None:
+                 examples: list[tuple[tuple, tuple]] | None = None, keyword_names: Sequence[str] = (),
+                 own_loss: bool = False) -> None:
         super().__init__()
         from torch.distributed import pipelining
 
@@ -160,6 +192,8 @@ class PipelineModule(nn.Module):
         self._pp = (pp_group, pp_rank, pp_size)
         self._dp = dp_group
         self._loss_fn = loss_fn
+        self._own_loss = own_loss
+        self.keyword_names = list(keyword_names)
         self._num_stages = num_stages
         self._device = device
         self._shared = dict(shared)      # parameter -> the group of pipeline ranks holding a copy
@@ -167,7 +201,9 @@ class PipelineModule(nn.Module):
             for fqn, p in st.named_parameters(remove_duplicate=False):
                 _set(self, fqn, p)
             for fqn, b in st.named_buffers():
-                _set(self, fqn, b, buffer=True)
+                _set(self, fqn, b, buffer=True, persistent=fqn not in st.transient)
+        for st in stages:
+            st.is_last = st.index == num_stages - 1
         examples = examples or [(None, None)] * len(stages)
         self._pipe_stages = [pipelining.PipelineStage(st, st.index, num_stages, device, input_args=ins,
                                                       output_args=outs, group=pp_group)
@@ -188,12 +224,19 @@ class PipelineModule(nn.Module):
     def pp_rank(self) -> int:
         return self._pp[1]
 
-    def step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
-        """Forward and backward of one batch; returns the mean micro-batch loss (every rank)."""
+    def placement_of(self, fqn: str):
+        """How a parameter is stored on the tensor axis (``Replicate`` without one)."""
+        return parse(self.plan.params.get(fqn, "R"))
+
+    def step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        """Forward and backward of one batch; returns the mean micro-batch loss (every rank).
+        Keyword inputs (``pm.step(**batch)``) go where the model takes them; a model that
+        computes its own loss (given ``labels``) needs no ``target``."""
         note_step()
-        if target is None:
+        if target is None and not self._own_loss:
             raise ConfigError("a pipeline step needs the target", where="PipelineModule.step",
                               fix="call pm.step(inputs, target=targets) on every rank")
+        inputs = (*inputs, *self._keyword_inputs(kwargs))
         for t in (*inputs, target):
             if isinstance(t, torch.Tensor) and t.shape[0] % self.microbatches:
                 raise InputMismatchError(f"batch of {t.shape[0]} does not split into {self.microbatches} micro-batches",
@@ -202,6 +245,9 @@ class PipelineModule(nn.Module):
         losses: list[torch.Tensor] = []
         args = inputs if self._first else ()
         tgt = target if self._last else None
+        if self._last and target is None:   # the model's own loss: the schedule still splits a target
+            rows = next(t.shape[0] for t in inputs if isinstance(t, torch.Tensor)) if inputs else self.microbatches
+            tgt = torch.zeros(rows, device=self._device)
         self._schedule.step(*args, target=tgt, losses=losses)
         self._sync_grads()
         pp_group, _, _ = self._pp
@@ -211,6 +257,16 @@ class PipelineModule(nn.Module):
             src = dist.get_global_rank(pp_group, (self._num_stages - 1) % self._pp[2])
             dist.broadcast(loss, src=src, group=pp_group)
         return loss
+
+    def _keyword_inputs(self, kwargs: dict[str, Any]) -> list[Any]:
+        """The keyword inputs in the order the model was captured with."""
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        if set(kwargs) != set(self.keyword_names):
+            raise InputMismatchError("the step's keyword inputs differ from the ones the model was parallelized with",
+                                     where="PipelineModule.step", expected=str(self.keyword_names),
+                                     got=str(sorted(kwargs)), fix="call pm.step(**batch) with the keys of "
+                                                                  "example_kwargs")
+        return [kwargs[k] for k in self.keyword_names]
 
     def _sync_grads(self) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
@@ -238,7 +294,7 @@ class PipelineModule(nn.Module):
 
 def stage_inputs_of(gm: fx.GraphModule) -> list[str]:
     """The model's user-input placeholder names, in call order."""
-    return [n.name for n in gm.graph.nodes if n.op == "placeholder" and info(n).kind not in ("param", "buffer")]
+    return [n.name for n in gm.graph.nodes if n.op == "placeholder" and info(n).kind not in ("param", "buffer", "constant")]
 
 
 __all__ = ["StageModule", "PipelineModule", "SCHEDULE_CLASSES", "stage_inputs_of"]

@@ -2,9 +2,9 @@
 that computes what the single-process model computes, or refuses with an AutoparError -
 never another exception, a hang, or a wrong answer.
 
-Each example draws a small model (the zoo's ``mlp`` and ``gpt``, or a stack of Linear layers
+Each example draws a small model (the zoo's ``mlp`` and ``gpt``, a stack of Linear layers
 with random widths, many not divisible by the tensor axis, optionally with a LayerNorm, in
-fp32 or fp64), a
+fp32 or fp64, or a tiny ``transformers`` Llama, GPT-2, Qwen2 or Gemma 2 in fp32 or fp64), a
 mesh (tp=2, dp=2, dp=2 x tp=2, tp=4), a per-rank batch, and constraints: a ZeRO stage, a
 memory budget ("as lean as possible" or a tight one), and a forced placement of one
 parameter (divisible or not; a split the mesh cannot make must be a ShardingError, or a
@@ -53,6 +53,9 @@ class Stack(nn.Module):
 
 def _build(case: dict) -> nn.Module:
     torch.manual_seed(0)
+    if case["kind"] == "hf":
+        import hf_tiny
+        return hf_tiny.build(case["arch"], getattr(torch, case["dtype"]))
     if case["kind"] == "stack":
         return Stack(case["widths"], case["norm"]).to(getattr(torch, case.get("dtype", "float32")))
     return models.build(case["kind"], case["config"], device="cpu")
@@ -64,11 +67,15 @@ def _inputs(case: dict, batch: int) -> tuple[torch.Tensor, ...]:
         return (torch.randn(batch, case["widths"][0], dtype=getattr(torch, case.get("dtype", "float32"))),)
     if case["kind"] == "mlp":
         return (torch.randn(batch, case["config"]["width"]),)
+    if case["kind"] == "hf":
+        return (torch.randint(3, 64, (batch, case["seq"])),)
     return (torch.randint(0, case["config"]["vocab"], (batch, case["seq"])),)
 
 
 def _loss(case: dict, out: torch.Tensor) -> torch.Tensor:
-    if case["kind"] != "gpt":
+    if case["kind"] == "hf":
+        out = out.logits
+    if case["kind"] not in ("gpt", "hf"):
         return out.pow(2).mean()
     target = torch.arange(out[..., 0].numel()).remainder(out.shape[-1]).view(out.shape[:-1])
     return nn.functional.cross_entropy(out.flatten(0, -2), target.flatten())
@@ -140,7 +147,7 @@ def _train_rank(rank: int, world: int, case: dict, plan) -> tuple:
 
 @st.composite
 def cases(draw) -> dict:
-    kind = draw(st.sampled_from(["stack", "mlp", "gpt"]))
+    kind = draw(st.sampled_from(["stack", "mlp", "gpt", "hf"]))
     case: dict = {"kind": kind, "mesh": draw(st.sampled_from(MESHES)), "per_rank": draw(st.integers(1, 3)),
                   "zero": draw(st.sampled_from([None, 0, 1, 2, 3])),
                   "budget": draw(st.sampled_from(["none", "lean", "tight"])),
@@ -155,6 +162,10 @@ def cases(draw) -> dict:
         heads = draw(st.sampled_from([2, 4]))
         case["config"] = {"layers": 1, "heads": heads, "hidden": heads * draw(st.sampled_from([2, 3])),
                           "vocab": draw(st.sampled_from([30, 32])), "max_seq": 8}
+        case["seq"] = draw(st.sampled_from([4, 6]))
+    if kind == "hf":            # an unmodified transformers model, called on token ids
+        case["arch"] = draw(st.sampled_from(["llama", "gpt2", "qwen2", "gemma2"]))
+        case["dtype"] = draw(st.sampled_from(["float32", "float64"]))
         case["seq"] = draw(st.sampled_from([4, 6]))
     return case
 
