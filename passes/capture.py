@@ -432,7 +432,9 @@ def _capture_error(model: nn.Module, args: tuple, exc: Exception, stack: list[st
     """A CaptureError naming the module and source line, or an InputMismatchError when the
     model itself fails on these inputs (eagerly, without torch.export)."""
     kwargs = dict(kwargs or {})
-    eager = None if _is_tracing_limit(exc) else _eager_failure(model, args, kwargs)
+    on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    # a model on the meta device cannot run eagerly (library code may read values): export's error stands
+    eager = None if _is_tracing_limit(exc) or on_meta else _eager_failure(model, args, kwargs)
     if eager is not None:
         exc, stack = eager
     fqn = stack[-1] if stack else ""
