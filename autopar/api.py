@@ -15,8 +15,7 @@ from autopar.checks import (check_devices, check_fits, check_options, check_plan
 from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
 from autopar.cost.tp_solver import Solution, SolverConfig, solve
-from autopar.errors import (CaptureError, ConfigError, InputMismatchError, MeshError, OptimizerError, PlanFileError,
-                            UnsupportedError)
+from autopar.errors import CaptureError, ConfigError, InputMismatchError, MeshError, OptimizerError, PlanFileError
 from autopar.passes.capture import capture
 from autopar.passes.meta import graph_info, info
 from autopar.passes.pipeline import analyze
@@ -413,14 +412,11 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
             raise ConfigError("re-applying a saved expert-parallel plan is not supported yet", where="parallelize",
                               got="plan= with an ep axis",
                               fix="call parallelize without plan= (placement comes from calibration=)")
-        if kwargs:
-            raise UnsupportedError("keyword example inputs with an expert axis are not supported yet",
-                                   where="parallelize", got=f"example_kwargs {sorted(kwargs)}",
-                                   fix="wrap the model so forward takes the tensors positionally")
         from autopar.ep import parallelize_experts
-        return parallelize_experts(model, mesh, example_inputs, hardware=hardware, memory_budget=memory_budget,
+        return parallelize_experts(model, mesh, args, hardware=hardware, memory_budget=memory_budget,
                                    sync_params=sync_params, calibration=calibration,
-                                   placement=expert_placement, dims=dims, capacity_factor=capacity_factor)
+                                   placement=expert_placement, dims=dims, capacity_factor=capacity_factor,
+                                   example_kwargs=kwargs)
     if _has_axis(mesh, "pp") or (plan is not None and plan.pp_axis is not None):
         from autopar.pp import parallelize_pipeline
         return parallelize_pipeline(model, mesh if plan is None or not isinstance(mesh, int) else plan.mesh,

@@ -7,20 +7,25 @@ still has room, which keeps the most-loaded rank close to the mean. ``imbalance`
 most-loaded rank's load over the mean rank load (1.0 is perfect).
 
 Cost (:func:`ep_costs`): per MoE layer and micro-batch, two all-to-alls forward (dispatch,
-combine) and two backward, each moving the ``[E, C, h]`` buffer less this rank's own share,
-priced by the links the ep axis spans; the experts' compute on the most-loaded rank grows
-with the imbalance when tokens are not capped (with a fixed capacity every rank computes
-``E/n * n * C`` rows, and the imbalance shows up as dropped tokens instead).
+combine) and two backward, each moving the ``[E, C, h]`` buffer (a dropless layer: one row per
+token and choice) less this rank's own share, priced by the links the ep axis spans; the
+experts' compute on the most-loaded rank grows with the imbalance when tokens are not capped
+(with a fixed capacity every rank computes ``E/n * n * C`` rows, and the imbalance shows up as
+dropped tokens instead).
 
 :func:`parallelize_experts` (reached through :func:`autopar.parallelize` with an ``ep``
 axis) captures the model, rewrites each MoE region for the exchange
-(:mod:`autopar.passes.ep_rewrite`), stores each rank's experts only, and returns a
+(:mod:`autopar.passes.ep_rewrite`: a fixed-capacity buffer exchange, or for dropless layers an
+all-to-all with variable splits, each dropless layer first checked against its own graph on
+random routing; a layer it cannot split runs dense with a one-line warning, and when none can
+be split the ep axis is one more data axis), stores each rank's experts only, and returns a
 :class:`~autopar.runtime.tp_module.ParallelModule`; :func:`autopar.optimizer` then averages
 gradients over the ranks that share them (the dense parts over ``dp x ep``, the experts over
 ``dp``) before stepping.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -34,6 +39,8 @@ from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
 from autopar.errors import ConfigError, MeshError
 from autopar.passes.meta import MoERegion, evaluate, graph_info, info
+
+log = logging.getLogger("autopar.ep")
 
 AXES = ("dp", "ep", "tp")
 
@@ -96,9 +103,10 @@ def _check_divisible(experts: int, ranks: int) -> None:
 def expert_loads(gm: fx.GraphModule, inputs: Sequence[Any], params: Mapping[str, torch.Tensor]) -> dict[str, list[float]]:
     """Tokens routed to each expert of each MoE region (region fqn -> counts), from running
     the captured graph on ``inputs`` (a calibration batch) and reading each router's top-k."""
-    topks = {n: info(n).moe_region for n in gm.graph.nodes
-             if n.op == "call_function" and n.target is torch.ops.aten.topk.default and info(n).moe_region is not None}
+    from autopar.passes.moe import routing_topk
+
     regions = {r.fqn: r for r in graph_info(gm).moe_regions}
+    topks = {t: f for f, r in regions.items() if (t := routing_topk(gm, r)) is not None}
     counts: dict[str, list[float]] = {f: [0.0] * r.num_experts for f, r in regions.items()}
 
     class _Watch(fx.Interpreter):
@@ -148,11 +156,22 @@ def ep_costs(gm: fx.GraphModule, *, cluster: Cluster, axes: Sequence[tuple[str, 
 
 
 def _buffer_bytes(gm: fx.GraphModule, region: MoERegion, sizes: Mapping[str, int]) -> float:
-    for n in gm.graph.nodes:
-        if info(n).moe_region == region.fqn and info(n).moe_role == "expert" and n.target is torch.ops.aten.bmm.default:
+    """Bytes one exchange moves: the ``[E, C, h]`` buffer, or for a dropless layer one row
+    of ``h`` per (token, choice) pair (``h``: the router weight's input dim)."""
+    for n in gm.graph.nodes if region.capacity is not None else ():
+        if info(n).moe_region == region.fqn and info(n).moe_role == "expert" and \
+                n.target is torch.ops.aten.bmm.default:
             v = info(n.args[0]).values[0]
             return float(evaluate(v.nbytes, dict(sizes)))
-    return 0.0
+    from autopar.passes.moe import routing_topk, topk_indices
+    topk = routing_topk(gm, region)
+    router = next((n for n in gm.graph.nodes if n.op == "placeholder" and info(n).target_fqn == region.router_weight),
+                  None)
+    if topk is None or router is None or not topk_indices(topk):
+        return 0.0
+    pairs = info(topk_indices(topk)[0]).values[0].numel
+    w = info(router).values[0]
+    return float(evaluate(pairs * w.shape[-1] * (w.nbytes / w.numel), dict(sizes)))
 
 
 @dataclass(frozen=True)
@@ -266,14 +285,14 @@ def ep_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
 def parallelize_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, hardware: str | None = None,
                         memory_budget: float | None = None, sync_params: bool = True,
                         calibration: Any = None, placement: str = "balanced", dims: Any = None,
-                        capacity_factor: float | None = None):
+                        capacity_factor: float | None = None, example_kwargs: Any = None):
     """This rank's model with experts spread over the ``ep`` axis (see :func:`autopar.parallelize`).
     ``capacity_factor`` overrides the MoE layers' own (set on the module of each region the
     graph shows, which must have a ``capacity_factor`` attribute; the model is then captured
     again), so tokens drop exactly as the single-device model's at that factor."""
 
     from autopar.api import _capture, device_mesh, model_tensors, planned_graph
-    from autopar.passes.ep_rewrite import ep_rewrite, expert_regions
+    from autopar.passes.ep_rewrite import ep_rewrite
     from autopar.plans import Plan
     from autopar.runtime.ep import EPRuntime
     from autopar.runtime.tp_module import ParallelModule
@@ -286,62 +305,108 @@ def parallelize_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, har
     mesh = device_mesh(mesh, axes)
     names = list(mesh.mesh_dim_names)
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    kwargs = dict(example_kwargs or {})
     tensors = model_tensors(model, sync=sync_params)
     if capacity_factor is not None:
-        _set_capacity(model, _capture(model, args, ()), capacity_factor)
+        _set_capacity(model, _capture(model, args, (), kwargs), capacity_factor)
     n_ep = sizes["ep"]
     ep_rank = mesh.get_local_rank(names.index("ep"))
     tp_n = sizes.get("tp", 1)
     if tp_n > 1:
         tp_group = mesh.get_group(names.index("tp"))
         # the experts stay whole on the tensor axis: the expert axis owns their leading dim
-        gm, tp_plan = planned_graph(model, {"tp": tp_n}, args, dims=dims, after="rewrite", hardware=hardware,
+        gm, tp_plan = planned_graph(model, {"tp": tp_n}, args, example_kwargs=kwargs, dims=dims, after="rewrite",
+                                    hardware=hardware,
                                     group_name=tp_group.group_name, memory_budget=memory_budget,
                                     pinned=_in_experts)
         placements, nodes = dict(tp_plan.params), dict(tp_plan.nodes)
     else:
-        gm = _capture(model, args, dims)
+        gm = _capture(model, args, dims, kwargs)
         placements, nodes = {k: "R" for k in tensors}, {}
-    regions = expert_regions(gm)
-    # placement per region, from a calibration batch when given (every rank computes the same)
-    loads: dict[str, list[float]] = {}
-    if calibration is not None and placement == "balanced":
-        cal = tuple(calibration) if isinstance(calibration, (tuple, list)) else (calibration,)
-        plain = _capture(model, cal, ())
-        loads = expert_loads(plain, cal, tensors)
-        # every rank must place alike: sum the loads every rank measured on its own batch
-        for f in sorted(loads):
-            t = torch.tensor(loads[f], dtype=torch.float64)
-            dist.all_reduce(t)
-            loads[f] = t.tolist()
+    plans = _checked_plans(gm, tensors)
+    regions = [p.region for p in plans if p.kind != "dense"]
+    if not regions:   # nothing to split: the expert axis is one more data axis
+        from autopar.api import parallelize
+        dense = {"dp": sizes.get("dp", 1) * n_ep, **({"tp": tp_n} if tp_n > 1 else {})}
+        log.warning("no MoE layer's experts can be split: the ep axis runs as data parallelism (mesh %s)", dense)
+        return parallelize(model, dense, args, example_kwargs=kwargs, dims=dims, hardware=hardware,
+                           memory_budget=memory_budget, sync_params=False)
+    loads = _calibrated_loads(model, calibration, tensors) if calibration is not None and placement == "balanced" \
+        else {}
     group = mesh.get_group(names.index("ep"))
     rts, placed = {}, {}
     for r in regions:
         load = loads.get(r.fqn)
         pl = place_experts(r.num_experts, n_ep, load) if placement == "balanced" else \
             contiguous(r.num_experts, n_ep, load)
-        rt = EPRuntime(n=n_ep, rank=ep_rank, group=group, perm=pl.perm)
-        rts[r.fqn], placed[r.fqn] = rt, pl
-    experts = ep_rewrite(gm, {f: rt.id for f, rt in rts.items()})
+        rts[r.fqn], placed[r.fqn] = EPRuntime(n=n_ep, rank=ep_rank, group=group, perm=pl.perm), pl
+    stored = ep_rewrite(gm, plans, rts)
     region_of = {p: r.fqn for r in regions for p in r.expert_params}
-    for fqn in experts:
-        owned = torch.tensor(rts[region_of[fqn]].owned())
-        tensors[fqn] = tensors[fqn].detach().index_select(0, owned).clone()
+    for fqn, how in stored.items():
+        if how == "rows":
+            owned = torch.tensor(rts[region_of[fqn]].owned())
+            tensors[fqn] = tensors[fqn].detach().index_select(0, owned).clone()
     trainable = {k: p.requires_grad for k, p in model.named_parameters()}
     used = {info(n).target_fqn for n in gm.graph.nodes if n.op == "placeholder" and info(n).target_fqn}
     the_plan = Plan(mesh=sizes, tp_axis="tp" if tp_n > 1 else None, params=placements, nodes=nodes,
                     model=type(model).__name__, ep_axis="ep", capacity_factor=capacity_factor,
                     expert_placement={f: list(p.perm) for f, p in placed.items()},
                     predicted={"imbalance": {f: p.imbalance for f, p in placed.items()}})
-    from autopar.api import _dim_map
+    from autopar.api import input_dims
     pm = ParallelModule(gm, placements, {k: v for k, v in tensors.items() if k in used}, trainable, mesh,
-                        the_plan, _dim_map(args, dims))
-    pm.expert_params = set(experts)
+                        the_plan, input_dims(model, args, dims, kwargs))
+    pm.expert_params = set(stored)
+    pm.expert_storage = stored        # fqn -> "rows" (owned rows of stacked experts) | "whole" (an owned module's)
     pm.ep_runtimes = rts
     pm.placements = placed
     pm.ep_group = group
     pm.ep_dp_group = mesh.get_group(names.index("dp")) if "dp" in names else None
     return pm
+
+
+def _calibrated_loads(model: nn.Module, calibration: Any, tensors: Mapping[str, torch.Tensor]) -> dict[str, list]:
+    """Tokens per expert of each region on the calibration batch, summed over every rank's
+    batch so that every rank places the experts alike."""
+    from autopar.api import _capture
+
+    cal = tuple(calibration) if isinstance(calibration, (tuple, list)) else (calibration,)
+    loads = expert_loads(_capture(model, cal, ()), cal, tensors)
+    for f in sorted(loads):
+        t = torch.tensor(loads[f], dtype=torch.float64)
+        dist.all_reduce(t)
+        loads[f] = t.tolist()
+    return loads
+
+
+def _checked_plans(gm: fx.GraphModule, tensors: Mapping[str, torch.Tensor]) -> list:
+    """How each MoE region is split (:func:`autopar.passes.ep_rewrite.plan_regions`), each
+    dropless one first checked against its own graph on random routing; a region that is
+    not split runs dense, with a one-line warning saying why."""
+    from autopar.passes.ep_dropless import Unsupported, check_dropless
+    from autopar.passes.ep_rewrite import plan_regions
+
+    plans = plan_regions(gm)
+    for p in plans:
+        if p.kind == "dropless":
+            tol = _tolerance(info(p.layer.x).values[0].dtype)
+            try:
+                err = check_dropless(gm, p.layer, tensors)
+            except (Unsupported, RuntimeError, IndexError, KeyError, TypeError, ValueError) as exc:
+                p.kind, p.reason = "dense", f"its experts could not be run alone ({type(exc).__name__}: {exc})"
+                continue
+            if not err <= tol:
+                p.kind, p.reason = "dense", (f"its graph does not compute sum_j w[t,j] * expert_ids[t,j](x[t]) "
+                                             f"(relative error {err:.1e} on random routing)")
+        if p.kind == "dense":
+            log.warning("MoE layer %s runs dense on every ep rank (its experts are not split): %s",
+                        p.region.fqn or "<root>", p.reason)
+    return plans
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    """How far a dropless layer may differ from its own graph on random routing (rounding
+    only: a misread layer is off by O(1))."""
+    return min(0.1, 100 * torch.finfo(dtype).eps ** 0.5) if dtype.is_floating_point else 0.1
 
 
 def _set_capacity(model: nn.Module, gm: fx.GraphModule, factor: float) -> None:

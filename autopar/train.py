@@ -4,10 +4,13 @@ The planner (``cost/hybrid.py``) searches dp x tp x pp, ZeRO, recomputation, mic
 and schedule for ``--ranks`` gloo ranks on this machine (the ``cpu`` hardware) and keeps the
 fastest configuration the runtime can run (:func:`runtime_gaps`). The ranks then train the
 model with it, and each step's loss is printed beside the loss of the same model trained in
-one process on the whole batch. ``--save DIR`` checkpoints the parallel run and the
-reference after the steps; ``--resume DIR`` starts from such a checkpoint under whatever
-plan this run chooses (another rank count gives another plan), so re-planning a run is
-checked step by step too.
+one process on the whole batch. A model whose mixture-of-experts layers have a token capacity
+(tokens over it are dropped) routes each call's tokens against that call's capacity, so the
+whole batch in one call is another computation than the same batch in micro-batches: there the
+single process runs the ranks' micro-batches one after another, as the ranks do. ``--save DIR``
+checkpoints the parallel run and the reference after the steps; ``--resume DIR`` starts from
+such a checkpoint under whatever plan this run chooses (another rank count gives another plan),
+so re-planning a run is checked step by step too.
 """
 from __future__ import annotations
 
@@ -89,6 +92,7 @@ def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: i
     args, _ = models.example_inputs(model, batch, seq, device="cpu")
     target = torch.randint(0, model.config.vocab, (batch, seq))
     dp, tp, pp = cfg["dp"], cfg["tp"], cfg["pp"]
+    calls = batch // cfg["micro_batch"] if _capacity_routed(model) else 1   # the reference's calls per step
     share = (rank // tp) % dp
     local, local_t = tuple(a.chunk(dp)[share] for a in args), target.chunk(dp)[share]
     mesh = {k: v for k, v in (("pp", pp), ("dp", dp), ("tp", tp)) if v > 1} or {"dp": 1}
@@ -128,7 +132,8 @@ def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: i
         loss = loss.detach().clone()
         dist.all_reduce(loss)
         loss /= world          # tp ranks hold the same value: this is the mean over the dp shares
-        want = _loss(ref(*args), target)
+        want = sum(_loss(ref(*(a.chunk(calls)[i] for a in args)), target.chunk(calls)[i])
+                   for i in range(calls)) / calls
         want.backward()
         ref_opt.step()
         ref_opt.zero_grad()
@@ -137,6 +142,11 @@ def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: i
         autopar.save(pm, opt, os.path.join(save, "parallel"), step=first + steps, extra={"plan": cfg})
         autopar.save(ref, ref_opt, os.path.join(save, "reference"), step=first + steps)
     return {"rows": rows, "first": first, "saved_plan": (resumed or {}).get("extra", {}) or {}}
+
+
+def _capacity_routed(model: torch.nn.Module) -> bool:
+    """Does an MoE layer drop tokens over a capacity computed from each call's tokens?"""
+    return any(hasattr(m, "capacity_factor") for m in model.modules())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ from autopar.cost.compute import op_time
 from autopar.errors import AutoparInternalError
 from autopar.passes.memory import OPTIMIZER_STATE
 from autopar.passes.meta import evaluate, graph_info, info
-from autopar.passes.sharding import Strategy, is_decision, strategies, tensor_inputs
+from autopar.passes.sharding import Strategy, is_decision, strategies, tensor_inputs, written_in_place
 from autopar.placement import REP, Shard, Spec, comm_bytes, shard, transition
 
 log = logging.getLogger("autopar.solver")
@@ -83,6 +83,7 @@ class _Pricer:
         self._strategies: dict[fx.Node, list[Strategy]] = {}
         # Parameters and buffers read by exactly one op are decided with that op.
         self.folded = {n for n in gm.graph.nodes if is_folded(n)}
+        self.written = written_in_place(gm)   # kept replicated, no conversions between (passes/sharding.py)
         self._compute: dict[tuple[fx.Node, Strategy], tuple[float, float]] = {}
         self._convert: dict[tuple, float] = {}
         self._bytes: dict[tuple[fx.Node, int], float] = {}
@@ -107,7 +108,8 @@ class _Pricer:
                     if node.op == "placeholder" else strategies(node, self.cfg.n, self.cfg.sizes))
             if node.name in self.cfg.forced:     # checked divisible before solving (autopar/checks.py)
                 opts = [s for s in opts if str(s.outputs[0].value) == self.cfg.forced[node.name]]
-            self._strategies[node] = opts[:1] if self.cfg.pinned is not None and self.cfg.pinned(node) else opts
+            pinned = node in self.written or (self.cfg.pinned is not None and self.cfg.pinned(node))
+            self._strategies[node] = opts[:1] if pinned else opts
         return self._strategies[node]
 
     def compute(self, node: fx.Node, s: Strategy) -> tuple[float, float]:
@@ -499,7 +501,11 @@ def solve(gm: fx.GraphModule, cfg: SolverConfig) -> Solution:
     # Charge memory in seconds: start where the whole state is worth the whole step time,
     # then raise the price a hundredfold at a time until the plan fits.
     weight = max(sol.time_s, 1e-9) / max(sol.state_bytes, 1.0)
-    for _ in range(4):
+    unreachable = cfg.memory_budget < _leanest_bound(gm, cfg)
+    if unreachable:        # nothing fits: straight to the leanest plan the last raise would reach
+        leanest = _solve_once(gm, _with_weight(cfg, weight * 100 ** 3))
+        sol = leanest if leanest.state_bytes < sol.state_bytes else sol
+    for _ in range(0 if unreachable else 4):
         if sol.state_bytes <= cfg.memory_budget:
             break
         smaller = _solve_once(gm, _with_weight(cfg, weight))
@@ -510,6 +516,13 @@ def solve(gm: fx.GraphModule, cfg: SolverConfig) -> Solution:
         log.warning("tensor-axis plan needs %.3g GB of state per rank, over the budget of %.3g GB",
                     sol.state_bytes / 1e9, cfg.memory_budget / 1e9)
     return sol
+
+
+def _leanest_bound(gm: fx.GraphModule, cfg: SolverConfig) -> float:
+    """A lower bound on any plan's state bytes per rank: every parameter split ``n`` ways."""
+    pricer = _Pricer(gm, cfg)
+    total = sum(pricer.compute(n, placeholder_options(n, cfg)[0])[1] for n in gm.graph.nodes if n.op == "placeholder")
+    return total / cfg.n
 
 
 def _with_weight(cfg: SolverConfig, weight: float) -> SolverConfig:

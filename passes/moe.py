@@ -1,22 +1,31 @@
 """MoE pass: mark mixture-of-experts regions for the expert-parallel planner.
 
 Reads the graph structure, ``fqn``, ``values`` and ``GraphInfo.block_classes``. Writes
-``GraphInfo.moe_regions`` and, on every node of a region, ``moe_role``:
+``GraphInfo.moe_regions`` and, on the nodes of a region, ``moe_role``:
 
-- router: the nodes that compute the top-k from the region's input (gate matmul, softmax,
-  ``topk``), i.e. the ancestors of the ``topk`` inside the region;
-- expert: nodes that use an expert parameter (any parameter of the region other than the
-  router's), and the nodes between those uses;
-- dispatch: nodes after the top-k that feed the experts (positions, capacity masks,
+- router: the nodes that compute the routing top-k from the region's input (gate matmul,
+  softmax, group-limited top-ks, ``topk``), i.e. the ancestors of that ``topk`` inside the region;
+- expert: nodes that use a routed expert parameter, and the nodes between those uses;
+- dispatch: nodes that feed the experts (sorting, histograms, gathers, capacity masks,
   scatter into per-expert buffers);
-- combine: the rest, which merges expert outputs back into tokens.
+- combine: nodes after the top-k or the experts that merge expert outputs back into tokens
+  (the routing weights included).
+
+Nodes of the region outside all four (a shared expert, a dense MLP every token runs) keep no
+role: they are dense compute.
 
 The region is found from a ``topk`` over a learned gate, not from module names: it is the
-smallest module around the ``topk`` that also holds parameters other than the gate's.
-Experts stored as one stacked weight ``[E, ...]`` and experts as E identical modules are
-both recognised.
+smallest module around the ``topk`` that also holds parameters other than the gate's. When a
+router takes several top-ks (group-limited routing), the routing one is the last whose
+indices reach an expert. Routed experts are the parameters whose use depends on those indices
+(stacked weights ``[E, ...]`` run as a batched/grouped matmul or loop, or ``E`` identical
+modules in a Python loop); parameters used on every token regardless of routing (shared
+experts) are not experts. Only when no parameter depends on the indices (every expert runs
+on every token, masked by the routing weights) are all non-router parameters the experts.
 """
 from __future__ import annotations
+
+import operator
 
 import sympy
 import torch
@@ -30,13 +39,46 @@ aten = torch.ops.aten
 
 def moe_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """Find MoE regions (router → top-k → dispatch → experts → combine) and mark them."""
-    regions: list[MoERegion] = []
+    groups: dict[str, list[fx.Node]] = {}
     for topk in [n for n in gm.graph.nodes if n.target is aten.topk.default]:
-        region = _mark_region(gm, topk)
-        if region is not None and all(r.fqn != region.fqn for r in regions):
-            regions.append(region)
+        fqn = _region_fqn(gm, topk)
+        if fqn is not None:
+            groups.setdefault(fqn, []).append(topk)
+    regions = [r for fqn, topks in groups.items() if (r := _mark_region(gm, fqn, topks)) is not None]
     graph_info(gm).moe_regions = regions
     return gm
+
+
+def routing_topk(gm: fx.GraphModule, region: MoERegion) -> fx.Node | None:
+    """The ``topk`` whose indices route the tokens of ``region`` (its indices feed dispatch)."""
+    for n in gm.graph.nodes:
+        if n.target is aten.topk.default and info(n).moe_region == region.fqn and any(
+                info(u).moe_role == "dispatch" for u in topk_indices(n)):
+            return n
+    return None
+
+
+def topk_indices(topk: fx.Node) -> list[fx.Node]:
+    """The ``getitem(topk, 1)`` nodes: the chosen indices."""
+    return [u for u in topk.users if u.target is operator.getitem and u.args[1] == 1]
+
+
+def _region_nodes(gm: fx.GraphModule, fqn: str) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and within(info(n).fqn, fqn)]
+
+
+def _region_fqn(gm: fx.GraphModule, topk: fx.Node) -> str | None:
+    """The smallest module around ``topk`` holding parameters other than its router's."""
+    fqn = info(topk).fqn
+    while True:
+        nodes = _region_nodes(gm, fqn)
+        router_params = _params_used(_ancestors_within(topk, set(nodes)) + [topk])
+        others = {k for k in _params_used(nodes) if k not in router_params}
+        if others and router_params:
+            return fqn
+        if not fqn:
+            return None                  # a top-k that is not a learned gate choosing between weights
+        fqn = fqn.rsplit(".", 1)[0] if "." in fqn else ""
 
 
 def _params_used(nodes: list[fx.Node]) -> dict[str, fx.Node]:
@@ -48,25 +90,47 @@ def _params_used(nodes: list[fx.Node]) -> dict[str, fx.Node]:
     return out
 
 
-def _mark_region(gm: fx.GraphModule, topk: fx.Node) -> MoERegion | None:
-    fqn = info(topk).fqn
-    while True:
-        nodes = [n for n in gm.graph.nodes if n.op == "call_function" and within(info(n).fqn, fqn)]
-        router = _ancestors_within(topk, set(nodes))
-        router_params = _params_used(router + [topk])
-        expert_params = {k: v for k, v in _params_used(nodes).items() if k not in router_params}
-        if expert_params or not fqn:
-            break
-        fqn = fqn.rsplit(".", 1)[0] if "." in fqn else ""
-    if not router_params or not expert_params:
-        return None  # a top-k that is not a learned gate choosing between weights
-    roles = _assign_roles(nodes, set(router) | {topk}, set(expert_params.values()))
+def _mark_region(gm: fx.GraphModule, fqn: str, topks: list[fx.Node]) -> MoERegion | None:
+    nodes = _region_nodes(gm, fqn)
+    region = set(nodes)
+    chosen = None
+    for topk in topks:                   # the last top-k whose indices reach a routed parameter
+        router = set(_ancestors_within(topk, region)) | {topk}
+        routed = _routed_params(nodes, router, topk, region)
+        if routed:
+            chosen = (topk, router, routed)
+    if chosen is None:                   # experts masked, not routed: every expert runs on every token
+        topk = topks[-1]
+        router = set(_ancestors_within(topk, region)) | {topk}
+        router_params = _params_used(list(router))
+        routed = {k: v for k, v in _params_used(nodes).items() if k not in router_params}
+        chosen = (topk, router, routed)
+    topk, router, routed = chosen
+    router_params = _params_used(list(router))
+    if not router_params or not routed:
+        return None
+    roles = _assign_roles(nodes, router, set(routed.values()), topk)
     for n, role in roles.items():
-        info(n).moe_role, info(n).moe_region = role, fqn
-    num_experts, capacity = _experts_and_capacity(gm, fqn, nodes, expert_params)
+        if role is not None:
+            info(n).moe_role, info(n).moe_region = role, fqn
+    num_experts, capacity = _experts_and_capacity(gm, fqn, nodes, routed)
     k = topk.args[1] if len(topk.args) > 1 else topk.kwargs.get("k", 1)
     return MoERegion(fqn=fqn, num_experts=num_experts, top_k=int(k), capacity=capacity,
-                     router_weight=next(iter(router_params)), expert_params=tuple(expert_params))
+                     router_weight=next(iter(router_params)), expert_params=tuple(routed))
+
+
+def _routed_params(nodes: list[fx.Node], router: set[fx.Node], topk: fx.Node,
+                   region: set[fx.Node]) -> dict[str, fx.Node]:
+    """Non-router parameters with a use that depends on the top-k's indices."""
+    router_params = set(_params_used(list(router)).values())
+    after = _descendants_within(topk_indices(topk), region)
+    out: dict[str, fx.Node] = {}
+    for n in after:
+        for a in n.all_input_nodes:
+            p = _param_of(a)
+            if p is not None and p not in router_params:
+                out[info(p).target_fqn or p.name] = p
+    return out
 
 
 def _ancestors_within(node: fx.Node, region: set[fx.Node]) -> list[fx.Node]:
@@ -81,27 +145,62 @@ def _ancestors_within(node: fx.Node, region: set[fx.Node]) -> list[fx.Node]:
     return [n for n in region if n in seen]
 
 
-def _assign_roles(nodes: list[fx.Node], router: set[fx.Node], expert_params: set[fx.Node]) -> dict:
-    """router: the top-k's ancestors; expert: expert-weight users and what lies between two
-    of them; dispatch: what feeds an expert use; combine: the rest."""
+def _assign_roles(nodes: list[fx.Node], router: set[fx.Node], expert_params: set[fx.Node],
+                  topk: fx.Node) -> dict[fx.Node, str | None]:
+    """router: the top-k's ancestors; expert: what computes with the experts' weights
+    (token-side ops reading an expert weight or a view / gather of one, those views and
+    gathers, and what lies between two such ops); dispatch: what feeds an expert;
+    combine: what follows the top-k or an expert; no role: the rest (dense compute such as
+    a shared expert)."""
     region = set(nodes)
-    uses = [n for n in nodes if any(_param_of(a) in expert_params for a in n.all_input_nodes)
-            or n in expert_params or _param_of(n) in expert_params]
+    tokens = _token_side(nodes, topk)
+    weight_side: set[fx.Node] = set()
+    for n in nodes:                      # graph order: inputs before users
+        if n not in tokens and any(a in expert_params or a in weight_side for a in n.all_input_nodes):
+            weight_side.add(n)
+    uses = [n for n in nodes if n in tokens and any(a in expert_params or a in weight_side
+                                                    for a in n.all_input_nodes)]
     after = _descendants_within(uses, region)
     before: set[fx.Node] = set()
     for u in uses:
         before.update(_ancestors_within(u, region))
-    roles: dict[fx.Node, str] = {}
+    routed = _descendants_within([topk], region)
+    roles: dict[fx.Node, str | None] = {}
     for n in nodes:
         if n in router:
             roles[n] = "router"
-        elif n in uses or (n in after and n in before):
+        elif n in uses or (n in after and n in before) or (n in weight_side and n in before):
             roles[n] = "expert"
         elif n in before:
             roles[n] = "dispatch"
-        else:
+        elif n in after or n in routed:
             roles[n] = "combine"
+        else:
+            roles[n] = None
     return roles
+
+
+def token_side(gm: fx.GraphModule, region: MoERegion) -> set[fx.Node]:
+    """The nodes of ``region`` that the tokens reach other than through the routing top-k
+    (the router's own ops, the gathers of token rows, the experts' matmuls, ...)."""
+    nodes = _region_nodes(gm, region.fqn)
+    topk = routing_topk(gm, region)
+    return _token_side(nodes, topk) if topk is not None else set()
+
+
+def _token_side(nodes: list[fx.Node], topk: fx.Node) -> set[fx.Node]:
+    region = set(nodes) - {topk}
+    inputs = {a for n in nodes for a in n.all_input_nodes
+              if a not in region and a is not topk and info(a).kind not in ("param", "buffer", "constant")
+              and len(info(a).values) == 1}
+    seen: set[fx.Node] = set()
+    todo = [u for a in inputs for u in a.users if u in region]
+    while todo:
+        n = todo.pop()
+        if n not in seen and n in region:
+            seen.add(n)
+            todo.extend(n.users)
+    return seen
 
 
 def _descendants_within(starts: list[fx.Node], region: set[fx.Node]) -> set[fx.Node]:
@@ -141,4 +240,3 @@ def _param_of(node: fx.Node) -> fx.Node | None:
     while node.op == "call_function" and is_view_like(node) and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node if info(node).kind == "param" else None
-

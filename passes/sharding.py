@@ -193,6 +193,44 @@ def reset_warnings() -> None:
 from autopar.passes import sharding_rules, sharding_rules_library  # noqa: E402,F401
 
 
+_aten = torch.ops.aten
+# Ops whose output shares its input's storage.
+VIEW_OPS = {_aten.slice.Tensor, _aten.select.int, _aten.view.default, _aten.narrow.default,
+            _aten.as_strided.default, _aten.transpose.int, _aten.unsqueeze.default, _aten.squeeze.dim,
+            _aten.expand.default, _aten.permute.default, _aten.alias.default, _aten._unsafe_view.default,
+            _aten.t.default, _aten.diagonal.default, _aten.unflatten.int, _aten.split.Tensor}
+
+
+def written_in_place(gm: fx.GraphModule) -> set[fx.Node]:
+    """Values some op writes in place (``key[..., :d] = k`` becomes ``copy_`` into a slice of a
+    fresh tensor), with their bases, every view between, and the writing ops. These stay
+    replicated with no conversion between them, so the write lands in the storage later ops
+    read; a conversion that reads such a value is made just before its reader, after the writes."""
+    def base(node: fx.Node) -> fx.Node:
+        while node.op == "call_function" and node.target in VIEW_OPS and isinstance(node.args[0], fx.Node):
+            node = node.args[0]
+        return node
+
+    def views(node: fx.Node) -> set[fx.Node]:
+        out, stack = {node}, [node]
+        while stack:
+            for user in stack.pop().users:
+                if user.op == "call_function" and user.target in VIEW_OPS and user.args and user.args[0] in out \
+                        and user not in out:
+                    out.add(user)
+                    stack.append(user)
+        return out
+    group: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None or not schema.is_mutable:
+            continue
+        for arg, value in zip(schema.arguments, node.args):
+            if isinstance(value, fx.Node) and arg.alias_info is not None and arg.alias_info.is_write:
+                group |= views(base(value)) | {node}
+    return group
+
+
 def replication_reason(node: fx.Node) -> str | None:
     """Why ``node`` can only run replicated: the op's stated reason, or that it has no rule."""
     if node.op != "call_function" or node.target in IGNORED or \

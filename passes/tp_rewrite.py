@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from autopar.passes.meta import CollectiveInfo, NodeInfo, evaluate, info, set_info
-from autopar.passes.sharding import IGNORED, Strategy, tensor_inputs
+from autopar.passes.sharding import IGNORED, Strategy, tensor_inputs, written_in_place
 from autopar.placement import REP, Shard, Spec, comm_bytes, transition
 from autopar.runtime.collectives import LOCAL_OPS  # also registers torch.ops.autopar.redistribute
 
@@ -44,6 +44,7 @@ def tp_rewrite(gm: fx.GraphModule, solution: Mapping[str, Strategy], *, n: int, 
     specs: dict[fx.Node, tuple[Spec, ...]] = {}
     made: dict[tuple[fx.Node, Spec], fx.Node] = {}
     ctx = _Ctx(n, axis, group_name, dict(sizes), comm_time or (lambda kind, nbytes: 0.0), made)
+    ctx.written = written_in_place(gm)
     inserted = 0
     for node in list(graph.nodes):
         if node.op == "placeholder":
@@ -67,7 +68,7 @@ def tp_rewrite(gm: fx.GraphModule, solution: Mapping[str, Strategy], *, n: int, 
             have = specs[u][0]
             if have != need:
                 before = len(made)
-                node.replace_input_with(u, _conversion(graph, u, have, need, ctx))
+                node.replace_input_with(u, _conversion(graph, u, have, need, ctx, node))
                 inserted += len(made) - before
         specs[node] = strategy.outputs
         _localize_sizes(graph, node, strategy, n)
@@ -87,6 +88,7 @@ class _Ctx:
                  made: dict) -> None:
         self.n, self.axis, self.group_name, self.sizes = n, axis, group_name, sizes
         self.comm_time, self.made = comm_time, made
+        self.written: set[fx.Node] = set()
 
 
 def _placeholder_specs(node: fx.Node, solution: Mapping[str, Strategy]) -> tuple[Spec, ...]:
@@ -103,11 +105,14 @@ def _mark(node: fx.Node, outputs: tuple[Spec, ...], strategy: Strategy | None) -
         rec.strategy = str(strategy)
 
 
-def _conversion(graph: fx.Graph, u: fx.Node, have: Spec, need: Spec, ctx: _Ctx) -> fx.Node:
-    key = (u, need)
+def _conversion(graph: fx.Graph, u: fx.Node, have: Spec, need: Spec, ctx: _Ctx, reader: fx.Node) -> fx.Node:
+    """The node converting ``u`` to ``need``: made once, right after ``u``, or, for a value
+    written in place later, just before ``reader`` (after the writes)."""
+    late = u in ctx.written
+    key = (u, need, reader) if late else (u, need)
     if key in ctx.made:
         return ctx.made[key]
-    with graph.inserting_after(u):
+    with graph.inserting_before(reader) if late else graph.inserting_after(u):
         conv = graph.call_function(torch.ops.autopar.redistribute.default, (u, str(have) + _g(have), str(need) + _g(need),
                                                   ctx.group_name, ctx.n))
     src_rec = info(u)
@@ -144,7 +149,7 @@ def _convert_outputs(graph: fx.Graph, out: fx.Node, specs: dict, ctx: _Ctx) -> i
 
     def fix(a: fx.Node) -> fx.Node:
         if a in specs and specs[a][0] != REP:
-            return _conversion(graph, a, specs[a][0], REP, ctx)
+            return _conversion(graph, a, specs[a][0], REP, ctx, out)
         return a
     out.args = fx.node.map_arg(out.args, fix)
     return len(ctx.made) - before

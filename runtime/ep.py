@@ -9,10 +9,19 @@ runs its experts on ``[E/n, n*C, h]`` (the rows of all ranks side by side) and
 to each other: rank ``r`` owns ``perm[r*E/n:(r+1)*E/n]`` (the placement the planner chose).
 Both are autograd functions whose backward is the opposite exchange. The graph calls them
 as ``autopar_ep_dispatch(x, rid)`` / ``autopar_ep_combine(y, rid)`` nodes.
+
+Dropless layers (every routed token is computed, as current model libraries route) go through
+one graph node, ``autopar_ep_moe(x, ids, weights, params, lid)`` (:class:`DroplessMoE`): each
+(token, choice) pair is sent to the rank owning its expert, with the per-rank counts
+exchanged first so the all-to-all can use variable split sizes; the owner runs each of its
+experts on the rows it received, the outputs travel back the same way, and the token's
+output is the routing-weighted sum of its choices. The all-to-all's backward is the reverse
+all-to-all, so the gradients of the tokens, the weights and the experts are exact.
 """
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -105,6 +114,91 @@ def autopar_ep_combine(y: torch.Tensor, rid: int) -> torch.Tensor:
     return _Combine.apply(y, rid)
 
 
-EP_OPS = (autopar_ep_dispatch, autopar_ep_combine)
+class _AllToAllV(torch.autograd.Function):
+    """Rows ``x`` split by ``send`` counts go out, rows split by ``recv`` counts come in."""
 
-__all__ = ["EPRuntime", "autopar_ep_dispatch", "autopar_ep_combine", "EP_OPS"]
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _all_to_all_v(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all_v(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def _all_to_all_v(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
+
+
+_LAYERS: dict[int, "DroplessMoE"] = {}
+
+
+@dataclass
+class DroplessMoE:
+    """One dropless MoE layer on the expert axis ``rt``.
+
+    ``expert(slot, rows, params)`` runs this rank's ``slot``-th expert (``rt.owned()[slot]``)
+    on ``rows`` with this rank's expert parameters ``params`` (the graph's order); it must
+    give a gradient (zeros) to its parameters even for zero rows. ``out_dtype``: the dtype
+    of the layer's output in the single-device graph."""
+
+    rt: EPRuntime
+    expert: Callable[[int, torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
+    out_dtype: torch.dtype
+    id: int = -1
+
+    def __post_init__(self) -> None:
+        self.id = next(_IDS)
+        _LAYERS[self.id] = self
+        pos = [0] * self.rt.experts
+        for i, e in enumerate(self.rt.perm):
+            pos[e] = i
+        self._pos = torch.tensor(pos)                  # expert id -> place in owner order
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 params: Sequence[torch.Tensor]) -> torch.Tensor:
+        rt, h = self.rt, x.shape[-1]
+        per = rt.experts // rt.n
+        flat_x = x.reshape(-1, h)
+        tokens = flat_x.shape[0]
+        ids2 = ids.reshape(tokens, -1)
+        k = ids2.shape[1]
+        if self._pos.device != ids.device:
+            self._pos = self._pos.to(ids.device)
+        pos = self._pos[ids2.reshape(-1)]                          # pair (t, j) -> owner-order place
+        order = torch.sort(pos, stable=True).indices               # by owner rank, then by its expert
+        pos = pos[order]
+        send = torch.bincount(pos // per, minlength=rt.n)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=rt.group)
+        send_l, recv_l = send.tolist(), recv.tolist()
+        rows = _AllToAllV.apply(flat_x[order // k], send_l, recv_l, rt.group)
+        slots = _all_to_all_v(pos % per, send_l, recv_l, rt.group)
+        out = _AllToAllV.apply(self._run_experts(rows, slots, per, params), recv_l, send_l, rt.group)
+        pair_out = out[torch.argsort(order)]                       # back to (t, j) order
+        y = (pair_out.view(tokens, k, -1) * weights.reshape(tokens, k).unsqueeze(-1)).sum(dim=1)
+        return y.to(self.out_dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+    def _run_experts(self, rows: torch.Tensor, slots: torch.Tensor, per: int,
+                     params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Each local expert on the rows it received (from every rank), in the received order."""
+        order = torch.sort(slots, stable=True).indices
+        counts = torch.bincount(slots, minlength=per).tolist()
+        grouped = rows[order].split(counts)
+        outs = [self.expert(j, grouped[j], params) for j in range(per)]
+        return torch.cat(outs)[torch.argsort(order)]
+
+
+def autopar_ep_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, params: Sequence[torch.Tensor],
+                   lid: int) -> torch.Tensor:
+    """A dropless MoE layer's experts on the expert axis (graph node; see :class:`DroplessMoE`):
+    ``x`` the tokens ``[..., h]``, ``ids``/``weights`` the routing top-k ``[..., k]``."""
+    return _LAYERS[lid](x, ids, weights, params)
+
+
+EP_OPS = (autopar_ep_dispatch, autopar_ep_combine, autopar_ep_moe)
+
+__all__ = ["EPRuntime", "DroplessMoE", "autopar_ep_dispatch", "autopar_ep_combine", "autopar_ep_moe", "EP_OPS"]

@@ -15,8 +15,9 @@ _IDS = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=1, pad_token_id=2)
 
 
 def _llama_like(**extra):
-    return dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=48, max_position_embeddings=64, **_IDS, **extra)
+    base = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=48, max_position_embeddings=64, **_IDS)
+    return {**base, **extra}
 
 
 def configs():
@@ -42,6 +43,11 @@ def configs():
         "falcon": (T.FalconForCausalLM, T.FalconConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
                                                        **_IDS)),
         "bloom": (T.BloomForCausalLM, T.BloomConfig(n_layer=2, hidden_size=32, n_head=4, **_IDS)),
+        # multi-head latent attention (keys assembled by writing into slices of a new tensor); dense layers
+        "deepseek_v3": (T.DeepseekV3ForCausalLM, T.DeepseekV3Config(
+            **_llama_like(num_key_value_heads=4, first_k_dense_replace=2, q_lora_rank=None, kv_lora_rank=16,
+                          qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, moe_intermediate_size=24,
+                          n_routed_experts=4, n_group=2, topk_group=1))),
     }
 
 

@@ -175,3 +175,13 @@ def test_capacity_factor_is_a_plan_field():
     res = run_ranks(_train, 2, MOE, {"ep": 2}, 2, 8, False, 0.5)
     _check(res, MOE["experts"], 2)
     assert all(r["capacity"] == 0.5 for r in res)
+
+
+def test_autopar_train_moe_matches_its_single_process_run(capsys):
+    """Dropping tokens over a capacity counted per call: the single-process reference of
+    ``autopar train`` runs the ranks' micro-batches, not the whole batch in one call."""
+    from autopar.cli import main
+    code = main(["train", "--model", "moe", "--ranks", "2", "--steps", "2", "--batch", "4", "--seq", "8",
+                 "--set", "layers=1", "--set", "hidden=32", "--set", "vocab=64", "--set", "capacity_factor=0.5"])
+    out = capsys.readouterr().out
+    assert code == 0 and "above 1e-5" not in out, out
