@@ -165,6 +165,8 @@ def _base_layout(model: nn.Module, fqn: str, shape: tuple[int, ...], local_shape
     from autopar.placement import Shard, parse
     kind = _kind(model)
     experts = getattr(model, "expert_params", ())
+    if kind == "parallel" and getattr(model, "expert_storage", {}).get(fqn) == "whole":
+        return _whole(shape)            # a whole expert module this rank owns (a ModuleList member)
     if kind == "parallel" and fqn in experts:
         for region in graph_info(model.graph_module).moe_regions:
             if fqn in region.expert_params:

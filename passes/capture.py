@@ -81,23 +81,33 @@ def capture(model: nn.Module, example_inputs: Any = (), *, kwargs: Mapping[str, 
     return gm
 
 
+def _cache_configs(model: nn.Module) -> list[Any]:
+    """The distinct configs with ``use_cache`` on, of the model and its submodules (an
+    encoder-decoder keeps a copy per stack)."""
+    out: dict[int, Any] = {}
+    for module in model.modules():
+        cfg = getattr(module, "config", None)
+        if getattr(cfg, "use_cache", False) is True:
+            out.setdefault(id(cfg), cfg)
+    return list(out.values())
+
+
 def uses_cache(model: nn.Module) -> bool:
     """Does the model keep an inference cache it would return (``config.use_cache``)?"""
-    return bool(getattr(getattr(model, "config", None), "use_cache", False))
+    return bool(_cache_configs(model))
 
 
 @contextmanager
 def training_config(model: nn.Module) -> Iterator[None]:
     """``config.use_cache`` off while the model is traced: a training graph has no cache."""
-    cfg = getattr(model, "config", None)
-    if not uses_cache(model):
-        yield
-        return
-    cfg.use_cache = False
+    configs = _cache_configs(model)
+    for cfg in configs:
+        cfg.use_cache = False
     try:
         yield
     finally:
-        cfg.use_cache = True
+        for cfg in configs:
+            cfg.use_cache = True
 
 
 @contextmanager

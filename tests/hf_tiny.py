@@ -43,6 +43,10 @@ def configs():
         "falcon": (T.FalconForCausalLM, T.FalconConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
                                                        **_IDS)),
         "bloom": (T.BloomForCausalLM, T.BloomConfig(n_layer=2, hidden_size=32, n_head=4, **_IDS)),
+        # encoder-decoder; one embedding tied to both stacks and the head; use_cache on in each stack's config
+        "t5": (T.T5ForConditionalGeneration, T.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2,
+                                                        num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
+                                                        pad_token_id=2, eos_token_id=1)),
         # multi-head latent attention (keys assembled by writing into slices of a new tensor); dense layers
         "deepseek_v3": (T.DeepseekV3ForCausalLM, T.DeepseekV3Config(
             **_llama_like(num_key_value_heads=4, first_k_dense_replace=2, q_lora_rank=None, kv_lora_rank=16,

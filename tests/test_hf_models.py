@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 import hf_tiny  # noqa: E402 - after the importorskip
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt_neox", "gpt2", "opt", "falcon",
-         "bloom", "deepseek_v3"]
+         "bloom", "deepseek_v3", "t5"]
 STEPS = 3
 LR = 0.05
 # Parameter errors are relative to the parameter's largest entry, or to FLOOR for one that
@@ -98,7 +98,7 @@ def run_cases(rank: int, world: int, cases: list) -> list[dict]:
 # GPT-2, Bloom, Qwen2) into lr-sized steps.
 TOL = {torch.float32: 1e-5, torch.float64: 1e-5}
 F32, F64 = torch.float32, torch.float64
-TP_F32 = ("llama", "gemma2", "falcon")
+TP_F32 = ("llama", "falcon")
 
 
 def _world2_cases() -> list:
@@ -119,7 +119,7 @@ WORLD4_CASES = [(arch, {"dp": 2, "tp": 2}, zero, F64, "sgd") for arch in ("llama
 def _check(case: tuple, res: dict) -> None:
     arch, mesh, zero, dtype, opt = case
     what = f"{arch} {mesh} zero={zero} {dtype} {opt}: {res}"
-    assert "CausalLMOutput" in res["output"], what
+    assert "LMOutput" in res["output"], what
     assert res["keys"], what
     assert res["loss"] <= TOL[dtype], what
     assert res["param"] <= TOL[dtype], what
@@ -131,7 +131,7 @@ def _check(case: tuple, res: dict) -> None:
 # attention and MLP projections of both layers (fused qkv counts once).
 MIN_SPLIT = {"llama": 14, "mistral": 14, "qwen2": 14, "qwen3": 14, "gemma2": 14, "gemma3": 14, "phi3": 8,
              "gpt_neox": 8, "gpt2": 8, "opt": 12, "falcon": 8, "bloom": 8,
-             "deepseek_v3": 8}
+             "deepseek_v3": 8, "t5": 16}
 
 
 @pytest.fixture(scope="module")
