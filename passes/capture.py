@@ -11,7 +11,9 @@ Works on the ``meta`` device: nothing is allocated.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import os
 import linecache
 import logging
@@ -123,11 +125,15 @@ def _quiet_export() -> Iterator[None]:
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.CRITICAL)
+    printed = io.StringIO()            # export prints the partial graph of a failure to stderr itself
     try:
-        yield
+        with contextlib.redirect_stderr(printed):
+            yield
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
+        if printed.getvalue():
+            log.debug("torch.export printed:\n%s", printed.getvalue())
 
 
 def flat_labels(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],

@@ -96,3 +96,22 @@ def test_symbolic_dim_needs_example_size_two():
 def test_not_a_module_is_rejected():
     with pytest.raises(InputMismatchError, match="nn.Module"):
         capture(lambda x: x, (torch.randn(2),))
+
+
+class _Branches(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y * 2 if y.sum() > 0 else y
+
+
+def test_a_failed_capture_prints_autopar_error_only(capsys):
+    """torch.export prints the partial graph of a failure to stderr; autopar keeps it for -v."""
+    with pytest.raises(CaptureError) as err:
+        capture(_Branches(), (torch.randn(2, 4),))
+    assert "data" in err.value.fix
+    printed = capsys.readouterr()
+    assert "def forward" not in printed.err and "def forward" not in printed.out
