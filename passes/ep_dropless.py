@@ -399,26 +399,23 @@ def _params_of(n: fx.Node, params: set[fx.Node]) -> set[fx.Node]:
     return out
 
 
-def _ancestors(starts: Sequence[fx.Node]) -> set[fx.Node]:
+def _reach(todo: list[fx.Node], step) -> set[fx.Node]:
+    """Every node reached from ``todo`` by repeatedly following ``step(node)``."""
     seen: set[fx.Node] = set()
-    todo = [a for s in starts for a in s.all_input_nodes]
     while todo:
         n = todo.pop()
         if n not in seen:
             seen.add(n)
-            todo.extend(n.all_input_nodes)
+            todo.extend(step(n))
     return seen
+
+
+def _ancestors(starts: Sequence[fx.Node]) -> set[fx.Node]:
+    return _reach([a for s in starts for a in s.all_input_nodes], lambda n: n.all_input_nodes)
 
 
 def _descendants(starts: Sequence[fx.Node]) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    todo = list(starts)
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.users)
-    return seen
+    return _reach(list(starts), lambda n: n.users)
 
 
 __all__ = ["DroplessLayer", "ExpertChain", "LocalExperts", "Unsupported", "find_dropless", "check_dropless"]
