@@ -1,1 +1,1 @@
-"""autopar.runtime: execution of rewritten per-rank graphs on torch.distributed (later issues)."""
+"""autopar.runtime: execution of rewritten per-rank graphs on torch.distributed."""
