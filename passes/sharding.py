@@ -233,7 +233,7 @@ def written_in_place(gm: fx.GraphModule) -> set[fx.Node]:
 
 def replication_reason(node: fx.Node) -> str | None:
     """Why ``node`` can only run replicated: the op's stated reason, or that it has no rule."""
-    if node.op != "call_function" or node.target in IGNORED or \
+    if not is_decision(node) or \
             node.target in RULES and RULES[node.target] is not sharding_rules_library.replicated_by_design:
         return None
     return sharding_rules_library.replication_reason(node.target) or f"no sharding rule for {node.target}"

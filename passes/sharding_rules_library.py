@@ -41,6 +41,9 @@ REPLICATED = {
     aten.nll_loss_forward.default: "the loss reads whole rows over the classes",
     aten.add_.Tensor: "an in-place update of a value other ops may read",
     aten.copy_.default: "an in-place copy",
+    aten.fill_.Tensor: "an in-place write",
+    aten.fill_.Scalar: "an in-place write",
+    aten.masked_fill_.Scalar: "an in-place write",
 }
 for _op in FACTORIES:
     REPLICATED.setdefault(_op, "makes a new tensor from sizes: every rank makes the whole one")
