@@ -1,6 +1,6 @@
 """Validate the planner's simulator against Megatron-LM's published weak-scaling table.
 
-Command:  python bench/validate_megatron.py [--rows 0,1,...] [--csv ../shared/anchors/megatron_weak_scaling.csv]
+Command:  python bench/validate_megatron.py [--rows 0,1,...] [--csv bench/anchors/megatron_weak_scaling.csv]
 
 For every row of the table (Narayanan et al., SC'21, Table 1: GPT, vocabulary 51,200, sequence
 2048, fp16, A100 80 GB in DGX nodes of 8, full activation recomputation, dp = gpus / (tp*pp)):
@@ -50,7 +50,7 @@ from autopar.cost.plan_search import search  # noqa: E402
 from autopar.errors import ConfigError  # noqa: E402
 from autopar.workload import capture_workload, load_workload  # noqa: E402
 
-DEFAULT_CSV = Path(__file__).resolve().parents[2] / "shared" / "anchors" / "megatron_weak_scaling.csv"
+DEFAULT_CSV = Path(__file__).resolve().parent / "anchors" / "megatron_weak_scaling.csv"
 TOLERANCE = 0.15
 
 

@@ -13,7 +13,7 @@ from autopar.cost.compute import is_compute_bound, matmul_time, op_time, ridge_p
 from autopar.cost.hardware import DeviceSpec, load_hardware
 from autopar.errors import ConfigError
 
-ANCHORS = Path(__file__).resolve().parents[2] / "shared" / "anchors" / "hardware.csv"
+ANCHORS = Path(__file__).resolve().parents[1] / "bench" / "anchors" / "hardware.csv"
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 
 

@@ -1,5 +1,5 @@
 """Published-scale models analysed on the meta device, checked against analytic formulas
-(the transformer FLOP and parameter formulas of ../shared/anchors/README.md)."""
+(the transformer FLOP and parameter formulas of bench/anchors/README.md)."""
 from __future__ import annotations
 
 import pytest
