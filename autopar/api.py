@@ -524,17 +524,6 @@ def _torch_dtype(name: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name, torch.float32)
 
 
-def _dim_map(example_inputs: Any, dims: Any) -> dict[str, tuple[int, int]]:
-    """:func:`input_dims` of positional inputs."""
-    args = _as_args(example_inputs)
-    labels = dims if dims is not None else default_dims(args)
-    out: dict[str, tuple[int, int]] = {}
-    for i, d in enumerate(labels or ()):
-        for dim, name in (d or {}).items():
-            out.setdefault(name, (i, dim))
-    return out
-
-
 def input_dims(model: nn.Module, example_inputs: Any, dims: Any,
                kwargs: Mapping[str, Any] | None = None) -> dict[str, tuple[int, int]]:
     """Named size -> (user input index in call order, dim) of its first appearance."""
