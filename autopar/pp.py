@@ -232,9 +232,6 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
     from autopar.passes.pp_split import shared_params, split_stages
     from autopar.runtime.pp import PipelineModule, StageModule, stage_inputs_of
 
-    if zero_stage not in (None, 0):
-        raise ConfigError(f"ZeRO stage {zero_stage} is not supported with a pipeline axis yet", where="parallelize",
-                          fix="use zero_stage=0 (gradients averaged over dp after each step) with pp")
     if not dist.is_initialized():
         raise ConfigError("parallelize needs an initialised process group", where="parallelize",
                           fix="call torch.distributed.init_process_group (torchrun sets the environment) first")
@@ -252,6 +249,7 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
                             expected=str(plan.mesh), got=str(dict(axes)),
                             fix="pass the mesh the plan was made for, or re-plan for this mesh")
         schedule, microbatches, virtual_stages = plan.schedule, plan.microbatches, plan.virtual_stages
+        zero_stage = plan.zero_stage
     sizes = dict(axes)
     world = math.prod(sizes.values())
     mesh = device_mesh(mesh, axes)
@@ -323,6 +321,7 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
                     params=placements or {k: "R" for k, _ in model.named_parameters()},
                     nodes=dict(tp_plan.nodes) if tp_plan is not None else {}, predicted=final.as_dict(),
                     model=type(model).__name__, dp_axis="dp" if "dp" in sizes else None, pp_axis="pp",
+                    zero_stage=(zero_stage or 0) if sizes.get("dp", 1) > 1 else 0,
                     stage_starts=tuple(starts), schedule=choice_s, microbatches=choice_m,
                     virtual_stages=choice_v, shapes={k: list(q.shape) for k, q in model.named_parameters()})
     the_plan = replace(the_plan, fingerprint=Plan.fingerprint_of(the_plan.shapes))
@@ -343,17 +342,19 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
         made.update({k: v for k, v in st.named_parameters(remove_duplicate=False)})
         mine.append(st)
     if recompute != "none":
-        if choice_s == "zb":
-            raise ConfigError("recomputation with the zero-bubble schedule is not supported yet", where="parallelize",
-                              got=f"recompute={recompute!r}, schedule='zb'",
-                              fix="use schedule='1f1b' or 'interleaved' with recompute, or recompute='none'")
         from autopar.runtime.recompute import layer_members
         layers = layer_members(gm) if recompute == "full" else ()
         for st in mine:
             st.set_recompute(recompute, layers)
     groups = _shared_groups(mesh, names, shared, p)
+    data = None
+    if dp_group is not None and sizes["dp"] > 1:
+        from autopar.runtime.stage_dp import StageDataAxis
+        data = StageDataAxis(((st.index, dict(st.named_parameters(remove_duplicate=False))) for st in mine),
+                             zero_stage=zero_stage or 0, n=sizes["dp"], rank=mesh.get_local_rank(names.index("dp")),
+                             group_name=dp_group.group_name, device=device, shared=groups)
     pm = PipelineModule(mine, plan=the_plan, schedule=choice_s, microbatches=choice_m, num_stages=final.stages,
-                        loss_fn=loss_fn, pp_group=pp_group, pp_rank=pp_rank, pp_size=p, dp_group=dp_group,
+                        loss_fn=loss_fn, pp_group=pp_group, pp_rank=pp_rank, pp_size=p, data=data,
                         shared=groups, device=device, keyword_names=list(kwargs), own_loss=own,
                         examples=[st.io_examples(tp_n, device, (*mb_args, *mb_kwargs.values()) if st.index == 0 else None)
                                   for st in mine])

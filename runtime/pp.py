@@ -25,12 +25,14 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
 from autopar.errors import ConfigError, InputMismatchError
 from autopar.passes.meta import graph_info, info
 from autopar.passes.pp_split import StageGraph
 from autopar.placement import Shard, Spec, parse
 from autopar.runtime.health import note_step
+from autopar.runtime.stage_dp import StageDataAxis
 from autopar.runtime.tp_module import _set
 
 SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
@@ -178,7 +180,7 @@ class PipelineModule(nn.Module):
 
     def __init__(self, stages: list[StageModule], *, plan: Any, schedule: str, microbatches: int,
                  num_stages: int, loss_fn: Callable, pp_group: dist.ProcessGroup, pp_rank: int, pp_size: int,
-                 dp_group: dist.ProcessGroup | None, shared: dict[str, dist.ProcessGroup],
+                 data: StageDataAxis | None, shared: dict[str, dist.ProcessGroup],
                  device: torch.device,
                  examples: list[tuple[tuple, tuple]] | None = None, keyword_names: Sequence[str] = (),
                  own_loss: bool = False) -> None:
@@ -190,25 +192,32 @@ class PipelineModule(nn.Module):
         self.microbatches = microbatches
         self._stages = stages            # not submodules: the parameters are registered below
         self._pp = (pp_group, pp_rank, pp_size)
-        self._dp = dp_group
+        self._data = [data]              # the data axis (runtime/stage_dp.py); not a submodule
         self._loss_fn = loss_fn
         self._own_loss = own_loss
         self.keyword_names = list(keyword_names)
         self._num_stages = num_stages
         self._device = device
         self._shared = dict(shared)      # parameter -> the group of pipeline ranks holding a copy
+        pieces = data.pieces if data is not None else {}
         for st in stages:
             for fqn, p in st.named_parameters(remove_duplicate=False):
-                _set(self, fqn, p)
+                _set(self, fqn, pieces.get(fqn, p))     # ZeRO-3: the module holds (and steps) pieces
             for fqn, b in st.named_buffers():
                 _set(self, fqn, b, buffer=True, persistent=fqn not in st.transient)
         for st in stages:
             st.is_last = st.index == num_stages - 1
         examples = examples or [(None, None)] * len(stages)
-        self._pipe_stages = [pipelining.PipelineStage(st, st.index, num_stages, device, input_args=ins,
-                                                      output_args=outs, group=pp_group)
+        self._pipe_stages = [_Stage(st, st.index, num_stages, device, input_args=ins, output_args=outs,
+                                    group=pp_group, on_last_backward=data.stage_done if data is not None else None)
                              for st, (ins, outs) in zip(stages, examples)]
+        if pieces:
+            self._register_state_dict_hook(_whole_pieces)
+            self._register_load_state_dict_pre_hook(self._to_pieces)
         cls = getattr(pipelining, SCHEDULE_CLASSES[schedule])
+        floats = [p.dtype for st in stages for p in st.parameters() if p.dtype.is_floating_point]
+        # every pipeline rank agrees on the loss's dtype (fp32, or fp64 for a float64 model)
+        self._loss_dtype = torch.promote_types(torch.float32, floats[0] if floats else torch.float32)
         self._first = any(st.index == 0 for st in stages)
         self._last = any(st.index == num_stages - 1 for st in stages)
         if schedule in MULTI:
@@ -223,6 +232,24 @@ class PipelineModule(nn.Module):
     @property
     def pp_rank(self) -> int:
         return self._pp[1]
+
+    @property
+    def data_axis(self) -> StageDataAxis | None:
+        return self._data[0]
+
+    @property
+    def dp_runtime(self):
+        """The data axis's bucket layout and ZeRO stage (what :func:`autopar.optimizer` and
+        checkpoints read), or None without a data axis."""
+        return self._data[0].rt if self._data[0] is not None else None
+
+    def _to_pieces(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        data = self._data[0]
+        for key in list(state_dict):
+            fqn = key[len(prefix):]
+            value = state_dict[key]
+            if fqn in data.pieces and isinstance(value, torch.Tensor) and value.shape != data.pieces[fqn].shape:
+                state_dict[key] = data.piece_of(value)
 
     def placement_of(self, fqn: str):
         """How a parameter is stored on the tensor axis (``Replicate`` without one)."""
@@ -248,11 +275,14 @@ class PipelineModule(nn.Module):
         if self._last and target is None:   # the model's own loss: the schedule still splits a target
             rows = next(t.shape[0] for t in inputs if isinstance(t, torch.Tensor)) if inputs else self.microbatches
             tgt = torch.zeros(rows, device=self._device)
+        data = self._data[0]
+        if data is not None:
+            data.begin_step()
         self._schedule.step(*args, target=tgt, losses=losses)
         self._sync_grads()
         pp_group, _, _ = self._pp
         loss = torch.stack([x.detach() for x in losses]).mean() if losses else torch.zeros((), device=self._device)
-        loss = loss.to(torch.float32)
+        loss = loss.to(self._loss_dtype)
         if self._pp[2] > 1:   # the last stage's loss to every pipeline rank
             src = dist.get_global_rank(pp_group, (self._num_stages - 1) % self._pp[2])
             dist.broadcast(loss, src=src, group=pp_group)
@@ -269,27 +299,46 @@ class PipelineModule(nn.Module):
         return [kwargs[k] for k in self.keyword_names]
 
     def _sync_grads(self) -> None:
-        params = dict(self.named_parameters(remove_duplicate=False))
+        """Sum the gradients of parameters several pipeline ranks hold, then finish the data
+        axis (its stage buckets left when each stage's backward ended)."""
+        params = {}
+        for st in self._stages:
+            params.update(st.named_parameters(remove_duplicate=False))
         for fqn in sorted(self._shared):   # a tied weight: sum its copies' gradients
             p = params[fqn]
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=self._shared[fqn])
-        if self._dp is not None and dist.get_world_size(self._dp) > 1:
-            n = dist.get_world_size(self._dp)
-            grads = [p.grad for p in self.parameters() if p.grad is not None]
-            if grads:
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(flat, group=self._dp)
-                flat.div_(n)
-                off = 0
-                for g in grads:
-                    g.copy_(flat[off:off + g.numel()].view_as(g))
-                    off += g.numel()
+        if self._data[0] is not None:
+            self._data[0].end_step()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise ConfigError("a pipelined model is trained with step(), not called", where="PipelineModule",
                           fix="loss = pm.step(inputs, target=targets); then optimizer.step()")
+
+
+class _Stage(PipelineStage):
+    """torch's pipeline stage, telling the data axis when the schedule has run this stage's
+    last micro-batch backward (its ``REDUCE_GRAD`` action, after the gradient scaling)."""
+
+    def __init__(self, *args: Any, on_last_backward: Callable[[int], None] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._on_last_backward = on_last_backward
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        super().perform_reduce_grad(grad_scale_factor)
+        if self._on_last_backward is not None:
+            self._on_last_backward(self.stage_index)
+
+
+def _whole_pieces(module: PipelineModule, state_dict: dict, prefix: str, local_metadata: Any) -> dict:
+    """ZeRO-3: ``state_dict()`` holds whole (tensor-axis-local) values, gathered from the pieces."""
+    data = module.data_axis
+    for key in list(state_dict):
+        fqn = key[len(prefix):]
+        if fqn in data.pieces:
+            state_dict[key] = data.whole_local(fqn, state_dict[key])
+    return state_dict
 
 
 def stage_inputs_of(gm: fx.GraphModule) -> list[str]:
