@@ -32,7 +32,7 @@ from autopar.passes.pp_split import CutPlan, OpCosts, op_costs, plan_cuts
 
 log = logging.getLogger("autopar.pp")
 
-AXES = ("pp", "dp", "tp")            # the order a pipeline mesh lists them in (pp outermost)
+AXES = ("pp", "dp", "ep", "tp")      # the order a pipeline mesh lists them in (pp outermost)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 # torch's zero-bubble schedules run autograd twice per micro-batch (input gradients, then
 # weight gradients from the saved graph); on this project's 2-core CPU that backward costs
@@ -77,9 +77,9 @@ def pipeline_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
     names = [a for a, _ in axes]
     order = [a for a in AXES if a in names]
     if names != order or len(set(names)) != len(names) or any(n < 1 for _, n in axes):
-        raise MeshError("pipeline mesh axes must be pp, then dp and/or tp, each of size >= 1", where="mesh",
-                        expected="e.g. {'pp': 2}, {'pp': 2, 'dp': 2} or {'pp': 2, 'tp': 2}", got=str(dict(axes)),
-                        fix="list the axes in the order pp, dp, tp (ep is not supported with pp)")
+        raise MeshError("pipeline mesh axes must be pp, then dp, ep and/or tp, each of size >= 1", where="mesh",
+                        expected="e.g. {'pp': 2}, {'pp': 2, 'dp': 2}, {'pp': 2, 'ep': 2} or {'pp': 2, 'tp': 2}",
+                        got=str(dict(axes)), fix="list the axes in the order pp, dp, ep, tp")
     return axes
 
 
@@ -259,6 +259,7 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
     pp_group, pp_rank = mesh.get_group(names.index("pp")), mesh.get_local_rank(names.index("pp"))
     dp_group = mesh.get_group(names.index("dp")) if "dp" in names else None
     tp_n = sizes.get("tp", 1)
+    ep_n = sizes.get("ep", 1)
     tp_group = mesh.get_group(names.index("tp")) if "tp" in names else None
     tp_rank = mesh.get_local_rank(names.index("tp")) if "tp" in names else 0
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
@@ -299,14 +300,23 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
         given = None if plan is None else replace(plan, mesh={"tp": tp_n}, dp_axis=None, pp_axis=None,
                                                   stage_starts=(), schedule=None)
         gm, tp_plan = planned_graph(model, {"tp": tp_n}, mb_args, example_kwargs=mb_kwargs, dims=(), after="rewrite",
-                                    hardware=hardware,
-                                    group_name=tp_group.group_name, memory_budget=memory_budget, plan=given)
+                                    hardware=hardware, group_name=tp_group.group_name, memory_budget=memory_budget,
+                                    plan=given, pinned=in_experts if ep_n > 1 else None)
         placements = dict(tp_plan.params)
     else:
         gm, placements = _capture(model, mb_args, (), mb_kwargs), {}
     own = loss_fn is None
     loss_fn = loss_fn or own_loss(gm)
     del default_dims
+    tensors = model_tensors(model, sync=sync_params)
+    experts: dict[str, str] = {}
+    if ep_n > 1:   # each MoE layer's experts spread over the ep axis, on the whole graph before the cuts
+        if zero_stage:
+            raise ConfigError(f"ZeRO-{zero_stage} with experts inside a pipeline is not supported", where="parallelize",
+                              got=f"mesh {dict(axes)}, zero_stage={zero_stage}",
+                              fix="use zero_stage=0 with pp and ep, or drop one of the two axes")
+        experts = split_experts(gm, tensors, group=mesh.get_group(names.index("ep")), n=ep_n,
+                                rank=mesh.get_local_rank(names.index("ep")))
 
     # 3. cuts on this graph (or the plan's)
     costs = op_costs(gm, node_time=node_time_fn(cluster.device, dtype), tp=tp_n)
@@ -321,6 +331,7 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
                     params=placements or {k: "R" for k, _ in model.named_parameters()},
                     nodes=dict(tp_plan.nodes) if tp_plan is not None else {}, predicted=final.as_dict(),
                     model=type(model).__name__, dp_axis="dp" if "dp" in sizes else None, pp_axis="pp",
+                    ep_axis="ep" if ep_n > 1 else None,
                     zero_stage=(zero_stage or 0) if sizes.get("dp", 1) > 1 else 0,
                     stage_starts=tuple(starts), schedule=choice_s, microbatches=choice_m,
                     virtual_stages=choice_v, shapes={k: list(q.shape) for k, q in model.named_parameters()})
@@ -328,7 +339,6 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
     shared = shared_params(stages)
 
     # 4. this rank's stages
-    tensors = model_tensors(model, sync=sync_params)
     trainable = {k: q.requires_grad for k, q in model.named_parameters()}
     inputs = stage_inputs_of(gm)
     mine: list[StageModule] = []
@@ -347,20 +357,85 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
         for st in mine:
             st.set_recompute(recompute, layers)
     groups = _shared_groups(mesh, names, shared, p)
-    data = None
-    if dp_group is not None and sizes["dp"] > 1:
-        from autopar.runtime.stage_dp import StageDataAxis
-        data = StageDataAxis(((st.index, dict(st.named_parameters(remove_duplicate=False))) for st in mine),
-                             zero_stage=zero_stage or 0, n=sizes["dp"], rank=mesh.get_local_rank(names.index("dp")),
-                             group_name=dp_group.group_name, device=device, shared=groups)
+    data = _data_axes(mine, mesh, names, sizes, zero_stage or 0, set(experts), groups, device)
     pm = PipelineModule(mine, plan=the_plan, schedule=choice_s, microbatches=choice_m, num_stages=final.stages,
                         loss_fn=loss_fn, pp_group=pp_group, pp_rank=pp_rank, pp_size=p, data=data,
                         shared=groups, device=device, keyword_names=list(kwargs), own_loss=own,
                         examples=[st.io_examples(tp_n, device, (*mb_args, *mb_kwargs.values()) if st.index == 0 else None)
                                   for st in mine])
     pm.stage_graphs = stages
+    pm.expert_storage = {f: how for f, (how, _) in experts.items()}    # fqn -> "rows" | "whole"
+    pm.expert_owned = {f: owned for f, (_, owned) in experts.items()}  # fqn -> the experts this rank holds
     pm.pipeline_plan = final       # the simulator's view: stage times, step time, bubble
     return pm
+
+
+def in_experts(node: fx.Node) -> bool:
+    from autopar.ep import _in_experts
+    return _in_experts(node)
+
+
+def split_experts(gm: fx.GraphModule, tensors: dict[str, torch.Tensor], *, group: Any, n: int,
+                  rank: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Rewrite every MoE layer of ``gm`` for the expert exchange over ``group`` (experts in
+    order, ``E/n`` per rank), keep this rank's experts' rows in ``tensors``, and return how
+    each expert parameter is stored (``rows`` of a stacked tensor, or ``whole`` owned modules)
+    with the experts this rank owns."""
+    from autopar.ep import _checked_plans, contiguous
+    from autopar.passes.ep_rewrite import ep_rewrite
+    from autopar.runtime.ep import EPRuntime
+
+    plans = _checked_plans(gm, tensors)
+    regions = [q.region for q in plans if q.kind != "dense"]
+    rts = {r.fqn: EPRuntime(n=n, rank=rank, group=group, perm=contiguous(r.num_experts, n).perm) for r in regions}
+    stored = ep_rewrite(gm, plans, rts)
+    region_of = {f: r.fqn for r in regions for f in r.expert_params}
+    for fqn, how in stored.items():
+        if how == "rows":
+            owned = torch.tensor(rts[region_of[fqn]].owned())
+            tensors[fqn] = tensors[fqn].detach().index_select(0, owned).clone()
+    return {fqn: (how, tuple(rts[region_of[fqn]].owned())) for fqn, how in stored.items()}
+
+
+def _data_axes(mine: list, mesh, names: list[str], sizes: Mapping[str, int], zero_stage: int, experts: set[str],
+               shared: Mapping[str, Any], device: torch.device) -> list:
+    """The data axes of this rank's stages (runtime/stage_dp.py): every parameter's gradient
+    is averaged over the ranks that computed it on other rows of the batch — the dense
+    parameters over dp x ep (each ep rank has its own rows), the experts over dp (their owner
+    already received every ep rank's rows through the exchange), both divided by dp x ep."""
+    from autopar.runtime.stage_dp import StageDataAxis
+
+    dp, ep = sizes.get("dp", 1), sizes.get("ep", 1)
+    named = [(st.index, dict(st.named_parameters(remove_duplicate=False))) for st in mine]
+    out = []
+    for axes, keep in ((("dp", "ep"), lambda f: f not in experts), (("dp",), lambda f: f in experts)):
+        group, n, rank = axes_group(mesh, names, [a for a in axes if sizes.get(a, 1) > 1])
+        if dp * ep == 1 or (axes == ("dp",) and not experts):
+            continue       # nothing to sum and nothing to scale
+        parts = [(i, {f: q for f, q in ps.items() if keep(f)}) for i, ps in named]
+        out.append(StageDataAxis(parts, zero_stage=zero_stage, n=n, rank=rank,
+                                 group_name=group.group_name if group is not None else "",
+                                 device=device, shared=shared, divide_by=dp * ep))
+    return out
+
+
+def axes_group(mesh, names: list[str], axes: list[str]) -> tuple[Any, int, int]:
+    """(process group, size, this rank's index) of the mesh axes ``axes`` taken together at
+    this rank's place on the others. Every rank creates every such group, in one order."""
+    if not axes:
+        return None, 1, 0
+    if len(axes) == 1:
+        d = names.index(axes[0])
+        return mesh.get_group(d), mesh.size(d), mesh.get_local_rank(d)
+    dims = [names.index(a) for a in axes]
+    rest = [d for d in range(len(names)) if d not in dims]
+    grid = mesh.mesh.permute(*rest, *dims).reshape(-1, math.prod(mesh.size(d) for d in dims))
+    me, mine = dist.get_rank(), None
+    for row in grid.tolist():
+        g = dist.new_group(row)
+        if me in row:
+            mine = (g, len(row), row.index(me))
+    return mine
 
 
 def own_loss(gm: fx.GraphModule) -> Callable:

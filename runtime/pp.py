@@ -180,7 +180,7 @@ class PipelineModule(nn.Module):
 
     def __init__(self, stages: list[StageModule], *, plan: Any, schedule: str, microbatches: int,
                  num_stages: int, loss_fn: Callable, pp_group: dist.ProcessGroup, pp_rank: int, pp_size: int,
-                 data: StageDataAxis | None, shared: dict[str, dist.ProcessGroup],
+                 data: Sequence[StageDataAxis], shared: dict[str, dist.ProcessGroup],
                  device: torch.device,
                  examples: list[tuple[tuple, tuple]] | None = None, keyword_names: Sequence[str] = (),
                  own_loss: bool = False) -> None:
@@ -192,14 +192,14 @@ class PipelineModule(nn.Module):
         self.microbatches = microbatches
         self._stages = stages            # not submodules: the parameters are registered below
         self._pp = (pp_group, pp_rank, pp_size)
-        self._data = [data]              # the data axis (runtime/stage_dp.py); not a submodule
+        self._data = list(data)          # the data axes (runtime/stage_dp.py); not submodules
         self._loss_fn = loss_fn
         self._own_loss = own_loss
         self.keyword_names = list(keyword_names)
         self._num_stages = num_stages
         self._device = device
         self._shared = dict(shared)      # parameter -> the group of pipeline ranks holding a copy
-        pieces = data.pieces if data is not None else {}
+        pieces = {f: q for d in self._data for f, q in d.pieces.items()}
         for st in stages:
             for fqn, p in st.named_parameters(remove_duplicate=False):
                 _set(self, fqn, pieces.get(fqn, p))     # ZeRO-3: the module holds (and steps) pieces
@@ -209,7 +209,7 @@ class PipelineModule(nn.Module):
             st.is_last = st.index == num_stages - 1
         examples = examples or [(None, None)] * len(stages)
         self._pipe_stages = [_Stage(st, st.index, num_stages, device, input_args=ins, output_args=outs,
-                                    group=pp_group, on_last_backward=data.stage_done if data is not None else None)
+                                    group=pp_group, on_last_backward=self._stage_done)
                              for st, (ins, outs) in zip(stages, examples)]
         if pieces:
             self._register_state_dict_hook(_whole_pieces)
@@ -234,21 +234,28 @@ class PipelineModule(nn.Module):
         return self._pp[1]
 
     @property
-    def data_axis(self) -> StageDataAxis | None:
-        return self._data[0]
+    def data_axes(self) -> list[StageDataAxis]:
+        return list(self._data)
 
     @property
     def dp_runtime(self):
         """The data axis's bucket layout and ZeRO stage (what :func:`autopar.optimizer` and
-        checkpoints read), or None without a data axis."""
-        return self._data[0].rt if self._data[0] is not None else None
+        checkpoints read), or None without one. With experts (two data axes, ZeRO-0) the
+        gradients are averaged in place and a plain optimizer steps them: None too."""
+        return self._data[0].rt if len(self._data) == 1 else None
+
+    def _stage_done(self, index: int) -> None:
+        for d in self._data:
+            d.stage_done(index)
+
+    def _axis_of(self, fqn: str) -> StageDataAxis | None:
+        return next((d for d in self._data if fqn in d.pieces), None)
 
     def _to_pieces(self, state_dict: dict, prefix: str, *args: Any) -> None:
-        data = self._data[0]
         for key in list(state_dict):
             fqn = key[len(prefix):]
-            value = state_dict[key]
-            if fqn in data.pieces and isinstance(value, torch.Tensor) and value.shape != data.pieces[fqn].shape:
+            value, data = state_dict[key], self._axis_of(fqn)
+            if data is not None and isinstance(value, torch.Tensor) and value.shape != data.pieces[fqn].shape:
                 state_dict[key] = data.piece_of(value)
 
     def placement_of(self, fqn: str):
@@ -275,8 +282,7 @@ class PipelineModule(nn.Module):
         if self._last and target is None:   # the model's own loss: the schedule still splits a target
             rows = next(t.shape[0] for t in inputs if isinstance(t, torch.Tensor)) if inputs else self.microbatches
             tgt = torch.zeros(rows, device=self._device)
-        data = self._data[0]
-        if data is not None:
+        for data in self._data:
             data.begin_step()
         self._schedule.step(*args, target=tgt, losses=losses)
         self._sync_grads()
@@ -309,8 +315,8 @@ class PipelineModule(nn.Module):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=self._shared[fqn])
-        if self._data[0] is not None:
-            self._data[0].end_step()
+        for data in self._data:
+            data.end_step()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise ConfigError("a pipelined model is trained with step(), not called", where="PipelineModule",
@@ -333,11 +339,10 @@ class _Stage(PipelineStage):
 
 def _whole_pieces(module: PipelineModule, state_dict: dict, prefix: str, local_metadata: Any) -> dict:
     """ZeRO-3: ``state_dict()`` holds whole (tensor-axis-local) values, gathered from the pieces."""
-    data = module.data_axis
     for key in list(state_dict):
-        fqn = key[len(prefix):]
-        if fqn in data.pieces:
-            state_dict[key] = data.whole_local(fqn, state_dict[key])
+        data = module._axis_of(key[len(prefix):])
+        if data is not None:
+            state_dict[key] = data.whole_local(key[len(prefix):], state_dict[key])
     return state_dict
 
 

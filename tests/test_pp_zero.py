@@ -32,9 +32,11 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def _case(mesh: dict, *, schedule: str, virtual: int | None = None, zero: int = 0, recompute: str = "none",
           name: str = "llama", layers: int = 2, dtype: torch.dtype = torch.float32, micro: int = 2,
           batch: int = 4, seq: int = 8) -> dict:
-    dp, tp = mesh.get("dp", 1), mesh.get("tp", 1)
+    dp, tp = mesh.get("dp", 1) * mesh.get("ep", 1), mesh.get("tp", 1)   # each dp and ep rank: its own rows
     torch.manual_seed(0)
-    over = {k: v for k, v in {**SMALL, "layers": layers}.items() if name == "llama" or k != "kv_heads"}
+    over = {k: v for k, v in {**SMALL, "layers": layers}.items() if name != "gpt" or k != "kv_heads"}
+    if name == "moe":      # a capacity no routing can exceed: micro-batches drop no token
+        over.update(experts=4, top_k=2, capacity_factor=4.0)
     model = models.build(name, over, device="cpu").to(dtype)
     ref = copy.deepcopy(model)
     torch.manual_seed(1)
@@ -70,6 +72,8 @@ def _case(mesh: dict, *, schedule: str, virtual: int | None = None, zero: int = 
     for fqn, v in pm.state_dict().items():
         v = v.full_tensor() if hasattr(v, "full_tensor") else v
         want = ref_state[fqn]
+        if pm.expert_storage.get(fqn) == "rows":                # this ep rank's experts' rows
+            want = want[list(pm.expert_owned[fqn])]
         if v.shape != want.shape:
             dim = next(d for d in range(v.dim()) if v.shape[d] != want.shape[d])
             want = want.chunk(tp, dim)[dist.get_rank() % tp]
@@ -80,7 +84,9 @@ def _case(mesh: dict, *, schedule: str, virtual: int | None = None, zero: int = 
             "held": held, "slices": slices,
             "stepped_numel": sum(m.numel() for m in stepped.values()) if stepped else None,
             "whole_numel": sum(p.numel() for p in ref.parameters()),
-            "checkpointed": sum(len(st._recompute) for st in pm.stages), "zero": pm.plan.zero_stage}
+            "checkpointed": sum(len(st._recompute) for st in pm.stages), "zero": pm.plan.zero_stage,
+            "experts_held": {f: tuple(q.shape) for st in pm.stages for f, q in st.named_parameters()
+                             if f in pm.expert_storage}}
 
 
 def _all(rank: int, world: int, cases: list[tuple[dict, dict]]) -> list[dict]:
@@ -95,8 +101,10 @@ FOUR += [
     (PP2_DP2, {"schedule": "zb", "zero": 2, "recompute": "full", "dtype": torch.float64}),
     (PP2_DP2, {"schedule": "zb", "recompute": "full", "micro": 4, "layers": 4}),
     (PP2_DP2, {"schedule": "zb", "recompute": "selective", "micro": 4, "name": "gpt"}),
+    ({"pp": 2, "ep": 2}, {"schedule": "1f1b", "name": "moe", "dtype": torch.float64}),
 ]
-EIGHT = [({"pp": 2, "dp": 2, "tp": 2}, {"schedule": "1f1b", "zero": 2, "recompute": "selective", "name": "gpt"})]
+EIGHT = [({"pp": 2, "dp": 2, "tp": 2}, {"schedule": "1f1b", "zero": 2, "recompute": "selective", "name": "gpt"}),
+         ({"pp": 2, "dp": 2, "ep": 2}, {"schedule": "interleaved", "virtual": 2, "layers": 4, "name": "moe"})]
 
 
 def _check(mesh: dict, opts: dict, results: list[dict]) -> None:
@@ -120,6 +128,9 @@ def _check(mesh: dict, opts: dict, results: list[dict]) -> None:
         assert any(r["checkpointed"] > 0 for r in results)
     if mesh.get("tp", 1) > 1:
         assert any(r["slices"] for r in results)
+    if mesh.get("ep", 1) > 1:       # each rank holds half of each stacked expert tensor
+        held = [shape for r in results for shape in r["experts_held"].values()]
+        assert held and all(shape[0] == 2 for shape in held), held
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +144,12 @@ def test_pipeline_cases_on_four_ranks(four, i):
     _check(mesh, opts, [rank[i] for rank in four])
 
 
-def test_pp2_dp2_tp2_zero2_selective_on_eight_ranks():
-    res = run_ranks(_all, 8, EIGHT, timeout_s=600)
-    mesh, opts = EIGHT[0]
-    _check(mesh, opts, [rank[0] for rank in res])
+@pytest.fixture(scope="module")
+def eight():
+    return run_ranks(_all, 8, EIGHT, timeout_s=600)
+
+
+@pytest.mark.parametrize("i", range(len(EIGHT)), ids=lambda i: f"{EIGHT[i][0]}-{EIGHT[i][1]}")
+def test_pipeline_cases_on_eight_ranks(eight, i):
+    mesh, opts = EIGHT[i]
+    _check(mesh, opts, [rank[i] for rank in eight])
