@@ -407,17 +407,15 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
                           fix="call torch.distributed.init_process_group (torchrun sets the environment) first")
     check_devices(model, (*args, *kwargs.values()),
                   "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
-    if _has_axis(mesh, "ep") or (plan is not None and plan.ep_axis is not None):
-        if plan is not None:
-            raise ConfigError("re-applying a saved expert-parallel plan is not supported yet", where="parallelize",
-                              got="plan= with an ep axis",
-                              fix="call parallelize without plan= (placement comes from calibration=)")
+    pipelined = _has_axis(mesh, "pp") or (plan is not None and plan.pp_axis is not None)
+    if not pipelined and (_has_axis(mesh, "ep") or (plan is not None and plan.ep_axis is not None)):
         from autopar.ep import parallelize_experts
-        return parallelize_experts(model, mesh, args, hardware=hardware, memory_budget=memory_budget,
+        return parallelize_experts(model, mesh if plan is None or not isinstance(mesh, int) else plan.mesh,
+                                   args, hardware=hardware, memory_budget=memory_budget,
                                    sync_params=sync_params, calibration=calibration,
                                    placement=expert_placement, dims=dims, capacity_factor=capacity_factor,
-                                   example_kwargs=kwargs)
-    if _has_axis(mesh, "pp") or (plan is not None and plan.pp_axis is not None):
+                                   example_kwargs=kwargs, plan=plan)
+    if pipelined:
         from autopar.pp import parallelize_pipeline
         return parallelize_pipeline(model, mesh if plan is None or not isinstance(mesh, int) else plan.mesh,
                                     args, loss_fn=loss_fn, schedule=schedule,
@@ -511,7 +509,7 @@ def optimizer(module: Any, optimizer_cls: type, params: Any = None, **kwargs: An
                              got=type(module).__name__,
                              fix="pm = autopar.parallelize(model, mesh, inputs); autopar.optimizer(pm, ...)")
     check_optimizer_class(optimizer_cls)
-    if isinstance(module, PipelineModule):   # each rank steps the parameters of its own stages
+    if isinstance(module, PipelineModule) and not module.dp_runtimes:   # its own stages' parameters
         params = check_params(module, params)
         return optimizer_cls(params if params is not None else module.parameters(), **kwargs)
     if getattr(module, "ep_runtimes", None):
