@@ -311,10 +311,6 @@ def parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, lo
     tensors = model_tensors(model, sync=sync_params)
     experts: dict[str, str] = {}
     if ep_n > 1:   # each MoE layer's experts spread over the ep axis, on the whole graph before the cuts
-        if zero_stage:
-            raise ConfigError(f"ZeRO-{zero_stage} with experts inside a pipeline is not supported", where="parallelize",
-                              got=f"mesh {dict(axes)}, zero_stage={zero_stage}",
-                              fix="use zero_stage=0 with pp and ep, or drop one of the two axes")
         experts = split_experts(gm, tensors, group=mesh.get_group(names.index("ep")), n=ep_n,
                                 rank=mesh.get_local_rank(names.index("ep")))
 
@@ -399,23 +395,24 @@ def split_experts(gm: fx.GraphModule, tensors: dict[str, torch.Tensor], *, group
 
 def _data_axes(mine: list, mesh, names: list[str], sizes: Mapping[str, int], zero_stage: int, experts: set[str],
                shared: Mapping[str, Any], device: torch.device) -> list:
-    """The data axes of this rank's stages (runtime/stage_dp.py): every parameter's gradient
-    is averaged over the ranks that computed it on other rows of the batch — the dense
-    parameters over dp x ep (each ep rank has its own rows), the experts over dp (their owner
-    already received every ep rank's rows through the exchange), both divided by dp x ep."""
+    """The data axes of this rank's stages (runtime/stage_dp.py): each parameter's gradient is
+    averaged over the ranks that computed it on other rows of the batch — the dense parameters
+    over dp x ep (each ep rank has its own rows), the experts over dp (their owner already
+    received every ep rank's rows through the exchange, runtime/ep.py)."""
+    from autopar.runtime.ep import average_over_senders
     from autopar.runtime.stage_dp import StageDataAxis
 
-    dp, ep = sizes.get("dp", 1), sizes.get("ep", 1)
     named = [(st.index, dict(st.named_parameters(remove_duplicate=False))) for st in mine]
+    if experts:
+        average_over_senders([q for _, ps in named for f, q in ps.items() if f in experts], sizes["ep"])
     out = []
     for axes, keep in ((("dp", "ep"), lambda f: f not in experts), (("dp",), lambda f: f in experts)):
         group, n, rank = axes_group(mesh, names, [a for a in axes if sizes.get(a, 1) > 1])
-        if dp * ep == 1 or (axes == ("dp",) and not experts):
-            continue       # nothing to sum and nothing to scale
+        if n == 1:
+            continue
         parts = [(i, {f: q for f, q in ps.items() if keep(f)}) for i, ps in named]
-        out.append(StageDataAxis(parts, zero_stage=zero_stage, n=n, rank=rank,
-                                 group_name=group.group_name if group is not None else "",
-                                 device=device, shared=shared, divide_by=dp * ep))
+        out.append(StageDataAxis(parts, zero_stage=zero_stage, n=n, rank=rank, group_name=group.group_name,
+                                 device=device, shared=shared))
     return out
 
 

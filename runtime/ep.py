@@ -201,4 +201,18 @@ def autopar_ep_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, pa
 
 EP_OPS = (autopar_ep_dispatch, autopar_ep_combine, autopar_ep_moe)
 
-__all__ = ["EPRuntime", "DroplessMoE", "autopar_ep_dispatch", "autopar_ep_combine", "autopar_ep_moe", "EP_OPS"]
+
+def average_over_senders(params: Sequence[torch.Tensor], n: int) -> None:
+    """Divide the gradients of expert parameters by the expert axis's size ``n`` as they arrive.
+
+    An expert's owner computes its gradient on the rows every rank of the expert axis sent it,
+    and each rank's loss is a mean over its own rows, so the owner receives the sum of ``n``
+    ranks' mean-loss gradients; the whole batch's mean loss wants their mean. (The dense
+    parameters get the same mean by averaging over the expert axis as over a data axis.)"""
+    for p in params:
+        if p.requires_grad and not getattr(p, "_autopar_ep_scaled", False):
+            p.register_hook(lambda g, n=n: g / n)
+            p._autopar_ep_scaled = True
+
+__all__ = ["EPRuntime", "DroplessMoE", "autopar_ep_dispatch", "autopar_ep_combine", "autopar_ep_moe", "EP_OPS",
+           "average_over_senders"]

@@ -70,13 +70,17 @@ def check_params(module: nn.Module, params: Iterable | None) -> Any:
 
 
 class ShardedOptimizer:
-    """See the module docstring. Build with :func:`autopar.optimizer`."""
+    """See the module docstring. Build with :func:`autopar.optimizer`. A model may have several
+    data axes (with experts: the dense parameters on ``dp x ep``, the experts on ``dp``), one
+    runtime each, all at the same ZeRO stage; each parameter is stepped as its own axis says."""
 
     def __init__(self, module: Any, optimizer_cls: type, params: Iterable | None = None, **kwargs: Any) -> None:
         check_optimizer_class(optimizer_cls)
         self.module = module
-        self.rt = module.dp_runtime
+        self.rts = [rt for rt in _runtimes(module) if rt is not None]
+        self.rt = self.rts[0] if self.rts else None
         self.stage = self.rt.stage if self.rt is not None else 0
+        self._rt_of = {fqn: rt for rt in self.rts for fqn in rt.where}
         named = dict(module.named_parameters())
         self._fqn_of = {id(p): f for f, p in named.items()}
         self.masters: dict[str, torch.Tensor] = {}
@@ -84,15 +88,16 @@ class ShardedOptimizer:
         for fqn, p in named.items():
             if not p.requires_grad:
                 continue
+            rt = self._rt_of.get(fqn)
             if self.mixed:        # fp32 masters apart from the compute-dtype parameters
                 whole = module._master_init.pop(fqn, None)
                 whole = p.detach().to(self.rt.master_dtype) if whole is None else whole
-                if self.stage in (1, 2):
-                    lo, hi = shard_range(p.numel(), self.rt.n, self.rt.rank)
+                if self.stage in (1, 2) and rt is not None:
+                    lo, hi = shard_range(p.numel(), rt.n, rt.rank)
                     whole = whole.reshape(-1)[lo:hi]
                 self.masters[fqn] = nn.Parameter(whole.clone())
-            elif self.stage in (1, 2):
-                lo, hi = shard_range(p.numel(), self.rt.n, self.rt.rank)
+            elif self.stage in (1, 2) and rt is not None:
+                lo, hi = shard_range(p.numel(), rt.n, rt.rank)
                 self.masters[fqn] = nn.Parameter(p.detach().view(-1)[lo:hi])
             else:
                 self.masters[fqn] = p
@@ -130,8 +135,8 @@ class ShardedOptimizer:
         self.inner.zero_grad(set_to_none=set_to_none)
         for p in self.module.parameters():
             p.grad = None
-        if self.rt is not None:
-            self.rt.sinks.clear()
+        for rt in self.rts:
+            rt.sinks.clear()
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -143,9 +148,10 @@ class ShardedOptimizer:
         elif self.stage == 2 or self.mixed:
             named = self._named()
             for fqn, m in self.masters.items():
-                g = self.rt.sinks.get(fqn)
-                if g is None and self.rt.n == 1 and named[fqn].grad is not None:   # no data axis
-                    g = named[fqn].grad
+                rt = self._rt_of.get(fqn, self.rt)
+                g = rt.sinks.get(fqn)
+                if g is None and (rt.n == 1 or fqn not in self._rt_of) and named[fqn].grad is not None:
+                    g = named[fqn].grad     # no data axis for this parameter: its own gradient
                 m.grad = g.reshape(-1)[:m.numel()].view(m.shape).to(m.dtype) if g is not None else None
         out = self.inner.step()
         if self.stage in (1, 2):
@@ -163,16 +169,17 @@ class ShardedOptimizer:
         return dict(self.module.named_parameters())
 
     def _reduce_scatter_grads(self) -> None:
-        rt, named = self.rt, self._named()
+        named = self._named()
         pending = []
-        for b in rt.buckets:
-            grads = [named[f].grad for f in b.fqns]
-            if all(g is None for g in grads):
-                pending.append(None)
-                continue
-            rows = b.to_rows(grads, rt.reduce_dtype).div_(rt.n)
-            pending.append(_c10d.reduce_scatter_tensor(rows.view(-1), "sum", rt.n, rt.group_name))
-        for b, h in zip(rt.buckets, pending):
+        for rt in self.rts:
+            for b in rt.buckets:
+                grads = [named[f].grad for f in b.fqns]
+                if all(g is None for g in grads):
+                    pending.append((b, None))
+                    continue
+                rows = b.to_rows(grads, rt.reduce_dtype).div_(rt.n)
+                pending.append((b, _c10d.reduce_scatter_tensor(rows.view(-1), "sum", rt.n, rt.group_name)))
+        for b, h in pending:
             got = _c10d.wait_tensor(h) if h is not None else None
             for fqn, piece in zip(b.fqns, b.row_pieces(got) if got is not None else [None] * len(b.fqns)):
                 m = self.masters.get(fqn)
@@ -180,24 +187,25 @@ class ShardedOptimizer:
                     m.grad = piece[:m.numel()].to(m.dtype) if piece is not None else None
 
     def _gather_params(self) -> None:
-        rt, named = self.rt, self._named()
+        named = self._named()
         pending = []
-        for b in rt.buckets:
-            row = torch.zeros(b.width, dtype=rt.param_dtype, device=rt.device)
-            for i, fqn in enumerate(b.fqns):
-                m = self.masters[fqn]
-                row[b.offsets[i]:b.offsets[i] + m.numel()] = m.detach().view(-1)
-            pending.append(_c10d.all_gather_into_tensor(row, rt.n, rt.group_name))
-        for b, h in zip(rt.buckets, pending):
-            fulls = b.from_rows(_c10d.wait_tensor(h).view(rt.n, b.width))
+        for rt in self.rts:
+            for b in rt.buckets:
+                row = torch.zeros(b.width, dtype=rt.param_dtype, device=rt.device)
+                for i, fqn in enumerate(b.fqns):
+                    m = self.masters[fqn]
+                    row[b.offsets[i]:b.offsets[i] + m.numel()] = m.detach().view(-1)
+                pending.append((b, _c10d.all_gather_into_tensor(row, rt.n, rt.group_name)))
+        for b, h in pending:
+            fulls = b.from_rows(_c10d.wait_tensor(h).view(b.rt.n, b.width))
             for fqn, full in zip(b.fqns, fulls):
                 named[fqn].data.copy_(full)
 
     # -- state_dict with original names and whole (tensor-axis-local) state ----------------------
     def _whole(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
-        if self.stage == 0 or not isinstance(t, torch.Tensor) or t.dim() == 0:
+        if self.stage == 0 or not isinstance(t, torch.Tensor) or t.dim() == 0 or fqn not in self._rt_of:
             return t
-        rt = self.rt
+        rt = self._rt_of[fqn]
         b, i = rt.where[fqn]
         bucket = rt.buckets[b]
         piece = torch.zeros(bucket.chunks[i], dtype=t.dtype, device=t.device)
@@ -206,10 +214,11 @@ class ShardedOptimizer:
         return got[:bucket.numels[i]].view(bucket.shapes[i]).clone()
 
     def _piece(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
-        if self.stage == 0 or not isinstance(t, torch.Tensor) or t.dim() == 0:
+        if self.stage == 0 or not isinstance(t, torch.Tensor) or t.dim() == 0 or fqn not in self._rt_of:
             return t
         m = self.masters[fqn]
-        lo, hi = shard_range(t.numel(), self.rt.n, self.rt.rank)
+        rt = self._rt_of[fqn]
+        lo, hi = shard_range(t.numel(), rt.n, rt.rank)
         out = torch.zeros(m.numel(), dtype=t.dtype, device=t.device)
         out[:hi - lo] = t.reshape(-1)[lo:hi]
         return out
@@ -239,3 +248,12 @@ class ShardedOptimizer:
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer(ZeRO-{self.stage}, {self.inner!r})"
+
+
+def _runtimes(module: Any) -> list:
+    """The data-axis runtimes of a parallel module (one per data axis; none without one)."""
+    rts = getattr(module, "dp_runtimes", None)
+    if rts is not None:
+        return list(rts)
+    rt = getattr(module, "dp_runtime", None)
+    return [rt] if rt is not None else []

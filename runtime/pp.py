@@ -238,11 +238,10 @@ class PipelineModule(nn.Module):
         return list(self._data)
 
     @property
-    def dp_runtime(self):
-        """The data axis's bucket layout and ZeRO stage (what :func:`autopar.optimizer` and
-        checkpoints read), or None without one. With experts (two data axes, ZeRO-0) the
-        gradients are averaged in place and a plain optimizer steps them: None too."""
-        return self._data[0].rt if len(self._data) == 1 else None
+    def dp_runtimes(self) -> list:
+        """Each data axis's bucket layout and ZeRO stage (what :func:`autopar.optimizer` and
+        checkpoints read): none, one, or with experts two (dense on dp x ep, experts on dp)."""
+        return [d.rt for d in self._data]
 
     def _stage_done(self, index: int) -> None:
         for d in self._data:

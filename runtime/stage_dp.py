@@ -38,18 +38,15 @@ from autopar.runtime.dp import Bucket, DPRuntime, shard_range
 class StageDataAxis:
     """The data axis of this rank's stages (module docstring). ``stages`` are
     ``(stage index, {state_dict key: the Parameter the stage computes with})``; ``shared``
-    names the parameters several pipeline ranks hold; ``divide_by`` is how many ranks' rows
-    the summed gradient covers (``n``, or ``dp x ep`` for experts reduced over ``dp`` only)."""
+    names the parameters several pipeline ranks hold."""
 
     def __init__(self, stages: Iterable[tuple[int, dict[str, nn.Parameter]]], *, zero_stage: int, n: int, rank: int,
-                 group_name: str, device: torch.device, shared: Iterable[str] = (),
-                 divide_by: int | None = None) -> None:
+                 group_name: str, device: torch.device, shared: Iterable[str] = ()) -> None:
         stages = list(stages)
         master = next((p.dtype for _, ps in stages for p in ps.values() if p.dtype.is_floating_point), torch.float32)
         self.rt = DPRuntime(stage=zero_stage, n=n, rank=rank, group_name=group_name, device=device,
                             master_dtype=master)
         self.zero_stage = zero_stage
-        self.divide_by = divide_by or n      # the gradient is the sum over this many ranks' rows
         self.params: dict[str, nn.Parameter] = {}
         self.pieces: dict[str, nn.Parameter] = {}          # ZeRO-3: what the module registers and steps
         self._bucket_of: dict[int, Bucket] = {}             # stage index -> its bucket
@@ -118,17 +115,12 @@ class StageDataAxis:
         grads = [self.params[f].grad for f in b.fqns]
         if self.zero_stage == 1 or all(g is None for g in grads):
             return
-        if rt.n == 1:          # one rank computed these rows' gradients, summed over divide_by ranks' rows
-            for g in grads:
-                if g is not None:
-                    g.div_(self.divide_by)
-            return
         if self.zero_stage == 0:
             flat = torch.cat([(g if g is not None else torch.zeros_like(self.params[f])).reshape(-1).to(rt.reduce_dtype)
-                              for f, g in zip(b.fqns, grads)]).div_(self.divide_by)
+                              for f, g in zip(b.fqns, grads)]).div_(rt.n)
             self._pending.append((b, _c10d.all_reduce_(flat, "sum", rt.group_name)))
             return
-        rows = b.to_rows(grads, rt.reduce_dtype).div_(self.divide_by)
+        rows = b.to_rows(grads, rt.reduce_dtype).div_(rt.n)
         self._pending.append((b, _c10d.reduce_scatter_tensor(rows.view(-1), "sum", rt.n, rt.group_name)))
 
     def _land(self, b: Bucket, got: torch.Tensor) -> None:
