@@ -102,6 +102,9 @@ def _plan(args: argparse.Namespace) -> int:
     from autopar.cost.cluster import Cluster
     from autopar.cost.dp_planner import plan_dp
     from autopar.workload import capture_workload, load_workload, parse_overrides
+    if args.save_plan and args.pp != "auto":
+        raise ConfigError("--save-plan writes the joint search's plan", where="autopar plan",
+                          got=f"--pp {args.pp}", fix="drop --pp (the default, auto, searches every parallelism)")
     cluster = Cluster.from_spec(args.cluster, hardware=args.hardware)
     mixed = None if args.dtype == "fp32" else args.dtype
     stages = (0, 1, 2, 3) if args.zero == "auto" else (int(args.zero),)
@@ -355,6 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="auto (default): search dp x tp x pp, ZeRO, recomputation, micro-batches and schedule "
                          "jointly; 1: data and tensor parallelism only; N: this many pipeline stages")
     pl.add_argument("--report", metavar="OUT.html", help="with --pp auto: write the plan as one HTML page")
+    pl.add_argument("--save-plan", metavar="PLAN.json",
+                    help="with --pp auto: write the chosen configuration as JSON, for `autopar train --plan`")
     pl.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb"],
                     help="with --pp: the pipeline schedule (default: the simulator's choice)")
     pl.add_argument("--microbatches", type=int, help="with --pp: micro-batches per step (default: chosen)")
@@ -392,8 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="list the model zoo")
     m.set_defaults(fn=_models)
 
-    sub.add_parser("train", help="plan a small model for local CPU ranks and train it, loss beside the "
-                   "single-process loss (autopar train --help)")
+    sub.add_parser("train", help="train a small model on local CPU ranks under a plan (--plan PLAN.json, "
+                   "scaled down) or one planned for them, loss beside the single-process loss (autopar train --help)")
     sub.add_parser("calibrate", help="measure this machine and write a hardware profile "
                    "(autopar calibrate --help)")
     return p
@@ -403,7 +408,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"]:  # its own flags, parsed by autopar.train
         from autopar import train
-        return train.main(argv[1:])
+        try:
+            return train.main(argv[1:])
+        except AutoparError as exc:   # a bad plan file or flag: the message, not a traceback
+            print(f"autopar: error: {exc}", file=sys.stderr)
+            return 2
     if argv[:1] == ["calibrate"]:  # its own flags, parsed by autopar.cost.calibrate
         from autopar.cost import calibrate
         return calibrate.main(argv[1:])

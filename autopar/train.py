@@ -1,20 +1,28 @@
-"""``autopar train``: plan a small model for local CPU ranks, train it, and check every step.
+"""``autopar train``: train a small model on local CPU ranks under a plan, and check every step.
 
-The planner (``cost/hybrid.py``) searches dp x tp x pp, ZeRO, recomputation, micro-batches
-and schedule for ``--ranks`` gloo ranks on this machine (the ``cpu`` hardware) and keeps the
-fastest configuration the runtime can run (:func:`runtime_gaps`). The ranks then train the
-model with it, and each step's loss is printed beside the loss of the same model trained in
-one process on the whole batch. A model whose mixture-of-experts layers have a token capacity
-(tokens over it are dropped) routes each call's tokens against that call's capacity, so the
-whole batch in one call is another computation than the same batch in micro-batches: there the
-single process runs the ranks' micro-batches one after another, as the ranks do. ``--save DIR``
-checkpoints the parallel run and the reference after the steps; ``--resume DIR`` starts from
-such a checkpoint under whatever plan this run chooses (another rank count gives another plan),
-so re-planning a run is checked step by step too.
+Two ways to get the plan. ``--plan PLAN.json`` reads what ``autopar plan ... --save-plan``
+chose for a real cluster (:class:`~autopar.cli_hybrid.SavedPlan`) and builds that structure
+scaled down to the local ranks (:func:`scale_down`): every axis the plan splits gets degree
+2, in the order pp, dp, tp, while ranks last, and the ZeRO stage, schedule, virtual stages,
+recomputation and micro-batches per step stay the plan's; the model is the plan's zoo model
+made small (:func:`small_overrides`). Without ``--plan`` the planner (``cost/hybrid.py``)
+searches dp x tp x pp x ep, ZeRO, recomputation, micro-batches and schedule for ``--ranks``
+gloo ranks on this machine (the ``cpu`` hardware) and keeps the fastest configuration.
+
+The ranks then train the model, and each step's loss is printed beside the loss of the same
+model trained in one process on the whole batch. A model whose mixture-of-experts layers
+have a token capacity (tokens over it are dropped) routes each call's tokens against that
+call's capacity, so the whole batch in one call is another computation than the same batch
+in micro-batches: there the single process runs the ranks' micro-batches one after another,
+as the ranks do. ``--save DIR`` checkpoints the parallel run and the reference after the
+steps; ``--resume DIR`` starts from such a checkpoint under whatever plan this run uses
+(another rank count gives another plan), so re-planning a run is checked step by step too.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import os
 import sys
 import time
@@ -23,29 +31,72 @@ import torch
 
 from autopar.errors import ConfigError, DoesNotFitError
 
-
-def runtime_gaps(c) -> list[str]:
-    """What autopar's runtime cannot build yet for configuration ``c`` (empty: it can)."""
-    gaps = []
-    if c.pp > 1:
-        if c.zero_stage:
-            gaps.append(f"ZeRO-{c.zero_stage} inside a pipeline")
-        if c.recompute != "none" and c.schedule == "zb":
-            gaps.append(f"{c.recompute} recomputation with the zero-bubble schedule")
-        if getattr(c, "ep", 1) > 1:
-            gaps.append("expert parallelism inside a pipeline")
-    elif c.zero_stage == 3 and c.recompute != "none":
-        gaps.append("recomputation under ZeRO-3")
-    return gaps
+SCALE_ORDER = ("pp", "dp", "tp")        # the axes scale_down gives ranks to, first to last
+SMALL = {"hidden": 64, "heads": 4, "vocab": 256, "kv_heads": 2, "ffn": 256}   # the small model's sizes
 
 
-def runnable(c) -> bool:
-    """Can the runtime build this configuration today?"""
-    return not runtime_gaps(c)
+def scale_down(c, ranks: int) -> tuple:
+    """The plan ``c`` (a :class:`~autopar.cost.hybrid.Config`) scaled down to ``ranks`` local
+    ranks, and one note per axis saying how it was scaled.
+
+    Each axis of :data:`SCALE_ORDER` the plan splits (degree > 1) gets degree 2 while the
+    ranks last; the rest get 1 (dropped, and said so). The expert axis is a sub-axis of the
+    data axis in the planner, so a plan with ``ep > 1`` keeps ``ep = 2`` across the two data
+    replicas (it needs no ranks of its own). The ZeRO stage, recomputation, micro-batch size,
+    schedule and virtual stages are the plan's; only what needs a dropped axis goes (ZeRO
+    without a data axis, the schedule without a pipeline). The product of the degrees is the
+    number of ranks the scaled plan uses, at most ``ranks``."""
+    if type(ranks) is not int or ranks < 1:
+        raise ConfigError("the rank count must be a positive integer", where="--ranks", got=repr(ranks),
+                          fix="e.g. --ranks 8")
+    degree, used, notes = {"pp": 1, "dp": 1, "tp": 1}, 1, []
+    for axis in SCALE_ORDER:
+        planned = getattr(c, axis)
+        if planned == 1:
+            continue
+        if used * 2 <= ranks:
+            degree[axis], used = 2, used * 2
+            notes.append(f"{axis} {planned} -> 2")
+        else:
+            notes.append(f"{axis} {planned} -> 1 (no ranks left)")
+    ep = 2 if c.ep > 1 and degree["dp"] == 2 else 1
+    if c.ep > 1:
+        notes.append(f"ep {c.ep} -> {ep}" + (" (no data axis to hold it)" if ep == 1 else
+                                              " (over both data replicas)" if c.dp > c.ep else ""))
+    zero = c.zero_stage if degree["dp"] > 1 else 0
+    if zero != c.zero_stage:
+        notes.append(f"ZeRO-{c.zero_stage} -> ZeRO-0 (no data axis to shard over)")
+    pipelined = degree["pp"] > 1
+    if c.pp > 1 and not pipelined:
+        notes.append(f"the {c.schedule} schedule goes with the pipeline")
+    scaled = dataclasses.replace(c, dp=degree["dp"], tp=degree["tp"], pp=degree["pp"], ep=ep, zero_stage=zero,
+                                 schedule=c.schedule if pipelined else "gpipe", virtual=c.virtual if pipelined else 1)
+    return scaled, notes
+
+
+def small_overrides(name: str, plan_overrides: dict, *, stages: int, seq: int) -> dict:
+    """The overrides that make the zoo model ``name`` (with the plan's own overrides) small:
+    hidden 64, 4 heads, vocab 256 (and 2 key/value heads, an FFN of 256 where the family has
+    them), ``max_seq`` = ``seq``, and layers the smallest multiple of ``stages`` (pp x virtual
+    stages, so every stage gets the same layers) that is at least 4. Expert counts, top-k and
+    capacity stay the family's, so a mixture-of-experts plan trains experts."""
+    from autopar import models
+
+    if name not in models.list_models():
+        raise ConfigError(f"autopar train builds zoo models; {name!r} is not one", where="plan file, field model",
+                          expected=f"one of {', '.join(models.list_models())}", got=repr(name),
+                          fix="plan a zoo model of the same family, e.g. autopar plan --model gpt3-175b ... "
+                              "--save-plan plan.json")
+    have = {f.name for f in dataclasses.fields(models.get_config(name, plan_overrides))}
+    if "vocab" not in have:
+        raise ConfigError(f"autopar train trains token models; {name!r} takes no tokens", where="autopar train",
+                          got=name, fix="plan a gpt, llama or moe family model")
+    layers = stages * math.ceil(4 / stages)
+    return {**plan_overrides, "layers": layers, **{k: v for k, v in SMALL.items() if k in have}, "max_seq": seq}
 
 
 def choose(name: str, overrides: dict, ranks: int, batch: int, seq: int):
-    """The fastest runnable configuration by the simulator, and how many were scored."""
+    """The fastest configuration by the simulator, and how many were scored."""
     from autopar.cost.cluster import Cluster
     from autopar.cost.hybrid import ModelFacts, simulate
     from autopar.cost.plan_search import configurations
@@ -57,7 +108,7 @@ def choose(name: str, overrides: dict, ranks: int, batch: int, seq: int):
     best, scored = None, 0
     for c in configurations(facts, devices=ranks, batch=batch, per_node=ranks, recomputes=("none", "full"),
                             schedules=("1f1b", "gpipe", "interleaved")):
-        if not runnable(c) or (c.pp > 1 and batch // c.dp // c.micro_batch < c.pp):
+        if c.pp > 1 and batch // c.dp // c.micro_batch < c.pp:
             continue
         try:
             s = simulate(facts, cluster, c, batch=batch)
@@ -67,7 +118,7 @@ def choose(name: str, overrides: dict, ranks: int, batch: int, seq: int):
         if s.fits and (best is None or s.step_time_s < best.step_time_s):
             best = s
     if best is None:
-        raise DoesNotFitError("no configuration the runtime can run fits", where="autopar train",
+        raise DoesNotFitError("no configuration fits", where="autopar train",
                               fix="use fewer ranks or a larger batch")
     return best, scored
 
@@ -78,6 +129,9 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: int, seq: int, steps: int,
           save: str | None = None, resume: str | None = None) -> dict:
+    """One rank of ``autopar train``: the model parallelized under ``cfg`` (a :func:`_cfg` dict)
+    and, beside it, the same model in one process on the whole batch; ``steps`` AdamW steps of
+    both, returning each step's (parallel loss, single-process loss, seconds)."""
     import copy
 
     import torch.distributed as dist
@@ -93,18 +147,14 @@ def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: i
     target = torch.randint(0, model.config.vocab, (batch, seq))
     dp, tp, pp = cfg["dp"], cfg["tp"], cfg["pp"]
     calls = batch // cfg["micro_batch"] if _capacity_routed(model) else 1   # the reference's calls per step
-    share = (rank // tp) % dp
+    share = (rank // tp) % dp      # the data share: dp counts every data replica, ep ranks included
     local, local_t = tuple(a.chunk(dp)[share] for a in args), target.chunk(dp)[share]
-    mesh = {k: v for k, v in (("pp", pp), ("dp", dp), ("tp", tp)) if v > 1} or {"dp": 1}
+    mesh = runtime_mesh(cfg)
     budget = 0.75 * 16 * sum(p.numel() for p in model.parameters()) if tp > 1 else None  # make tp split
-    if pp > 1:
-        pm = autopar.parallelize(model, mesh, local, loss_fn=_loss, schedule=cfg["schedule"],
-                                 microbatches=batch // dp // cfg["micro_batch"],
-                                 virtual_stages=cfg["virtual"] if cfg["schedule"] == "interleaved" else None,
-                                 memory_budget=budget, recompute=cfg["recompute"])
-    else:
-        pm = autopar.parallelize(model, mesh, local, zero_stage=cfg["zero_stage"], recompute=cfg["recompute"],
-                                 memory_budget=budget)
+    pipeline = dict(loss_fn=_loss, schedule=cfg["schedule"], microbatches=batch // dp // cfg["micro_batch"],
+                    virtual_stages=cfg["virtual"] if cfg["schedule"] == "interleaved" else None) if pp > 1 else {}
+    pm = autopar.parallelize(model, mesh, local, zero_stage=cfg["zero_stage"], recompute=cfg["recompute"],
+                             memory_budget=budget, **pipeline)
     opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     first, resumed = 0, None
@@ -150,37 +200,30 @@ def _capacity_routed(model: torch.nn.Module) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from autopar.workload import parse_overrides
     from autopar.runtime.launch import run_ranks
 
     ap = argparse.ArgumentParser(prog="autopar train", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gpt", help="zoo name (default gpt)")
+    ap.add_argument("--plan", metavar="PLAN.json", help="train under this plan (from `autopar plan ... --save-plan`), "
+                    "scaled down to --ranks: each axis it splits gets degree 2 in the order pp, dp, tp, with its "
+                    "ZeRO stage, schedule, virtual stages, recomputation and micro-batches per step; the model is "
+                    "the plan's, made small (hidden 64, heads 4, vocab 256)")
+    ap.add_argument("--model", help="without --plan: zoo name (default gpt)")
     ap.add_argument("--set", action="append", metavar="KEY=VALUE", default=[],
-                    help="model overrides (default layers=4 hidden=64 heads=4 vocab=256 max_seq=32)")
-    ap.add_argument("--ranks", type=int, default=4)
+                    help="model overrides, applied last (default layers=4 hidden=64 heads=4 vocab=256 max_seq=SEQ)")
+    ap.add_argument("--ranks", type=int, default=4, help="local CPU ranks (default 4; with --plan, at most this many)")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", type=int, help="without --plan: global batch (default 8; with --plan it is the "
+                    "data replicas x micro-batch x micro-batches per step)")
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--save", metavar="DIR", help="checkpoint the model, optimizer and reference after the steps")
     ap.add_argument("--resume", metavar="DIR", help="start from the checkpoint in DIR, whatever plan and rank "
                     "count wrote it")
     args = ap.parse_args(argv)
-    over = {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "max_seq": args.seq}
-    over.update(parse_overrides(args.set))
-    start = time.perf_counter()
-    best, scored = choose(args.model, over, args.ranks, args.batch, args.seq)
-    c = best.config
-    print(f"[autopar] planned {args.model} {over} for {args.ranks} CPU ranks: {scored} runnable configurations "
-          f"scored in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
-    print(f"plan: dp={c.dp} tp={c.tp} pp={c.pp} ZeRO-{c.zero_stage}, micro-batch {c.micro_batch} x "
-          f"{best.microbatches}, {c.schedule if c.pp > 1 else 'no pipeline'}, recompute {c.recompute}; "
-          f"predicted step {best.step_time_s * 1e3:.1f} ms on the built-in cpu estimate")
-    cfg = {"dp": c.dp, "tp": c.tp, "pp": c.pp, "zero_stage": c.zero_stage, "recompute": c.recompute,
-           "micro_batch": c.micro_batch, "schedule": c.schedule, "virtual": c.virtual}
+    name, over, cfg, batch = _from_plan(args) if args.plan else _from_search(args)
+    world = cfg["dp"] * cfg["tp"] * cfg["pp"]
     save = os.path.abspath(args.save) if args.save else None
     resume = os.path.abspath(args.resume) if args.resume else None
-    res = run_ranks(_rank, args.ranks, args.model, over, cfg, args.batch, args.seq, args.steps, save, resume,
-                    timeout_s=600)
+    res = run_ranks(_rank, world, name, over, cfg, batch, args.seq, args.steps, save, resume, timeout_s=600)
     if resume:
         was = res[0]["saved_plan"].get("plan", {})
         print(f"resumed from {resume} at step {res[0]['first']}" + (
@@ -193,6 +236,80 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{i:>4} {got:>14.6f} {want:>15.6f} {got - want:>11.2e} {seconds * 1e3:>8.1f}")
     print(f"largest relative difference {worst:.1e}" + ("" if worst < 1e-5 else "  (above 1e-5)"))
     return 0 if worst < 1e-5 else 1
+
+
+def runtime_mesh(cfg: dict) -> dict[str, int]:
+    """The mesh ``autopar.parallelize`` gets for a configuration: axes pp, dp, ep, tp, those of
+    size 1 left out. The planner's ``dp`` counts every data replica with ``ep`` a sub-axis of
+    it, while the runtime's ep ranks each take their own share of the batch, so its data axis
+    is ``dp / ep``."""
+    ep = cfg.get("ep", 1)
+    axes = (("pp", cfg["pp"]), ("dp", cfg["dp"] // ep), ("ep", ep), ("tp", cfg["tp"]))
+    return {k: v for k, v in axes if v > 1} or {"dp": 1}
+
+
+def _cfg(c) -> dict:
+    """A Config as the plain dict the ranks get (and a checkpoint records)."""
+    return {"dp": c.dp, "tp": c.tp, "pp": c.pp, "ep": c.ep, "zero_stage": c.zero_stage, "recompute": c.recompute,
+            "micro_batch": c.micro_batch, "schedule": c.schedule, "virtual": c.virtual}
+
+
+def _from_search(args: argparse.Namespace) -> tuple[str, dict, dict, int]:
+    """Without --plan: the fastest configuration the simulator finds for --ranks CPU ranks."""
+    from autopar.cli_hybrid import config_line
+    from autopar.workload import parse_overrides
+
+    name, batch = args.model or "gpt", args.batch or 8
+    over = {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "max_seq": args.seq}
+    over.update(parse_overrides(args.set))
+    start = time.perf_counter()
+    best, scored = choose(name, over, args.ranks, batch, args.seq)
+    print(f"[autopar] planned {name} {over} for {args.ranks} CPU ranks: {scored} configurations "
+          f"scored in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+    print(f"plan: {config_line(best.config, best.microbatches)}; predicted step {best.step_time_s * 1e3:.1f} ms "
+          f"on the built-in cpu estimate")
+    return name, over, _cfg(best.config), batch
+
+
+def _from_plan(args: argparse.Namespace) -> tuple[str, dict, dict, int]:
+    """With --plan: the saved plan's structure scaled down to --ranks (:func:`scale_down`), on
+    the plan's model made small (:func:`small_overrides`), at the plan's micro-batches per step."""
+    from autopar.cli_hybrid import SavedPlan, config_line
+    from autopar.workload import parse_overrides
+
+    for flag, given in (("--model", args.model), ("--batch", args.batch)):
+        if given is not None:
+            raise ConfigError(f"{flag} comes from the plan file with --plan", where=f"autopar train {flag}",
+                              got=f"{flag} {given}", fix=f"drop {flag} (or --plan, to plan for the local ranks)")
+    saved = SavedPlan.load(args.plan)
+    c, m = saved.config, saved.microbatches
+    scaled, notes = scale_down(c, args.ranks)
+    if scaled.pp > 1 and scaled.schedule == "interleaved" and m % scaled.pp:
+        raise ConfigError(f"the interleaved schedule needs micro-batches a multiple of pp={scaled.pp}",
+                          where=f"plan file {args.plan}", got=f"{m} micro-batches per step",
+                          fix="re-plan with an even pipeline degree, or with another schedule (--schedule)")
+    over = small_overrides(saved.model, saved.overrides, stages=scaled.pp * scaled.virtual, seq=args.seq)
+    over.update(parse_overrides(args.set))
+    if str(over["layers"]).isdigit() and int(over["layers"]) % (scaled.pp * scaled.virtual):
+        raise ConfigError(f"layers={over['layers']} do not split into {scaled.pp * scaled.virtual} equal stages",
+                          where="autopar train --set layers", fix=f"use a multiple of {scaled.pp * scaled.virtual}")
+    world = scaled.dp * scaled.tp * scaled.pp
+    batch = scaled.dp * scaled.micro_batch * m
+    step = saved.predicted.get("step_time_s")
+    mfu = saved.predicted.get("mfu")
+    print(f"plan:   {config_line(c, m)}: {saved.model} on {saved.cluster} {saved.hardware} ({saved.devices} devices)"
+          + (f", predicted step {step:.3g} s" if step is not None else "")
+          + (f", MFU {100 * mfu:.1f}%" if mfu is not None else ""))
+    mesh = " x ".join(f"{a}={n}" for a, n in runtime_mesh(_cfg(scaled)).items())
+    print(f"scaled: {config_line(scaled, m)} on {world} CPU rank{'s' * (world > 1)} (mesh {mesh})")
+    print(f"  how: each axis the plan splits gets degree 2, in the order {', '.join(SCALE_ORDER)}, while the "
+          f"{args.ranks} ranks last ({'; '.join(notes) or 'the plan splits no axis'}); the rest as planned"
+          + (f" ({args.ranks - world} of the {args.ranks} ranks stay idle)" if world < args.ranks else ""))
+    print(f"  model: {saved.model} made small ({', '.join(f'{k}={v}' for k, v in over.items())}); global batch "
+          f"{batch} = {scaled.dp} data replica{'s' * (scaled.dp > 1)} x {m} micro-batches x {scaled.micro_batch}, "
+          f"seq {args.seq}")
+    sys.stdout.flush()
+    return saved.model, over, _cfg(scaled), batch
 
 
 if __name__ == "__main__":

@@ -91,19 +91,6 @@ def test_plan_json_has_the_documented_keys(capsys):
                 "bubble_fraction", "exposed_comm_s"):
         assert key in data["predicted"]
     assert all(a["reason"] for a in data["alternatives"])
-    assert isinstance(data["runtime_gaps"], list)
-
-
-def test_runtime_gaps_name_what_the_runtime_cannot_build():
-    from autopar.cost.hybrid import Config
-    from autopar.train import runnable, runtime_gaps
-    assert runtime_gaps(Config(dp=2, tp=2, pp=1, micro_batch=1, zero_stage=3)) == []
-    assert runnable(Config(dp=1, tp=2, pp=2, micro_batch=1, schedule="interleaved", virtual=2))
-    assert runnable(Config(dp=2, tp=2, pp=2, micro_batch=1, schedule="zb"))
-    assert runnable(Config(dp=2, tp=1, pp=2, micro_batch=1, recompute="full"))
-    gaps = runtime_gaps(Config(dp=2, tp=2, pp=2, micro_batch=1, schedule="zb", zero_stage=1, recompute="full"))
-    assert len(gaps) == 2 and "ZeRO-1 inside a pipeline" in gaps
-    assert not runnable(Config(dp=1, tp=1, pp=1, micro_batch=1, zero_stage=3, recompute="selective"))
 
 
 def test_simulate_scores_a_fixed_configuration(capsys):
