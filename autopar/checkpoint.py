@@ -165,8 +165,13 @@ def _base_layout(model: nn.Module, fqn: str, shape: tuple[int, ...], local_shape
     from autopar.placement import Shard, parse
     kind = _kind(model)
     experts = getattr(model, "expert_params", ())
-    if kind == "parallel" and getattr(model, "expert_storage", {}).get(fqn) == "whole":
+    if getattr(model, "expert_storage", {}).get(fqn) == "whole":
         return _whole(shape)            # a whole expert module this rank owns (a ModuleList member)
+    if kind == "pp" and getattr(model, "expert_storage", {}).get(fqn) == "rows":
+        rest = tuple(local_shape[1:])
+        zeros = (0,) * len(rest)
+        return Layout(shape, local_shape, [((j, *zeros), (1, *rest), (e, *zeros))
+                                           for j, e in enumerate(model.expert_owned[fqn])])
     if kind == "parallel" and fqn in experts:
         for region in graph_info(model.graph_module).moe_regions:
             if fqn in region.expert_params:
@@ -190,10 +195,16 @@ def _base_layout(model: nn.Module, fqn: str, shape: tuple[int, ...], local_shape
     return _whole(shape)
 
 
+def _runtimes(model: nn.Module) -> list:
+    """The data-axis runtimes of a parallel module (several with experts in a pipeline)."""
+    from autopar.runtime.optim import data_runtimes
+    return data_runtimes(model) if _kind(model) != "plain" else []
+
+
 def _model_entries(model: nn.Module) -> list[tuple[str, Layout, torch.Tensor]]:
     """(whole-state key, layout, local tensor) of every parameter and persistent buffer."""
     shapes, aliases = _shapes(model), _aliases(model)
-    rt = model.dp_runtime if _kind(model) == "parallel" else None
+    rt_of = {f: rt for rt in _runtimes(model) for f in rt.where}
     out, seen = [], set()
     named = [(n, p) for n, p in model.named_parameters(remove_duplicate=False)]
     named += [(n, b) for n, b in model.named_buffers(remove_duplicate=False)]
@@ -203,7 +214,8 @@ def _model_entries(model: nn.Module) -> list[tuple[str, Layout, torch.Tensor]]:
             continue            # a tied copy already taken, or a buffer the model does not persist
         seen.add(key)
         shape = tuple(shapes[key])
-        if rt is not None and rt.stage == 3 and name in rt.where:
+        rt = rt_of.get(name)
+        if rt is not None and rt.stage == 3:
             b, i = rt.where[name]
             local = tuple(rt.buckets[b].shapes[i])
             lay = _base_layout(model, name, shape, local)
@@ -223,13 +235,13 @@ def _optimizer_entries(model: nn.Module, opt: Any) -> tuple[torch.optim.Optimize
     layouts = {key: lay for key, lay, _ in _model_entries(model)}
     out = []
     if isinstance(opt, ShardedOptimizer):
-        rt = opt.rt
         named = dict(model.named_parameters())
         for fqn, m in opt.masters.items():
             key = aliases.get(fqn, fqn)
-            if opt.stage == 3 and fqn in rt.where:
+            rt = opt._rt_of.get(fqn)
+            if opt.stage == 3 and rt is not None:
                 lay = layouts[key]
-            elif opt.stage in (1, 2):
+            elif opt.stage in (1, 2) and rt is not None:
                 local = tuple(named[fqn].shape)
                 lay = _base_layout(model, fqn, tuple(shapes[key]), local)
                 lay = lay.with_flat(*shard_range(math.prod(local), rt.n, rt.rank))

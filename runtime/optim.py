@@ -77,7 +77,7 @@ class ShardedOptimizer:
     def __init__(self, module: Any, optimizer_cls: type, params: Iterable | None = None, **kwargs: Any) -> None:
         check_optimizer_class(optimizer_cls)
         self.module = module
-        self.rts = [rt for rt in _runtimes(module) if rt is not None]
+        self.rts = [rt for rt in data_runtimes(module) if rt is not None]
         self.rt = self.rts[0] if self.rts else None
         self.stage = self.rt.stage if self.rt is not None else 0
         self._rt_of = {fqn: rt for rt in self.rts for fqn in rt.where}
@@ -250,7 +250,7 @@ class ShardedOptimizer:
         return f"ShardedOptimizer(ZeRO-{self.stage}, {self.inner!r})"
 
 
-def _runtimes(module: Any) -> list:
+def data_runtimes(module: Any) -> list:
     """The data-axis runtimes of a parallel module (one per data axis; none without one)."""
     rts = getattr(module, "dp_runtimes", None)
     if rts is not None:

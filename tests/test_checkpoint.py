@@ -29,6 +29,7 @@ import autopar
 from autopar import models
 from autopar.placement import Shard
 from autopar.runtime.launch import run_ranks
+from autopar.runtime.optim import ShardedOptimizer
 
 MOE = {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "vocab": 64, "max_seq": 16, "experts": 4, "top_k": 2,
        "capacity_factor": 4.0}
@@ -41,6 +42,8 @@ PLANS = {
     "dp2-zero3": ({"dp": 2}, {"zero_stage": 3}),
     "tp2": ({"tp": 2}, {"tensor_split": True}),
     "pp2": ({"pp": 2}, {"schedule": "1f1b", "microbatches": 2}),
+    "pp2-dp2-zero3": ({"pp": 2, "dp": 2}, {"schedule": "1f1b", "microbatches": 2, "zero_stage": 3}),
+    "pp2-ep2-zero1": ({"pp": 2, "ep": 2}, {"schedule": "1f1b", "microbatches": 2, "zero_stage": 1}),
     "ep2": ({"ep": 2}, {}),
     "single": (None, {}),
 }
@@ -68,7 +71,13 @@ def _shares(mesh: dict | None) -> int:
 
 
 def _share(mesh: dict | None) -> int:
-    return 0 if mesh is None or _shares(mesh) == 1 else dist.get_rank()
+    """This rank's share of the batch: its place on the dp and ep axes (ranks row-major)."""
+    if mesh is None:
+        return 0
+    coord, r = {}, dist.get_rank()
+    for name in reversed(list(mesh)):
+        coord[name], r = r % mesh[name], r // mesh[name]
+    return coord.get("dp", 0) * mesh.get("ep", 1) + coord.get("ep", 0)
 
 
 def _build(mesh: dict | None, opts: dict, seed: int):
@@ -111,6 +120,8 @@ def _held(kind: str, pm, opt) -> dict:
         for region in graph_info(pm.graph_module).moe_regions:
             for f in region.expert_params:
                 owned[f] = list(pm.ep_runtimes[region.fqn].owned())
+    if kind == "pp":
+        owned = {f: list(o) for f, o in pm.expert_owned.items()}
 
     def where(fqn: str, t: torch.Tensor):
         if fqn in owned:
@@ -125,8 +136,8 @@ def _held(kind: str, pm, opt) -> dict:
         else:
             out[f"model/{fqn}"] = (v.detach().clone(), where(fqn, v))
     sd = opt.state_dict()
-    if kind in ("parallel",) and not isinstance(opt, torch.optim.Optimizer) and not hasattr(opt, "optimizer"):
-        named = sd["state"]                           # ShardedOptimizer: keyed by name, tensor-axis-local
+    if isinstance(opt, ShardedOptimizer):
+        named = sd["state"]                           # keyed by name, whole tensor-axis-local values
     else:
         inner = getattr(opt, "optimizer", opt)
         names = {id(p): f for f, p in pm.named_parameters()}
