@@ -141,13 +141,13 @@ def check_fits(gm: fx.GraphModule, plan: Any, budget: float | None, sizes: Mappi
 def smallest_devices(gm: fx.GraphModule, plan: Any, budget: float, batch: int) -> tuple[int | None, int]:
     """The fewest devices (dp x the plan's tp; dp dividing the global ``batch``, ZeRO-3 when
     dp > 1) whose per-device state fits ``budget``, with that dp; (None, 0) if none does."""
-    from autopar.api import _local_numels, _param_bytes
+    from autopar.prepare import local_numels, param_bytes
     from autopar.cost.dp_planner import memory_split
 
-    trainable, frozen, buffers = _local_numels(gm, plan)
+    trainable, frozen, buffers = local_numels(gm, plan)
     for dp in (d for d in range(1, batch + 1) if batch % d == 0 and d * plan.tp <= MAX_DEVICES):
         split = memory_split(trainable_numel=trainable, frozen_numel=frozen, dp=dp, zero_stage=3 if dp > 1 else 0,
-                             mixed_precision=plan.mixed_precision, buffer_bytes=buffers, param_bytes=_param_bytes(gm))
+                             mixed_precision=plan.mixed_precision, buffer_bytes=buffers, param_bytes=param_bytes(gm))
         if split.total <= budget:
             return dp * plan.tp, dp
     return None, 0

@@ -32,7 +32,7 @@ def _dump(args: argparse.Namespace) -> int:
         _progress(args, f"captured, analysed and split {len(gm.graph.nodes)} nodes into "
                   f"{len(parallel['stages'])} stages in {time.perf_counter() - start:.1f}s")
     else:
-        from autopar.api import planned_graph
+        from autopar.prepare import planned_graph
         after = args.after or "plan"
         if after == "split":
             raise ConfigError("--after split needs a pp axis in --mesh", where="autopar dump",
@@ -57,7 +57,7 @@ def _dump(args: argparse.Namespace) -> int:
 
 def _split_view(args: argparse.Namespace, w, mesh: dict[str, int]):
     """The graph with every op's pipeline stage, and the pipeline summary for the dump."""
-    from autopar.api import planned_graph
+    from autopar.prepare import planned_graph
     from autopar.pp import pipeline_axes, split_view, stage_table
     from autopar.workload import capture_workload
 
@@ -190,7 +190,7 @@ def _plan_pipeline(args: argparse.Namespace, w, gm, cluster, tp: int) -> int:
     remaining devices / tp are data-parallel replicas), with the simulated timeline."""
     import json
 
-    from autopar.api import planned_graph
+    from autopar.prepare import planned_graph
     from autopar.cost.timeline import write_timeline
     from autopar.dump import human, seconds
     from autopar.pp import simulate_plan, split_view, stage_table

@@ -1,4 +1,4 @@
-"""Expert parallelism: where experts live, what the exchange costs, and this rank's model.
+"""Expert parallelism, planned: where experts live and what the exchange costs.
 
 Placement (:func:`place_experts`): ``E`` experts onto ``n`` ranks, ``E/n`` each. With a
 load per expert (tokens routed to it, measured on a calibration batch by
@@ -13,8 +13,8 @@ experts' compute on the most-loaded rank grows with the imbalance when tokens ar
 (with a fixed capacity every rank computes ``E/n * n * C`` rows, and the imbalance shows up as
 dropped tokens instead).
 
-:func:`parallelize_experts` (reached through :func:`autopar.parallelize` with an ``ep``
-axis) captures the model, rewrites each MoE region for the exchange
+:func:`autopar.build.build_experts` (reached through :func:`autopar.parallelize` with an
+``ep`` axis and no pipeline) captures the model, rewrites each MoE region for the exchange
 (:mod:`autopar.passes.ep_rewrite`: a fixed-capacity buffer exchange, or for dropless layers an
 all-to-all with variable splits, each dropless layer first checked against its own graph on
 random routing; a layer it cannot split runs dense with a one-line warning, and when none can
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -37,7 +37,7 @@ from torch import nn
 
 from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
-from autopar.errors import ConfigError, MeshError, PlanFileError
+from autopar.errors import ConfigError, MeshError
 from autopar.passes.meta import MoERegion, evaluate, graph_info, info
 
 log = logging.getLogger("autopar.ep")
@@ -282,232 +282,6 @@ def ep_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
     return axes
 
 
-def parallelize_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, hardware: str | None = None,
-                        memory_budget: float | None = None, sync_params: bool = True,
-                        calibration: Any = None, placement: str = "balanced", dims: Any = None,
-                        capacity_factor: float | None = None, example_kwargs: Any = None, plan: Any = None):
-    """This rank's model with experts spread over the ``ep`` axis (see :func:`autopar.parallelize`).
-    ``capacity_factor`` overrides the MoE layers' own (set on the module of each region the
-    graph shows, which must have a ``capacity_factor`` attribute; the model is then captured
-    again), so tokens drop exactly as the single-device model's at that factor.
-
-    ``plan`` (a :class:`~autopar.plans.Plan` this function returned before, e.g. saved and
-    loaded) is applied as it is: its mesh (which ``mesh`` must equal), its experts' owners
-    (``expert_placement``; ``calibration`` and ``placement`` are not used, so no calibration
-    batch is run), its capacity factor and its tensor-axis placements. A plan that does not
-    fit the model or the mesh raises a :class:`~autopar.errors.PlanFileError` or
-    :class:`~autopar.errors.MeshError` on every rank at the same point: before any collective
-    where the plan and the model's modules show it (mesh, a placement that is not a
-    permutation, a layer the model does not have), otherwise right after the capture (split
-    MoE layers, or their expert counts, that differ from the plan's)."""
-
-    from autopar.api import _capture, device_mesh, model_tensors, planned_graph
-    from autopar.passes.ep_rewrite import ep_rewrite
-    from autopar.plans import Plan
-    from autopar.runtime.ep import EPRuntime
-    from autopar.runtime.tp_module import ParallelModule
-
-    if not dist.is_initialized():
-        raise ConfigError("parallelize needs an initialised process group", where="parallelize",
-                          fix="call torch.distributed.init_process_group (torchrun sets the environment) first")
-    axes = _checked_plan_axes(plan, mesh, model) if plan is not None else ep_axes(mesh)
-    if plan is not None:
-        if capacity_factor is not None and capacity_factor != plan.capacity_factor:
-            raise ConfigError("capacity_factor= differs from the plan's", where="parallelize(plan=...)",
-                              expected=repr(plan.capacity_factor), got=repr(capacity_factor),
-                              fix="drop capacity_factor= (the plan's is used), or re-plan with the new factor")
-        capacity_factor = plan.capacity_factor
-    sizes = dict(axes)
-    mesh = device_mesh(mesh, axes)
-    names = list(mesh.mesh_dim_names)
-    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    kwargs = dict(example_kwargs or {})
-    tensors = model_tensors(model, sync=sync_params)
-    if capacity_factor is not None:
-        _set_capacity(model, _capture(model, args, (), kwargs), capacity_factor)
-    n_ep = sizes["ep"]
-    ep_rank = mesh.get_local_rank(names.index("ep"))
-    tp_n = sizes.get("tp", 1)
-    if tp_n > 1:
-        tp_group = mesh.get_group(names.index("tp"))
-        # the experts stay whole on the tensor axis: the expert axis owns their leading dim
-        given = None if plan is None else replace(plan, mesh={"tp": tp_n}, dp_axis=None, ep_axis=None,
-                                                  expert_placement={}, capacity_factor=None)
-        gm, tp_plan = planned_graph(model, {"tp": tp_n}, args, example_kwargs=kwargs, dims=dims, after="rewrite",
-                                    hardware=hardware,
-                                    group_name=tp_group.group_name, memory_budget=memory_budget,
-                                    pinned=_in_experts, plan=given)
-        placements, nodes = dict(tp_plan.params), dict(tp_plan.nodes)
-    else:
-        gm = _capture(model, args, dims, kwargs)
-        placements, nodes = {k: "R" for k in tensors}, {}
-    plans = _checked_plans(gm, tensors)
-    regions = [p.region for p in plans if p.kind != "dense"]
-    planned = _planned_placements(plan, regions, n_ep) if plan is not None else None
-    if not regions:   # nothing to split: the expert axis is one more data axis
-        from autopar.api import parallelize
-        dense = {"dp": sizes.get("dp", 1) * n_ep, **({"tp": tp_n} if tp_n > 1 else {})}
-        log.warning("no MoE layer's experts can be split: the ep axis runs as data parallelism (mesh %s)", dense)
-        return parallelize(model, dense, args, example_kwargs=kwargs, dims=dims, hardware=hardware,
-                           memory_budget=memory_budget, sync_params=False)
-    if planned is not None:
-        placed = planned
-    else:
-        loads = _calibrated_loads(model, calibration, tensors) \
-            if calibration is not None and placement == "balanced" else {}
-        placed = {r.fqn: place_experts(r.num_experts, n_ep, loads.get(r.fqn)) if placement == "balanced" else
-                  contiguous(r.num_experts, n_ep, loads.get(r.fqn)) for r in regions}
-    group = mesh.get_group(names.index("ep"))
-    rts = {f: EPRuntime(n=n_ep, rank=ep_rank, group=group, perm=pl.perm) for f, pl in placed.items()}
-    stored = ep_rewrite(gm, plans, rts)
-    region_of = {p: r.fqn for r in regions for p in r.expert_params}
-    for fqn, how in stored.items():
-        if how == "rows":
-            owned = torch.tensor(rts[region_of[fqn]].owned())
-            tensors[fqn] = tensors[fqn].detach().index_select(0, owned).clone()
-    trainable = {k: p.requires_grad for k, p in model.named_parameters()}
-    used = {info(n).target_fqn for n in gm.graph.nodes if n.op == "placeholder" and info(n).target_fqn}
-    shapes = {k: list(p.shape) for k, p in model.named_parameters()}   # what Plan.check_model compares
-    # a re-applied plan keeps its predictions (the loads behind its imbalance are not in the plan)
-    predicted = dict(plan.predicted) if plan is not None else \
-        {"imbalance": {f: p.imbalance for f, p in placed.items()}}
-    the_plan = Plan(mesh=sizes, tp_axis="tp" if tp_n > 1 else None, params=placements, nodes=nodes,
-                    model=type(model).__name__, ep_axis="ep", capacity_factor=capacity_factor,
-                    expert_placement={f: list(p.perm) for f, p in placed.items()},
-                    predicted=predicted, shapes=shapes, fingerprint=Plan.fingerprint_of(shapes))
-    from autopar.api import input_dims
-    pm = ParallelModule(gm, placements, {k: v for k, v in tensors.items() if k in used}, trainable, mesh,
-                        the_plan, input_dims(model, args, dims, kwargs))
-    pm.expert_params = set(stored)
-    pm.expert_storage = stored        # fqn -> "rows" (owned rows of stacked experts) | "whole" (an owned module's)
-    pm.ep_runtimes = rts
-    pm.placements = placed
-    pm.ep_group = group
-    pm.ep_dp_group = mesh.get_group(names.index("dp")) if "dp" in names else None
-    return pm
-
-
-def _checked_plan_axes(plan: Any, mesh: Any, model: nn.Module) -> tuple[tuple[str, int], ...]:
-    """The mesh axes of a saved expert-parallel ``plan``, after checking that ``mesh`` names
-    the same axes and sizes, that each placement in the plan is a permutation splitting
-    evenly over the expert axis and that each layer it places is a module of ``model``: all
-    of it without running anything, so every rank refuses a bad plan before any collective
-    (:func:`_planned_placements` checks the layers against the captured graph later)."""
-    from autopar.pp import named_axes
-
-    got = dict(named_axes(mesh, "e.g. {'dp': 2, 'ep': 2}"))
-    if got != plan.mesh:
-        raise MeshError("the mesh does not match the plan's", where="parallelize(plan=...)", expected=str(plan.mesh),
-                        got=str(got), fix="pass the mesh the plan was made for, or re-plan for this mesh")
-    if plan.ep_axis != "ep":
-        raise PlanFileError("the plan has no expert axis", where="parallelize(plan=...)",
-                            expected="a plan from parallelize on a mesh with an ep axis",
-                            got=f"ep_axis={plan.ep_axis!r}",
-                            fix="pass the plan of an expert-parallel run (pm.plan), or leave plan out")
-    axes = ep_axes(mesh)
-    n_ep = dict(axes)["ep"]
-    for fqn, perm in plan.expert_placement.items():
-        ids = isinstance(perm, (list, tuple)) and all(isinstance(e, int) and not isinstance(e, bool) for e in perm)
-        if not ids or sorted(perm) != list(range(len(perm))) or len(perm) % n_ep:
-            raise PlanFileError(f"the plan's placement of the experts of {fqn or '<root>'} is not a permutation "
-                                f"of its experts splitting evenly over ep={n_ep}",
-                                where=f"plan.expert_placement[{fqn!r}]",
-                                expected=f"each expert id 0..E-1 exactly once, E a multiple of {n_ep}",
-                                got=str(perm), fix="pass a plan written by Plan.save, or re-plan")
-        try:
-            model.get_submodule(fqn)
-        except AttributeError:
-            raise PlanFileError("the plan's mixture-of-experts layers are not this model's",
-                                where=f"plan.expert_placement[{fqn!r}]", expected=f"a module of {type(model).__name__}",
-                                got=f"no module {fqn!r}",
-                                fix="re-plan for this model: parallelize without plan=, then save pm.plan") from None
-    return axes
-
-
-def _planned_placements(plan: Any, regions: Sequence[MoERegion], n_ep: int) -> dict[str, Placement]:
-    """The plan's placement of each MoE layer whose experts are split, after checking that
-    those layers (and their expert counts) are the plan's. Loads are not in a plan: uniform."""
-    want = {r.fqn: r.num_experts for r in regions}
-    have = {f: len(p) for f, p in plan.expert_placement.items()}
-    if want != have:
-        raise PlanFileError("the plan's mixture-of-experts layers are not this model's", where="plan.expert_placement",
-                            expected=f"experts per split layer {want}", got=f"the plan places {have}",
-                            fix="re-plan for this model: parallelize without plan=, then save pm.plan")
-    return {f: Placement(perm=tuple(int(e) for e in plan.expert_placement[f]), ranks=n_ep, loads=(1.0,) * n)
-            for f, n in want.items()}
-
-
-def _calibrated_loads(model: nn.Module, calibration: Any, tensors: Mapping[str, torch.Tensor]) -> dict[str, list]:
-    """Tokens per expert of each region on the calibration batch, summed over every rank's
-    batch so that every rank places the experts alike."""
-    from autopar.api import _capture
-
-    cal = tuple(calibration) if isinstance(calibration, (tuple, list)) else (calibration,)
-    loads = expert_loads(_capture(model, cal, ()), cal, tensors)
-    for f in sorted(loads):
-        t = torch.tensor(loads[f], dtype=torch.float64)
-        dist.all_reduce(t)
-        loads[f] = t.tolist()
-    return loads
-
-
-def _checked_plans(gm: fx.GraphModule, tensors: Mapping[str, torch.Tensor]) -> list:
-    """How each MoE region is split (:func:`autopar.passes.ep_rewrite.plan_regions`), each
-    dropless one first checked against its own graph on random routing; a region that is
-    not split runs dense, with a one-line warning saying why."""
-    from autopar.passes.ep_dropless import Unsupported, check_dropless
-    from autopar.passes.ep_rewrite import plan_regions
-
-    plans = plan_regions(gm)
-    for p in plans:
-        if p.kind == "dropless":
-            tol = _tolerance(info(p.layer.x).values[0].dtype)
-            try:
-                err = check_dropless(gm, p.layer, tensors)
-            except (Unsupported, RuntimeError, IndexError, KeyError, TypeError, ValueError) as exc:
-                p.kind, p.reason = "dense", f"its experts could not be run alone ({type(exc).__name__}: {exc})"
-                continue
-            if not err <= tol:
-                p.kind, p.reason = "dense", (f"its graph does not compute sum_j w[t,j] * expert_ids[t,j](x[t]) "
-                                             f"(relative error {err:.1e} on random routing)")
-        if p.kind == "dense":
-            log.warning("MoE layer %s runs dense on every ep rank (its experts are not split): %s",
-                        p.region.fqn or "<root>", p.reason)
-    return plans
-
-
-def _tolerance(dtype: torch.dtype) -> float:
-    """How far a dropless layer may differ from its own graph on random routing (rounding
-    only: a misread layer is off by O(1))."""
-    return min(0.1, 100 * torch.finfo(dtype).eps ** 0.5) if dtype.is_floating_point else 0.1
-
-
-def _set_capacity(model: nn.Module, gm: fx.GraphModule, factor: float) -> None:
-    if not factor > 0:
-        raise ConfigError("capacity_factor must be positive", where="capacity_factor", got=repr(factor),
-                          fix="e.g. capacity_factor=1.25 (1.0: each expert takes its fair share of rows)")
-    regions = graph_info(gm).moe_regions
-    if not regions:
-        raise ConfigError("capacity_factor was given but the model has no mixture-of-experts layer",
-                          where="capacity_factor", fix="drop capacity_factor")
-    for r in regions:
-        mod = model.get_submodule(r.fqn) if r.fqn else model
-        if not hasattr(mod, "capacity_factor"):
-            raise ConfigError(f"the MoE layer {r.fqn or '<root>'} has no capacity_factor attribute to set",
-                              where=r.fqn or "<root>", expected="a module attribute capacity_factor",
-                              got=type(mod).__name__, fix="set the capacity in the model itself")
-        mod.capacity_factor = float(factor)
-
-
-def _in_experts(node: fx.Node) -> bool:
-    """Expert-side nodes of an MoE region (dispatch, experts, combine) and the expert weights."""
-    rec = info(node)
-    if rec.moe_role in ("dispatch", "expert", "combine"):
-        return True
-    return rec.kind == "param" and any(rec.target_fqn in r.expert_params
-                                       for r in graph_info(node.graph.owning_module).moe_regions)
-
-
 class EPOptimizer:
     """Averages gradients over the ranks that share them, then steps ``optimizer_cls``: the
     dense parameters over ``dp x ep`` (each rank saw its own tokens), the experts over
@@ -562,4 +336,4 @@ class EPOptimizer:
 
 __all__ = ["Placement", "contiguous", "place_experts", "expert_loads", "EPCost", "ep_costs", "ep_axes",
            "ExpertChoice", "plan_experts",
-           "parallelize_experts", "EPOptimizer"]
+           "EPOptimizer"]

@@ -89,11 +89,11 @@ def _train(rank: int, world: int, overrides: dict, mesh: dict, batch: int, seq: 
 
 
 def _skewed_calibration(model, overrides: dict, ep: int, batch: int, seq: int) -> tuple:
-    from autopar.api import _capture
+    from autopar.prepare import capture_model
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     for token in range(overrides["vocab"]):
         cal = (torch.full((batch, seq), token, dtype=torch.long),)
-        loads = autopar.ep.expert_loads(_capture(model, cal, ()), cal, params)
+        loads = autopar.ep.expert_loads(capture_model(model, cal, ()), cal, params)
         if all(autopar.ep.contiguous(len(v), ep, v).imbalance > 1.5 for v in loads.values()):
             return cal
     raise AssertionError("no token routes its rows onto one rank's experts")

@@ -186,9 +186,9 @@ def _case(rank: int, world: int, name: str, mesh: dict, dtype: torch.dtype, skew
 
 def _skewed_calibration(model: nn.Module, ep: int) -> tuple:
     """A batch of one repeated token whose experts the contiguous placement puts on one rank."""
-    from autopar.api import _capture
+    from autopar.prepare import capture_model
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    gm = _capture(model, (torch.zeros(2, 8, dtype=torch.long),), {})
+    gm = capture_model(model, (torch.zeros(2, 8, dtype=torch.long),), {})
     for token in range(3, VOCAB):
         cal = (torch.full((2, 8), token, dtype=torch.long),)
         loads = autopar.ep.expert_loads(gm, cal, params)

@@ -78,9 +78,9 @@ class Logits(torch.nn.Module):
 def _unbalanced_calibration(model: torch.nn.Module) -> tuple:
     """A batch of one repeated token for which the balanced placement of some MoE layer is
     not experts in order (so a plan that lost the placement would show)."""
-    from autopar.api import _capture
+    from autopar.prepare import capture_model
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    gm = _capture(model, (torch.zeros(2, SEQ, dtype=torch.long),), {})
+    gm = capture_model(model, (torch.zeros(2, SEQ, dtype=torch.long),), {})
     for token in range(3, MOE["vocab"]):
         cal = (torch.full((2, SEQ), token, dtype=torch.long),)
         loads = autopar.ep.expert_loads(gm, cal, params)

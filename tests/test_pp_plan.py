@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autopar import models
-from autopar.api import _capture
+from autopar.prepare import capture_model
 from autopar.cost.cluster import Cluster
 from autopar.errors import ConfigError
 from autopar.passes.pp_split import layer_cuts, op_costs, plan_cuts, shared_params, split_stages
@@ -29,7 +29,7 @@ def _graph(name: str, overrides: dict, batch: int, seq: int, device: str = "cpu"
     torch.manual_seed(0)
     model = models.build(name, overrides, device=device)
     args, _ = models.example_inputs(model, batch, seq, device=device)
-    return model, args, _capture(model, args, ())
+    return model, args, capture_model(model, args, ())
 
 
 def _chain(model, gm, starts, args):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from autopar import models
-from autopar.api import planned_graph
+from autopar.prepare import planned_graph
 from autopar.passes.meta import info, within
 from autopar.passes.sharding import strategies
 from autopar.placement import P, R, Shard, Spec, transition

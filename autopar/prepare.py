@@ -1,0 +1,357 @@
+"""Preparing a model's graph for a mesh: the steps every entry point shares.
+
+``capture_model`` captures and analyses the model (``passes/``); ``solve_tensor_axis`` asks the
+tensor-axis solver (``cost/tp_solver.py``) how to split each op; ``planned_graph`` annotates
+every node with its placement and, on request, rewrites the graph for the tensor axis
+(``passes/tp_rewrite.py``) and inserts the data axis's buckets (``passes/dp_rewrite.py``):
+what ``autopar plan``, ``autopar dump`` and the builds (``autopar/build.py``) start from.
+The helpers below them turn a mesh argument into axes and a DeviceMesh, copy the model's
+tensors (rank 0's, on every rank) and find the inputs' named sizes.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+
+from autopar.checks import check_options, check_plan_placements, forced_placements
+from autopar.cost.cluster import Cluster
+from autopar.cost.comm import collective_time
+from autopar.cost.tp_solver import Solution, SolverConfig, solve
+from autopar.errors import CaptureError, MeshError, PlanFileError
+from autopar.passes.capture import capture
+from autopar.passes.meta import graph_info, info
+from autopar.passes.pipeline import analyze
+from autopar.passes.sharding import replication_reason
+from autopar.passes.tp_rewrite import tp_rewrite
+from autopar.placement import Shard, parse
+from autopar.plans import NodeStrategy, Plan
+
+log = logging.getLogger("autopar")
+_FIXED_ROLES = ("pp", "ep")
+_SUPPORTED = ("dp", "tp")
+
+
+def default_dims(example_inputs: tuple, kwargs: Mapping[str, Any] | None = None) -> Any:
+    """Dim 0 of every tensor input is the batch; dim 1 of an integer (token) tensor the sequence.
+    Per positional input (a tuple), or by position and name when there are keyword inputs."""
+    def labels(x: Any) -> dict[int, str]:
+        d: dict[int, str] = {}
+        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] >= 2:
+            d[0] = "batch"
+            if x.dim() >= 2 and not x.is_floating_point() and x.shape[1] >= 2:
+                d[1] = "seq"
+        return d
+    positional = tuple(labels(x) for x in example_inputs)
+    if not kwargs:
+        return positional
+    return {**dict(enumerate(positional)), **{k: labels(v) for k, v in kwargs.items()}}
+
+
+def as_args(example_inputs: Any) -> tuple:
+    return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+
+
+def mesh_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
+    """``[(axis name, size)]`` of a DeviceMesh, an int (one ``tp`` axis) or a ``{name: size}``
+    (axes ``dp`` and/or ``tp``; ``dp`` is the outer one)."""
+    if isinstance(mesh, int) and not isinstance(mesh, bool):
+        axes = (("tp", mesh),)
+    elif isinstance(mesh, Mapping):
+        axes = tuple((str(k), int(v)) for k, v in mesh.items())
+    elif hasattr(mesh, "mesh_dim_names") and hasattr(mesh, "size"):
+        names = mesh.mesh_dim_names or (("tp",) if mesh.ndim == 1 else tuple(f"axis{i}" for i in range(mesh.ndim)))
+        axes = tuple((names[i], mesh.size(i)) for i in range(mesh.ndim))
+    else:
+        raise MeshError("mesh must be a DeviceMesh, an int or a {axis: size} mapping", where="mesh",
+                        got=type(mesh).__name__, fix="pass e.g. {'dp': 2, 'tp': 2}, init_device_mesh('cpu', (2, 2), "
+                                                     "mesh_dim_names=('dp', 'tp')) or 4")
+    names = [a for a, _ in axes]
+    if not axes or len(set(names)) != len(names) or any(a not in _SUPPORTED for a in names) \
+            or any(size < 1 for _, size in axes):
+        raise MeshError("this version parallelizes over a data axis and/or a tensor axis", where="mesh",
+                        expected="axes named dp and/or tp (dp outermost), each of size >= 1", got=str(axes),
+                        fix="e.g. {'dp': 2, 'tp': 2}; pipeline and expert axes are not supported yet"
+                        if any(a in _FIXED_ROLES for a in names) else "name the axes dp and tp")
+    if names == ["tp", "dp"]:
+        raise MeshError("the data axis must be the outer mesh axis", where="mesh", got=str(axes),
+                        fix="list dp before tp, e.g. {'dp': 2, 'tp': 2}: tensor-parallel ranks are neighbours")
+    return axes
+
+
+def tp_axes(axes: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
+    return tuple(a for a in axes if a[0] == "tp")
+
+
+def capture_model(model: nn.Module, example_inputs: Any, dims: Any,
+             kwargs: Mapping[str, Any] | None = None) -> fx.GraphModule:
+    args = as_args(example_inputs)
+    if dims is None:
+        try:
+            return analyze(capture(model, args, kwargs=kwargs, dims=default_dims(args, kwargs)))
+        except CaptureError as exc:
+            log.info("capture with symbolic batch/seq failed (%s); capturing with fixed sizes", exc)
+            return analyze(capture(model, args, kwargs=kwargs))
+    return analyze(capture(model, args, kwargs=kwargs, dims=dims or None))
+
+
+def solve_tensor_axis(gm: fx.GraphModule, axes: tuple[tuple[str, int], ...], *, hardware: str | None,
+           memory_budget: float | None, sizes: Mapping[str, int] | None, dtype: str | None,
+           pinned: Any = None, placements: Mapping[str, str] | None = None) -> tuple[Solution, Cluster]:
+    """Tensor-axis strategies for ``axes`` (an empty solution when there is no tensor axis),
+    with the parameters in ``placements`` stored as forced."""
+    check_options(sizes, memory_budget)
+    forced = forced_placements(gm, placements, axes) if placements else {}
+    world = 1
+    for _, size in axes:
+        world *= size
+    cluster = Cluster.from_spec(f"1x{world}", hardware=hardware or ("h100" if torch.cuda.is_available() else "cpu"))
+    tp = tp_axes(axes)
+    if not tp or tp[0][1] == 1:
+        return Solution(strategies={}, compute_s=0.0, comm_s=0.0, state_bytes=0.0, conversions=[]), cluster
+    (axis, n), = tp
+    ginfo = graph_info(gm)
+    plan_sizes = {**ginfo.example_sizes, **dict(sizes or {})}
+    cfg = SolverConfig(n=n, cluster=cluster, mesh_axes=axes, axis=axis, sizes=plan_sizes,
+                       dtype=dtype or dtype_of(gm), memory_budget=memory_budget, pinned=pinned, forced=forced)
+    return solve(gm, cfg), cluster
+
+
+def master_dtype(gm: fx.GraphModule) -> torch.dtype:
+    """The dtype the optimizer steps: the first floating-point parameter's."""
+    for node in gm.graph.nodes:
+        rec = info(node)
+        if rec.kind == "param" and rec.values and rec.values[0].dtype.is_floating_point:
+            return rec.values[0].dtype
+    return torch.float32
+
+
+def dtype_of(gm: fx.GraphModule) -> str:
+    for node in gm.graph.nodes:
+        rec = info(node)
+        if rec.kind == "param" and rec.values:
+            return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(rec.values[0].dtype, "fp32")
+    return "fp32"
+
+
+def plan_of(gm: fx.GraphModule, sol: Solution, axes: tuple[tuple[str, int], ...], name: str, *,
+             zero_stage: int = 0, bucket_bytes: int = 0, overlap: bool = True,
+             mixed_precision: str | None = None) -> Plan:
+    params = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and info(node).kind in ("param", "buffer"):
+            s = sol.strategies.get(node.name)
+            params[info(node).target_fqn] = str(s.outputs[0].value) if s else "R"
+    nodes = {k: NodeStrategy.of(v) for k, v in sol.strategies.items()}
+    predicted = {"compute_s": sol.compute_s, "comm_s": sol.comm_s, "step_time_s": sol.time_s,
+                 "state_bytes_per_rank": sol.state_bytes}
+    tp = tp_axes(axes)
+    dp_axis = "dp" if any(a == "dp" for a, _ in axes) else None
+    shapes = param_shapes(gm)
+    return Plan(mesh=dict(axes), tp_axis=tp[0][0] if tp else None, params=params, nodes=nodes, predicted=predicted,
+                model=name, dp_axis=dp_axis, zero_stage=zero_stage if dp_axis else 0, bucket_bytes=bucket_bytes,
+                overlap=overlap, mixed_precision=mixed_precision, shapes=shapes,
+                fingerprint=Plan.fingerprint_of(shapes))
+
+
+def param_shapes(gm: fx.GraphModule) -> dict[str, list[int]]:
+    return {info(n).target_fqn: [int(d) for d in info(n).values[0].shape] for n in gm.graph.nodes
+            if n.op == "placeholder" and info(n).kind == "param" and info(n).values}
+
+
+def with_memory(gm: fx.GraphModule, the_plan: Plan, cluster: Cluster, memory_budget: float | None, *,
+                 choose_stage: bool) -> Plan:
+    """Fill in the predicted per-device memory split (and choose the ZeRO stage if asked)."""
+    from dataclasses import replace
+
+    from autopar.cost.dp_planner import memory_split
+
+    trainable, frozen, buffers = local_numels(gm, the_plan)
+    budget = memory_budget or cluster.device.memory_bytes
+
+    def split(stage: int):
+        return memory_split(trainable_numel=trainable, frozen_numel=frozen, dp=the_plan.dp, zero_stage=stage,
+                            mixed_precision=the_plan.mixed_precision, buffer_bytes=buffers,
+                            param_bytes=param_bytes(gm))
+    stage = the_plan.zero_stage
+    if choose_stage and the_plan.dp > 1:
+        stage = next((k for k in range(4) if split(k).total <= budget), 3)
+    mem = split(stage)
+    predicted = {**the_plan.predicted, "memory_bytes": mem.as_dict()}
+    return replace(the_plan, zero_stage=stage, predicted=predicted)
+
+
+def param_bytes(gm: fx.GraphModule) -> int:
+    return {"fp32": 4, "bf16": 2, "fp16": 2}.get(dtype_of(gm), 4)
+
+
+def local_numels(gm: fx.GraphModule, the_plan: Plan) -> tuple[int, int, int]:
+    """Per-rank (tensor-axis-local) trainable and frozen parameter elements, and buffer bytes."""
+    trainable = frozen = buffers = 0
+    for node in gm.graph.nodes:
+        rec = info(node)
+        if node.op != "placeholder" or rec.kind not in ("param", "buffer") or not rec.values:
+            continue
+        numel = math.prod(local_shape(rec.values[0].shape, the_plan.params.get(rec.target_fqn, "R"), the_plan.tp))
+        if rec.kind == "buffer":
+            buffers += numel * rec.values[0].dtype.itemsize
+        elif rec.requires_grad:
+            trainable += numel
+        else:
+            frozen += numel
+    return trainable, frozen, buffers
+
+
+def local_shape(shape: Any, placement: str, tp: int) -> tuple[int, ...]:
+    out = [int(d) for d in shape]
+    p = parse(placement)
+    if isinstance(p, Shard):
+        out[p.dim] //= tp
+    return tuple(out)
+
+
+def planned_graph(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
+                  example_kwargs: Mapping[str, Any] | None = None, dims: Any = None, plan: Plan | None = None,
+                  hardware: str | None = None, memory_budget: float | None = None,
+                  sizes: Mapping[str, int] | None = None, rewrite: bool = False, after: str | None = None,
+                  group_name: str = "tp", zero_stage: int | None = None, overlap: bool = True,
+                  bucket_bytes: int = 0, mixed_precision: str | None = None,
+                  pinned: Any = None, placements: Mapping[str, str] | None = None) -> tuple[fx.GraphModule, Plan]:
+    """Capture, plan (or take ``plan``) and annotate every node with its placement; ``after``
+    = ``"rewrite"`` (or ``rewrite=True``) also produces the per-rank graph and ``"schedule"``
+    additionally inserts the data-axis collectives and schedules them (what ``autopar dump
+    --after`` shows)."""
+    after = after or ("rewrite" if rewrite else "plan")
+    axes = mesh_axes(mesh)
+    gm = capture_model(model, example_inputs, dims, example_kwargs)
+    sol, cluster = solve_tensor_axis(gm, axes if plan is None else (), hardware=hardware, memory_budget=memory_budget,
+                          sizes=sizes, dtype=None, pinned=pinned, placements=placements)
+    if plan is None:
+        the_plan = plan_of(gm, sol, axes, type(model).__name__, zero_stage=zero_stage or 0, overlap=overlap,
+                            bucket_bytes=bucket_bytes, mixed_precision=mixed_precision)
+        the_plan = with_memory(gm, the_plan, cluster, memory_budget, choose_stage=zero_stage is None)
+    else:
+        the_plan = plan
+        cluster = Cluster.from_spec(f"1x{math.prod(n for _, n in axes)}", hardware=hardware or "cpu")
+    strategies = checked_strategies(gm, the_plan)
+    if after == "plan":
+        for node in gm.graph.nodes:
+            s = strategies.get(node.name)
+            if s is not None:
+                why = replication_reason(node) if s.name == "replicate" else None
+                info(node).strategy = str(s) + (f"  (replicated: {why})" if why else "")
+                info(node).placement = ",".join(str(x) for x in s.outputs)
+        return gm, the_plan
+    tensor_rewrite(gm, the_plan, strategies, cluster, sizes, group_name)
+    if after == "schedule":
+        data_rewrite(gm, the_plan, cluster, rid=-1, trainable=None)
+    return gm, the_plan
+
+
+def tensor_rewrite(gm: fx.GraphModule, the_plan: Plan, strategies: dict, cluster: Cluster,
+             sizes: Mapping[str, int] | None, group_name: str) -> None:
+    axes = tuple(the_plan.mesh.items())
+    plan_sizes = {**graph_info(gm).example_sizes, **dict(sizes or {})}
+    axis = the_plan.tp_axis or "tp"
+    tp_rewrite(gm, strategies, n=the_plan.tp, axis=axis, group_name=group_name, sizes=plan_sizes,
+               comm_time=lambda kind, nbytes: collective_time(kind, nbytes, cluster, axes, axis))
+
+
+def data_rewrite(gm: fx.GraphModule, the_plan: Plan, cluster: Cluster, *, rid: int,
+                trainable: Mapping[str, bool] | None) -> list[tuple[list[str], list[tuple[int, ...]], list[bool]]]:
+    """Bucket the parameters, insert the data-axis nodes and schedule them. Returns the
+    buckets as (state_dict keys, tensor-axis-local shapes, trainable flags)."""
+    from autopar.cost.dp_planner import bucket_bytes as default_bucket_bytes
+    from autopar.passes.dp_rewrite import bucket_params, dp_rewrite, param_placeholders, schedule
+
+    if the_plan.dp_axis is None or the_plan.dp == 1:
+        return []
+    axes = tuple(the_plan.mesh.items())
+    phs = param_placeholders(gm)
+    shapes = {f: local_shape(info(n).values[0].shape, the_plan.params.get(f, "R"), the_plan.tp)
+              for f, n in phs.items()}
+    nbytes = {f: math.prod(shape) * info(phs[f]).values[0].dtype.itemsize for f, shape in shapes.items()}
+    grad = dict(trainable) if trainable is not None else {f: info(n).requires_grad for f, n in phs.items()}
+    stage = the_plan.zero_stage
+    reduced = sum(b for f, b in nbytes.items() if grad.get(f, False) or stage == 3)
+    size = the_plan.bucket_bytes or default_bucket_bytes(cluster, axes, the_plan.dp_axis, reduced)
+    buckets = bucket_params(gm, nbytes=nbytes, bucket_bytes=size,
+                            include=(lambda f: True) if stage == 3 else (lambda f: grad.get(f, False)))
+    dp_rewrite(gm, rid=rid, stage=stage, buckets=buckets, axis=the_plan.dp_axis, n=the_plan.dp, nbytes=nbytes,
+               comm_time=lambda kind, b: collective_time(kind, b, cluster, axes, the_plan.dp_axis))
+    schedule(gm, overlap=the_plan.overlap)
+    return [(fqns, [shapes[f] for f in fqns], [grad.get(f, False) for f in fqns]) for fqns in buckets]
+
+
+def checked_strategies(gm: fx.GraphModule, plan: Plan) -> dict:
+    names = {n.name for n in gm.graph.nodes}
+    missing = sorted(set(plan.nodes) - names)
+    if missing:
+        raise PlanFileError("the plan names graph nodes this model does not have", where="plan",
+                            expected="a plan made for this model", got=f"unknown nodes {missing[:5]}",
+                            fix="re-plan for this model with autopar.plan(model, mesh, example_inputs)")
+    fqns = {info(n).target_fqn for n in gm.graph.nodes if n.op == "placeholder"}
+    unknown = sorted(set(plan.params) - fqns)
+    if unknown:
+        raise PlanFileError("the plan names parameters this model does not have", where="plan",
+                            expected="a plan made for this model", got=str(unknown[:5]), fix="re-plan for this model")
+    check_plan_placements(gm, plan)
+    return plan.strategies()
+
+
+def model_tensors(model: nn.Module, *, sync: bool) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by ``state_dict`` key; with ``sync``, rank 0's
+    values broadcast to every rank first (so ranks that built the model apart agree)."""
+    tensors = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
+    if sync and dist.get_world_size() > 1:
+        with torch.no_grad():
+            for t in tensors.values():
+                dist.broadcast(t.data, src=0)
+    return tensors
+
+
+def device_mesh(mesh: Any, axes: tuple[tuple[str, int], ...]):
+    """``mesh`` as a DeviceMesh over the whole process group (made from ``axes`` when it is a
+    mapping or an int), after checking that the axes cover every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = math.prod(n for _, n in axes)
+    if world != dist.get_world_size():
+        raise MeshError("the mesh does not cover the process group", where="parallelize",
+                        expected=f"{world} ranks ({dict(axes)})", got=f"world size {dist.get_world_size()}",
+                        fix="launch as many ranks as the mesh has devices, or pass a mesh of that size")
+    if hasattr(mesh, "get_group"):
+        return mesh
+    device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device, tuple(n for _, n in axes), mesh_dim_names=tuple(a for a, _ in axes))
+
+
+def has_axis(mesh: Any, axis: str) -> bool:
+    if isinstance(mesh, Mapping):
+        return axis in mesh
+    return axis in (getattr(mesh, "mesh_dim_names", None) or ())
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name, torch.float32)
+
+
+def input_dims(model: nn.Module, example_inputs: Any, dims: Any,
+               kwargs: Mapping[str, Any] | None = None) -> dict[str, tuple[int, int]]:
+    """Named size -> (user input index in call order, dim) of its first appearance."""
+    from autopar.passes.capture import flat_labels
+    args = as_args(example_inputs)
+    kwargs = dict(kwargs or {})
+    labels = flat_labels(model, args, kwargs, dims if dims is not None else default_dims(args, kwargs))
+    out: dict[str, tuple[int, int]] = {}
+    for i, d in enumerate(labels):
+        for dim, name in d.items():
+            out.setdefault(name, (i, dim))
+    return out
+
