@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar import build
+from autopar.build import build_dense, build_experts, build_pipeline
 from autopar.checks import check_devices, check_fits
 from autopar.errors import ConfigError, InputMismatchError, OptimizerError
 from autopar.passes.meta import graph_info
@@ -128,19 +128,19 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
                   "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
     mesh = mesh if plan is None or not isinstance(mesh, int) else plan.mesh     # an int with a plan: the plan's
     if has_axis(mesh, "pp") or (plan is not None and plan.pp_axis is not None):
-        return build.build_pipeline(model, mesh, args, loss_fn=loss_fn, schedule=schedule, microbatches=microbatches,
-                                    virtual_stages=virtual_stages, hardware=hardware, memory_budget=memory_budget,
-                                    sync_params=sync_params, zero_stage=zero_stage, plan=plan, recompute=recompute,
-                                    example_kwargs=kwargs)
+        return build_pipeline(model, mesh, args, loss_fn=loss_fn, schedule=schedule, microbatches=microbatches,
+                              virtual_stages=virtual_stages, hardware=hardware, memory_budget=memory_budget,
+                              sync_params=sync_params, zero_stage=zero_stage, plan=plan, recompute=recompute,
+                              example_kwargs=kwargs)
     if has_axis(mesh, "ep") or (plan is not None and plan.ep_axis is not None):
-        return build.build_experts(model, mesh, args, hardware=hardware, memory_budget=memory_budget,
-                                   sync_params=sync_params, calibration=calibration, placement=expert_placement,
-                                   dims=dims, capacity_factor=capacity_factor, example_kwargs=kwargs, plan=plan,
-                                   zero_stage=zero_stage, recompute=recompute)
-    return build.build_dense(model, mesh, args, kwargs, plan=plan, dims=dims, hardware=hardware,
-                             memory_budget=memory_budget, sizes=sizes, sync_params=sync_params, zero_stage=zero_stage,
-                             overlap=overlap, bucket_bytes=bucket_bytes, mixed_precision=mixed_precision,
-                             recompute=recompute, placements=placements)
+        return build_experts(model, mesh, args, hardware=hardware, memory_budget=memory_budget,
+                             sync_params=sync_params, calibration=calibration, placement=expert_placement,
+                             dims=dims, capacity_factor=capacity_factor, example_kwargs=kwargs, plan=plan,
+                             zero_stage=zero_stage, recompute=recompute)
+    return build_dense(model, mesh, args, kwargs, plan=plan, dims=dims, hardware=hardware,
+                       memory_budget=memory_budget, sizes=sizes, sync_params=sync_params, zero_stage=zero_stage,
+                       overlap=overlap, bucket_bytes=bucket_bytes, mixed_precision=mixed_precision,
+                       recompute=recompute, placements=placements)
 
 
 def optimizer(module: Any, optimizer_cls: type, params: Any = None, **kwargs: Any):

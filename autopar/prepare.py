@@ -22,6 +22,7 @@ from torch import nn
 from autopar.checks import check_options, check_plan_placements, forced_placements
 from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
+from autopar.cost.dp_planner import dtype_of, local_numels, local_shape, param_bytes
 from autopar.cost.tp_solver import Solution, SolverConfig, solve
 from autopar.errors import CaptureError, MeshError, PlanFileError
 from autopar.passes.capture import capture
@@ -29,7 +30,6 @@ from autopar.passes.meta import graph_info, info
 from autopar.passes.pipeline import analyze
 from autopar.passes.sharding import replication_reason
 from autopar.passes.tp_rewrite import tp_rewrite
-from autopar.placement import Shard, parse
 from autopar.plans import NodeStrategy, Plan
 
 log = logging.getLogger("autopar")
@@ -131,14 +131,6 @@ def master_dtype(gm: fx.GraphModule) -> torch.dtype:
     return torch.float32
 
 
-def dtype_of(gm: fx.GraphModule) -> str:
-    for node in gm.graph.nodes:
-        rec = info(node)
-        if rec.kind == "param" and rec.values:
-            return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(rec.values[0].dtype, "fp32")
-    return "fp32"
-
-
 def plan_of(gm: fx.GraphModule, sol: Solution, axes: tuple[tuple[str, int], ...], name: str, *,
              zero_stage: int = 0, bucket_bytes: int = 0, overlap: bool = True,
              mixed_precision: str | None = None) -> Plan:
@@ -184,35 +176,6 @@ def with_memory(gm: fx.GraphModule, the_plan: Plan, cluster: Cluster, memory_bud
     mem = split(stage)
     predicted = {**the_plan.predicted, "memory_bytes": mem.as_dict()}
     return replace(the_plan, zero_stage=stage, predicted=predicted)
-
-
-def param_bytes(gm: fx.GraphModule) -> int:
-    return {"fp32": 4, "bf16": 2, "fp16": 2}.get(dtype_of(gm), 4)
-
-
-def local_numels(gm: fx.GraphModule, the_plan: Plan) -> tuple[int, int, int]:
-    """Per-rank (tensor-axis-local) trainable and frozen parameter elements, and buffer bytes."""
-    trainable = frozen = buffers = 0
-    for node in gm.graph.nodes:
-        rec = info(node)
-        if node.op != "placeholder" or rec.kind not in ("param", "buffer") or not rec.values:
-            continue
-        numel = math.prod(local_shape(rec.values[0].shape, the_plan.params.get(rec.target_fqn, "R"), the_plan.tp))
-        if rec.kind == "buffer":
-            buffers += numel * rec.values[0].dtype.itemsize
-        elif rec.requires_grad:
-            trainable += numel
-        else:
-            frozen += numel
-    return trainable, frozen, buffers
-
-
-def local_shape(shape: Any, placement: str, tp: int) -> tuple[int, ...]:
-    out = [int(d) for d in shape]
-    p = parse(placement)
-    if isinstance(p, Shard):
-        out[p.dim] //= tp
-    return tuple(out)
 
 
 def planned_graph(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
