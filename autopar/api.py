@@ -163,5 +163,3 @@ def optimizer(module: Any, optimizer_cls: type, params: Any = None, **kwargs: An
         from autopar.ep import EPOptimizer
         return EPOptimizer(module, optimizer_cls, check_params(module, params), **kwargs)
     return ShardedOptimizer(module, optimizer_cls, params, **kwargs)
-
-
