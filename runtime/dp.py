@@ -23,7 +23,8 @@ The graph nodes come in issue/wait pairs so the scheduling pass can move each ha
 
 ZeRO-3 frees whole parameters after their last use in forward: tensors autograd would
 save for backward are replaced by tokens (``saved_tensors_hooks``) and re-gathered when
-backward unpacks them, prefetching the next bucket in backward order.
+backward unpacks them, prefetching the next bucket in backward order. Checkpointed regions
+(``runtime.recompute``) take whole parameters as tokens the same way.
 The communication is torch's functional collectives followed by ``wait_tensor``.
 """
 from __future__ import annotations
@@ -151,8 +152,7 @@ class Bucket:
         return _c10d.all_gather_into_tensor(row, rt.n, rt.group_name)
 
     def issue_gather(self, shards: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        self.saved = 0
-        self._bwd_full = None
+        self.forget_backward()
         return self._start_gather(shards)
 
     def finish_gather(self, handle: torch.Tensor) -> list[torch.Tensor]:
@@ -160,6 +160,7 @@ class Bucket:
         return self.from_rows(rows)
 
     def issue_grad_scatter(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        self.forget_backward()     # every node that reads these parameters has run its backward
         rt = self.rt
         rows = self.to_rows(list(grads), rt.reduce_dtype).div_(rt.n)
         self._pending = _c10d.reduce_scatter_tensor(rows.view(-1), "sum", rt.n, rt.group_name)
@@ -175,6 +176,14 @@ class Bucket:
     def prefetch_backward(self) -> None:
         if self._bwd_full is None and self._bwd_pending is None and self.saved > 0:
             self._bwd_pending = self._start_gather(self.rt.shards_of(self))
+
+    def forget_backward(self) -> None:
+        """Drop what is left of the backward re-gather: tokens never unpacked (their nodes did not
+        run backward) must not keep the whole parameters, nor leave a prefetched gather, which
+        would hold this step's values, for the next step's backward."""
+        if self._bwd_pending is not None:
+            _c10d.wait_tensor(self._bwd_pending)
+        self.saved, self._bwd_full, self._bwd_pending = 0, None, None
 
     def full_for_backward(self, i: int) -> torch.Tensor:
         if self._bwd_full is None:
@@ -193,7 +202,8 @@ class Bucket:
 
 @dataclass(frozen=True)
 class _Token:
-    """Stands in, between forward and backward, for a saved (view of a) whole ZeRO-3 parameter."""
+    """Stands in, between forward and backward, for a saved (view of a) whole ZeRO-3 parameter:
+    which parameter, and the view's size, stride and storage offset relative to the parameter's."""
 
     bucket: int
     index: int
@@ -223,7 +233,7 @@ class DPRuntime:
         self.where: dict[str, tuple[int, int]] = {}          # fqn -> (bucket, index in bucket)
         self.sinks: dict[str, torch.Tensor] = {}              # fqn -> accumulated fp32 gradient (or shard)
         self.shard_params: dict[str, torch.Tensor] = {}       # ZeRO-3: fqn -> this rank's flat shard
-        self._live: dict[int, tuple[weakref.ref, int, int]] = {}
+        self._live: dict[int, tuple[weakref.ref, int, int]] = {}   # storage -> (whole param, bucket, index)
 
     def add_bucket(self, fqns: list[str], shapes: list[tuple[int, ...]], trainable: list[bool]) -> Bucket:
         b = Bucket(self, len(self.buckets), fqns, shapes, trainable)
@@ -242,23 +252,37 @@ class DPRuntime:
 
     # -- ZeRO-3: saved whole parameters become tokens -------------------------------------------
     def register_full(self, b: Bucket, fulls: list[torch.Tensor]) -> None:
+        """Note the whole parameters a forward gather made, by storage: a gathered parameter is
+        itself a view (of its unpacked piece of the wire buffer), so views of it have that piece,
+        not the parameter, as ``_base``; only the storage tells them apart. Empty ones have none
+        and are never saved."""
         for i, t in enumerate(fulls):
-            self._live[id(t)] = (weakref.ref(t), b.index, i)
+            if t.numel():
+                self._live[t.untyped_storage().data_ptr()] = (weakref.ref(t), b.index, i)
+
+    def token_for(self, t: torch.Tensor) -> _Token | None:
+        """A token for ``t`` if it is (a view of) a whole parameter this forward gathered, else
+        None. The token is counted as saved: backward must hand it to :meth:`whole_for_backward`
+        exactly once, which re-gathers the bucket (once for all its tokens)."""
+        ptr = t.untyped_storage().data_ptr()
+        hit = self._live.get(ptr)
+        full = hit[0]() if hit is not None else None
+        if full is None or full.untyped_storage().data_ptr() != ptr:
+            return None
+        self.buckets[hit[1]].saved += 1
+        return _Token(hit[1], hit[2], tuple(t.size()), tuple(t.stride()), t.storage_offset() - full.storage_offset())
+
+    def whole_for_backward(self, token: _Token) -> torch.Tensor:
+        """The (view of the) whole parameter ``token`` stands for, gathered again for backward."""
+        full = self.buckets[token.bucket].full_for_backward(token.index)
+        return full.as_strided(token.size, token.stride, full.storage_offset() + token.offset)
 
     def _pack(self, t: torch.Tensor):
-        base = t._base if t._base is not None else t
-        hit = self._live.get(id(base))
-        if hit is None or hit[0]() is not base:
-            return t
-        b = self.buckets[hit[1]]
-        b.saved += 1
-        return _Token(hit[1], hit[2], tuple(t.size()), tuple(t.stride()), t.storage_offset())
+        token = self.token_for(t)
+        return t if token is None else token
 
     def _unpack(self, x):
-        if not isinstance(x, _Token):
-            return x
-        full = self.buckets[x.bucket].full_for_backward(x.index)
-        return full.as_strided(x.size, x.stride, x.offset)
+        return self.whole_for_backward(x) if isinstance(x, _Token) else x
 
     @contextlib.contextmanager
     def saving(self) -> Iterator[None]:

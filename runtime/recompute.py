@@ -8,9 +8,18 @@ Regions are runs of consecutive graph nodes; each runs under ``torch.utils.check
 (non-reentrant, RNG state preserved) as a function of the tensors it reads from outside, and
 hands on the values read after it. Collectives inside a region run again in the recomputation,
 on every rank alike.
+
+Under ZeRO-3 a region reads whole parameters that a bucket gather made just for this forward.
+Checkpoint would keep them as region inputs until backward; instead the region gets a token
+for each (:meth:`~autopar.runtime.dp.DPRuntime.token_for`) and its recomputation gathers the
+parameter again (:meth:`~autopar.runtime.dp.DPRuntime.whole_for_backward`), as backward does for
+every whole parameter autograd saves. The data-axis nodes the scheduling pass placed inside a
+region's run of nodes (a bucket's gather just before its first use) run just before the region,
+so they do not cut it in two.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Sequence
 
 import torch
@@ -19,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autopar.errors import ConfigError
 from autopar.passes.meta import graph_info, info
+from autopar.runtime.dp import DP_OPS, DPRuntime
 
 MODES = ("none", "selective", "full")
 _SCORE_OPS = {"_softmax", "softmax", "_safe_softmax", "masked_fill", "where", "dropout", "native_dropout"}
@@ -81,9 +91,11 @@ def _square_last(n: fx.Node) -> bool:
 HELD: dict[int, int] = {}   # storage pointer -> bytes of the tensors regions kept for backward
 
 
-def run(gm: fx.GraphModule, args: Sequence[Any], where: dict[fx.Node, int]) -> Any:
+def run(gm: fx.GraphModule, args: Sequence[Any], where: dict[fx.Node, int], zero3: DPRuntime | None = None) -> Any:
     """Execute ``gm`` on ``args`` like ``gm(*args)``, checkpointing the regions in ``where``.
-    The tensors each region keeps (its inputs) are noted in ``HELD`` for measurement."""
+    ``zero3`` is the ZeRO-3 runtime whose gathered whole parameters regions must not keep (see
+    the module docstring). The tensors each region keeps (its inputs) are noted in ``HELD`` for
+    measurement."""
     env: dict[fx.Node, Any] = {}
     inputs = iter(args)
     nodes = list(gm.graph.nodes)
@@ -95,16 +107,44 @@ def run(gm: fx.GraphModule, args: Sequence[Any], where: dict[fx.Node, int]) -> A
         elif n.op == "output":
             return fx.node.map_arg(n.args[0], lambda a: env[a])
         elif n in where:
-            j = i
-            while j < len(nodes) and where.get(nodes[j]) == where[n]:
-                j += 1
-            _run_region(gm, nodes[i:j], env)
-            i = j
+            members, before, i = _region_at(nodes, i, where)
+            for m in before:
+                env[m] = _execute(gm, m, env)
+            _run_region(gm, members, env, zero3)
             continue
         else:
             env[n] = _execute(gm, n, env)
         i += 1
     raise ConfigError("graph has no output node", where="recompute")
+
+
+def _region_at(nodes: list[fx.Node], i: int, where: dict[fx.Node, int]) -> tuple[list[fx.Node], list[fx.Node], int]:
+    """The region starting at ``nodes[i]``: its nodes, the data-axis nodes among them (to run
+    before it: they read only parameters and each other, never the region's values), and the
+    index just past its last node."""
+    rid = where[nodes[i]]
+    members: list[fx.Node] = []
+    before: list[fx.Node] = []
+    between: list[fx.Node] = []
+    end = i
+    for j in range(i, len(nodes)):
+        n = nodes[j]
+        if where.get(n) == rid:
+            members.append(n)
+            before += between
+            between = []
+            end = j + 1
+        elif _data_axis(n):
+            between.append(n)
+        else:
+            break
+    return members, before, end
+
+
+def _data_axis(n: fx.Node) -> bool:
+    """A node the data-parallel rewrite inserted (or one unpacking its outputs)."""
+    src = n.args[0] if n.target is operator.getitem else n
+    return isinstance(src, fx.Node) and src.target in DP_OPS
 
 
 def _execute(gm: fx.GraphModule, n: fx.Node, env: dict[fx.Node, Any]) -> Any:
@@ -124,7 +164,8 @@ def _execute(gm: fx.GraphModule, n: fx.Node, env: dict[fx.Node, Any]) -> Any:
     raise ConfigError(f"cannot run node {n.name} ({n.op})", where="recompute")
 
 
-def _run_region(gm: fx.GraphModule, run_nodes: list[fx.Node], env: dict[fx.Node, Any]) -> None:
+def _run_region(gm: fx.GraphModule, run_nodes: list[fx.Node], env: dict[fx.Node, Any],
+                zero3: DPRuntime | None) -> None:
     inside = set(run_nodes)
     reads: list[fx.Node] = []
     for n in run_nodes:
@@ -134,19 +175,33 @@ def _run_region(gm: fx.GraphModule, run_nodes: list[fx.Node], env: dict[fx.Node,
     tensors = [a for a in reads if isinstance(env[a], torch.Tensor)]
     others = {a: env[a] for a in reads if not isinstance(env[a], torch.Tensor)}
     outs = [n for n in run_nodes if any(u not in inside for u in n.users)]
+    tokens: dict[fx.Node, Any] = {}
+    if zero3 is not None and torch.is_grad_enabled():    # without grad nothing is recomputed
+        tokens = {a: tok for a in tensors if (tok := zero3.token_for(env[a])) is not None}
+    kept = [a for a in tensors if a not in tokens]
+    live = {a: env[a] for a in tokens}            # the gathered parameters, for the first run only
+    needs_grad = {a: env[a].requires_grad for a in tokens}
 
     def region(*values: torch.Tensor) -> tuple:
         local = dict(others)
-        local.update(zip(tensors, values))
+        local.update(zip(kept, values))
+        if live:
+            local.update(live)
+            live.clear()         # checkpoint keeps this function for the recomputation: let them go
+        else:
+            # Recomputation: gathered again, with the gradient flag they had, so the ops save
+            # the same tensors as in forward (checkpoint matches them by order).
+            for a, tok in tokens.items():
+                local[a] = zero3.whole_for_backward(tok).detach().requires_grad_(needs_grad[a])
         for n in run_nodes:
             local[n] = _execute(gm, n, local)
         return tuple(local[o] for o in outs)
 
-    for a in tensors:
+    for a in kept:
         t = env[a]
         if t.requires_grad or t.grad_fn is not None:
             HELD[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    got = checkpoint(region, *[env[a] for a in tensors], use_reentrant=False)
+    got = checkpoint(region, *[env[a] for a in kept], use_reentrant=False)
     env.update(zip(outs, got))
 
 

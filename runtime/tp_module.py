@@ -186,20 +186,18 @@ class ParallelModule(nn.Module):
         return flat
 
     def _run(self, gm: fx.GraphModule, call: list) -> Any:
-        """The graph, with the recomputation regions checkpointed (runtime/recompute.py)."""
+        """The graph, with the recomputation regions checkpointed (runtime/recompute.py); under
+        ZeRO-3 the regions take the gathered whole parameters as tokens and gather them again
+        when backward recomputes them."""
         where = getattr(self, "_recompute", None)
         if not where:
             return gm(*call)
         from autopar.runtime.recompute import run
-        return run(gm, call, where)
+        return run(gm, call, where, self._dp[0] if self.zero3 else None)
 
     def set_recompute(self, mode: str) -> None:
         """``none``, ``selective`` (attention cores) or ``full`` (every layer) recomputation."""
-        from autopar.errors import ConfigError
         from autopar.runtime.recompute import regions
-        if mode != "none" and self.zero3:
-            raise ConfigError("recomputation with ZeRO-3 is not supported yet", where="parallelize",
-                              fix="use zero_stage <= 2 with recompute, or recompute='none'")
         self._recompute = regions(self.graph_module, mode)
         self.recompute = mode
 
