@@ -73,7 +73,8 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
                 virtual_stages: int | None = None, calibration: Any = None, expert_placement: str = "balanced",
                 capacity_factor: float | None = None, recompute: str = "none",
                 placements: Mapping[str, str] | None = None):
-    """Split ``model`` over ``mesh`` and return this rank's :class:`ParallelModule`.
+    """Split ``model`` over ``mesh`` and return this rank's parallel module (built by
+    :mod:`autopar.build`: a :class:`ParallelModule`, or a ``PipelineModule`` with a pp axis).
 
     Call on every rank after ``torch.distributed.init_process_group`` with the same model
     and example inputs (one rank's call: under data parallelism, its share of the batch):
@@ -89,17 +90,21 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
     differently seeded ranks cannot silently disagree. Step it with the optimizer from
     :func:`autopar.optimizer`.
 
-    With a ``pp`` axis (``{"pp": 2}``, ``{"pp": 2, "dp": 2}``, ``{"pp": 2, "tp": 2}``) the model
-    is cut into pipeline stages and a :class:`~autopar.runtime.pp.PipelineModule` comes back,
-    trained with ``loss = pm.step(inputs, target=targets)``; ``loss_fn(output, target)`` runs
-    on the last stage, and ``schedule`` (gpipe, 1f1b, interleaved, zb), ``microbatches`` and
-    ``virtual_stages`` are chosen by the simulator unless given.
+    With a ``pp`` axis (axes in the order pp, dp, ep, tp: ``{"pp": 2}``, ``{"pp": 2, "dp": 2, "tp": 2}``,
+    ``{"pp": 2, "dp": 2, "ep": 2}``) the model is cut into pipeline stages and a
+    :class:`~autopar.runtime.pp.PipelineModule` comes back, trained with
+    ``loss = pm.step(inputs, target=targets)``; ``loss_fn(output, target)`` runs on the last
+    stage, and ``schedule`` (gpipe, 1f1b, interleaved, zb), ``microbatches`` and
+    ``virtual_stages`` are chosen by the simulator unless given. Any ZeRO stage and
+    recomputation compose with it (the data axis works per step: ``runtime/stage_dp.py``).
 
-    With an ``ep`` axis (``{"ep": 2}``, ``{"dp": 2, "ep": 2}``, ``{"ep": 2, "tp": 2}``) each
-    mixture-of-experts layer's experts are spread over it (each ep rank passes its own share
-    of the batch, as under data parallelism); ``calibration`` (inputs) measures each expert's
-    load so ``expert_placement="balanced"`` can even it out (``"contiguous"``: experts in
-    order); ``capacity_factor`` overrides the MoE layers' own (tokens over capacity drop).
+    With an ``ep`` axis (``{"ep": 2}``, ``{"dp": 2, "ep": 2}``, ``{"ep": 2, "tp": 2}``, or inside a
+    pipeline) each mixture-of-experts layer's experts are spread over it (each ep rank passes
+    its own share of the batch, as under data parallelism; the dense parameters are averaged
+    over dp x ep, the experts over dp, at the ZeRO stage given); ``calibration`` (inputs)
+    measures each expert's load so ``expert_placement="balanced"`` can even it out
+    (``"contiguous"``: experts in order; inside a pipeline experts are placed in order);
+    ``capacity_factor`` overrides the MoE layers' own (tokens over capacity drop).
 
     ``recompute``: ``"none"``, ``"selective"`` (attention cores re-run in backward) or
     ``"full"`` (every layer re-run in backward; forward keeps only each layer's inputs).
@@ -159,7 +164,4 @@ def optimizer(module: Any, optimizer_cls: type, params: Any = None, **kwargs: An
     if isinstance(module, PipelineModule) and not module.dp_runtimes:   # its own stages' parameters
         params = check_params(module, params)
         return optimizer_cls(params if params is not None else module.parameters(), **kwargs)
-    if getattr(module, "ep_runtimes", None):
-        from autopar.ep import EPOptimizer
-        return EPOptimizer(module, optimizer_cls, check_params(module, params), **kwargs)
     return ShardedOptimizer(module, optimizer_cls, params, **kwargs)

@@ -108,14 +108,9 @@ def build_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, loss_fn:
 
     from autopar.passes.pp_split import shared_params, split_stages
     from autopar.runtime.pp import PipelineModule, StageModule, stage_inputs_of
-
     if not dist.is_initialized():
         raise ConfigError("parallelize needs an initialised process group", where="parallelize",
                           fix="call torch.distributed.init_process_group (torchrun sets the environment) first")
-    from dataclasses import replace
-
-    from autopar.plans import Plan
-
     axes = pipeline_axes(mesh)
     if plan is not None:
         if plan.pp_axis is None or not plan.stage_starts:
@@ -203,7 +198,7 @@ def build_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, loss_fn:
                     nodes=dict(tp_plan.nodes) if tp_plan is not None else {}, predicted=final.as_dict(),
                     model=type(model).__name__, dp_axis="dp" if "dp" in sizes else None, pp_axis="pp",
                     ep_axis="ep" if ep_n > 1 else None,
-                    zero_stage=(zero_stage or 0) if sizes.get("dp", 1) > 1 else 0,
+                    zero_stage=(zero_stage or 0) if sizes.get("dp", 1) * ep_n > 1 else 0,
                     stage_starts=tuple(starts), schedule=choice_s, microbatches=choice_m,
                     virtual_stages=choice_v, shapes={k: list(q.shape) for k, q in model.named_parameters()})
     the_plan = replace(the_plan, fingerprint=Plan.fingerprint_of(the_plan.shapes))
@@ -260,10 +255,6 @@ def build_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, hardware:
     where the plan and the model's modules show it (mesh, a placement that is not a
     permutation, a layer the model does not have), otherwise right after the capture (split
     MoE layers, or their expert counts, that differ from the plan's)."""
-
-    from autopar.passes.ep_rewrite import ep_rewrite
-    from autopar.plans import Plan
-    from autopar.runtime.ep import EPRuntime
     from autopar.runtime.tp_module import ParallelModule
 
     if not dist.is_initialized():
@@ -317,32 +308,65 @@ def build_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, hardware:
         placed = {r.fqn: place_experts(r.num_experts, n_ep, loads.get(r.fqn)) if placement == "balanced" else
                   contiguous(r.num_experts, n_ep, loads.get(r.fqn)) for r in regions}
     group = mesh.get_group(names.index("ep"))
-    rts = {f: EPRuntime(n=n_ep, rank=ep_rank, group=group, perm=pl.perm) for f, pl in placed.items()}
-    stored = ep_rewrite(gm, plans, rts)
-    region_of = {p: r.fqn for r in regions for p in r.expert_params}
-    for fqn, how in stored.items():
-        if how == "rows":
-            owned = torch.tensor(rts[region_of[fqn]].owned())
-            tensors[fqn] = tensors[fqn].detach().index_select(0, owned).clone()
+    rts, split = exchange_experts(gm, tensors, plans, {f: pl.perm for f, pl in placed.items()}, group=group,
+                                  n=n_ep, rank=ep_rank)
+    stored = {f: how for f, (how, _) in split.items()}
     trainable = {k: p.requires_grad for k, p in model.named_parameters()}
     used = {info(n).target_fqn for n in gm.graph.nodes if n.op == "placeholder" and info(n).target_fqn}
     shapes = {k: list(p.shape) for k, p in model.named_parameters()}   # what Plan.check_model compares
     # a re-applied plan keeps its predictions (the loads behind its imbalance are not in the plan)
     predicted = dict(plan.predicted) if plan is not None else \
         {"imbalance": {f: p.imbalance for f, p in placed.items()}}
+    zero = (plan.zero_stage if plan is not None else zero_stage) or 0
     the_plan = Plan(mesh=sizes, tp_axis="tp" if tp_n > 1 else None, params=placements, nodes=nodes,
                     model=type(model).__name__, ep_axis="ep", capacity_factor=capacity_factor,
+                    dp_axis="dp" if "dp" in sizes else None, zero_stage=zero if sizes.get("dp", 1) * n_ep > 1 else 0,
                     expert_placement={f: list(p.perm) for f, p in placed.items()},
                     predicted=predicted, shapes=shapes, fingerprint=Plan.fingerprint_of(shapes))
+    device = torch.device(mesh.device_type if mesh.device_type != "cuda" else f"cuda:{torch.cuda.current_device()}")
+    cluster = Cluster.from_spec(f"1x{math.prod(sizes.values())}",
+                                hardware=hardware or ("h100" if torch.cuda.is_available() else "cpu"))
+    data = _graph_data_axes(gm, the_plan, cluster, mesh, names, {f: tuple(tensors[f].shape) for f in stored},
+                            trainable, device)
     pm = ParallelModule(gm, placements, {k: v for k, v in tensors.items() if k in used}, trainable, mesh,
-                        the_plan, input_dims(model, args, dims, kwargs))
+                        the_plan, input_dims(model, args, dims, kwargs), dp=data)
+    if sizes.get("dp", 1) == 1:    # no data axis for the experts: divide where their gradients arrive
+        from autopar.runtime.ep import average_over_senders
+        average_over_senders([q for f, q in pm.named_parameters() if f in stored], n_ep)
+    pm.set_recompute(recompute)
     pm.expert_params = set(stored)
     pm.expert_storage = stored        # fqn -> "rows" (owned rows of stacked experts) | "whole" (an owned module's)
     pm.ep_runtimes = rts
     pm.placements = placed
-    pm.ep_group = group
-    pm.ep_dp_group = mesh.get_group(names.index("dp")) if "dp" in names else None
     return pm
+
+
+def _graph_data_axes(gm: fx.GraphModule, the_plan: Plan, cluster: Cluster, mesh, names: list[str],
+                     experts: Mapping[str, tuple[int, ...]], trainable: Mapping[str, bool],
+                     device: torch.device) -> list:
+    """The data axes of a graph with experts, as data-axis nodes (``passes/dp_rewrite.py``), one
+    runtime each: the dense parameters over dp x ep (every rank of both has its own rows), the
+    experts over dp (their owner received every ep rank's rows through the exchange).
+    ``experts`` maps each expert parameter to the shape this rank stores."""
+    from autopar.passes.dp_rewrite import schedule
+    from autopar.runtime.dp import DPRuntime
+
+    sizes = dict(the_plan.mesh)
+    ep = sizes.get("ep", 1)
+    out = []
+    for axes, keep, extra in ((("dp", "ep"), lambda f: f not in experts, 1), (("dp",), lambda f: f in experts, ep)):
+        group, n, rank = axes_group(mesh, names, [a for a in axes if sizes.get(a, 1) > 1])
+        if n == 1:
+            continue
+        rt = DPRuntime(stage=the_plan.zero_stage, n=n, rank=rank, group_name=group.group_name, device=device,
+                       master_dtype=master_dtype(gm), prefetch=the_plan.overlap, divisor=n * extra)
+        for fqns, shapes, flags in data_rewrite(gm, the_plan, cluster, rid=rt.id, trainable=trainable,
+                                                axis="x".join(a for a in axes if sizes.get(a, 1) > 1), n=n,
+                                                include=keep, scheduled=False, stored=experts):
+            rt.add_bucket(fqns, shapes, flags)
+        out.append(rt)
+    schedule(gm, overlap=the_plan.overlap)
+    return out
 
 
 def expert_side(node: fx.Node) -> bool:
@@ -356,23 +380,30 @@ def expert_side(node: fx.Node) -> bool:
 
 def split_experts(gm: fx.GraphModule, tensors: dict[str, torch.Tensor], *, group: Any, n: int,
                   rank: int) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Rewrite every MoE layer of ``gm`` for the expert exchange over ``group`` (experts in
-    order, ``E/n`` per rank), keep this rank's experts' rows in ``tensors``, and return how
-    each expert parameter is stored (``rows`` of a stacked tensor, or ``whole`` owned modules)
-    with the experts this rank owns."""
+    """Every MoE layer of ``gm`` that can be split, its experts in order (``E/n`` per rank) on
+    the expert axis: :func:`exchange_experts` with contiguous placements."""
+    plans = checked_moe_plans(gm, tensors)
+    perms = {q.region.fqn: contiguous(q.region.num_experts, n).perm for q in plans if q.kind != "dense"}
+    return exchange_experts(gm, tensors, plans, perms, group=group, n=n, rank=rank)[1]
+
+
+def exchange_experts(gm: fx.GraphModule, tensors: dict[str, torch.Tensor], plans: list, perms: Mapping[str, Any], *,
+                     group: Any, n: int, rank: int) -> tuple[dict, dict[str, tuple[str, tuple[int, ...]]]]:
+    """Rewrite the MoE layers ``plans`` split for the expert exchange over ``group`` (experts in
+    the owner order ``perms[layer]``), keep this rank's experts' rows in ``tensors``, and
+    return the exchange runtimes by layer and, per expert parameter, how it is stored
+    (``rows`` of a stacked tensor, or ``whole`` owned modules) with the experts this rank owns."""
     from autopar.passes.ep_rewrite import ep_rewrite
     from autopar.runtime.ep import EPRuntime
 
-    plans = checked_moe_plans(gm, tensors)
-    regions = [q.region for q in plans if q.kind != "dense"]
-    rts = {r.fqn: EPRuntime(n=n, rank=rank, group=group, perm=contiguous(r.num_experts, n).perm) for r in regions}
+    rts = {f: EPRuntime(n=n, rank=rank, group=group, perm=tuple(perm)) for f, perm in perms.items()}
     stored = ep_rewrite(gm, plans, rts)
-    region_of = {f: r.fqn for r in regions for f in r.expert_params}
+    region_of = {f: q.region.fqn for q in plans if q.kind != "dense" for f in q.region.expert_params}
     for fqn, how in stored.items():
         if how == "rows":
             owned = torch.tensor(rts[region_of[fqn]].owned())
             tensors[fqn] = tensors[fqn].detach().index_select(0, owned).clone()
-    return {fqn: (how, tuple(rts[region_of[fqn]].owned())) for fqn, how in stored.items()}
+    return rts, {fqn: (how, tuple(rts[region_of[fqn]].owned())) for fqn, how in stored.items()}
 
 
 def checked_moe_plans(gm: fx.GraphModule, tensors: Mapping[str, torch.Tensor]) -> list:
@@ -410,22 +441,23 @@ def data_axes(mine: list, mesh, names: list[str], sizes: Mapping[str, int], zero
                shared: Mapping[str, Any], device: torch.device) -> list:
     """The data axes of this rank's stages (runtime/stage_dp.py): each parameter's gradient is
     averaged over the ranks that computed it on other rows of the batch — the dense parameters
-    over dp x ep (each ep rank has its own rows), the experts over dp (their owner already
-    received every ep rank's rows through the exchange, runtime/ep.py)."""
+    over dp x ep (each ep rank has its own rows), the experts over dp but divided by dp x ep
+    (their owner already received every ep rank's rows through the exchange, runtime/ep.py)."""
     from autopar.runtime.ep import average_over_senders
     from autopar.runtime.stage_dp import StageDataAxis
 
     named = [(st.index, dict(st.named_parameters(remove_duplicate=False))) for st in mine]
-    if experts:
-        average_over_senders([q for _, ps in named for f, q in ps.items() if f in experts], sizes["ep"])
+    ep = sizes.get("ep", 1)
+    if experts and sizes.get("dp", 1) == 1:    # no data axis for the experts: divide where they arrive
+        average_over_senders([q for _, ps in named for f, q in ps.items() if f in experts], ep)
     out = []
-    for axes, keep in ((("dp", "ep"), lambda f: f not in experts), (("dp",), lambda f: f in experts)):
+    for axes, keep, extra in ((("dp", "ep"), lambda f: f not in experts, 1), (("dp",), lambda f: f in experts, ep)):
         group, n, rank = axes_group(mesh, names, [a for a in axes if sizes.get(a, 1) > 1])
         if n == 1:
             continue
         parts = [(i, {f: q for f, q in ps.items() if keep(f)}) for i, ps in named]
         out.append(StageDataAxis(parts, zero_stage=zero_stage, n=n, rank=rank, group_name=group.group_name,
-                                 device=device, shared=shared))
+                                 device=device, shared=shared, divisor=n * extra))
     return out
 
 

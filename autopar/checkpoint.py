@@ -249,7 +249,7 @@ def _optimizer_entries(model: nn.Module, opt: Any) -> tuple[torch.optim.Optimize
                 lay = _base_layout(model, fqn, tuple(shapes[key]), tuple(m.shape))
             out.append((key, lay, m))
         return opt.inner, out
-    inner = getattr(opt, "optimizer", opt)          # EPOptimizer wraps a torch optimizer
+    inner = opt
     if not isinstance(inner, torch.optim.Optimizer):
         raise CheckpointError("save/load takes the optimizer autopar.optimizer returned or a torch.optim optimizer",
                               where="autopar checkpoint", got=type(opt).__name__,

@@ -19,9 +19,9 @@ dropped tokens instead).
 all-to-all with variable splits, each dropless layer first checked against its own graph on
 random routing; a layer it cannot split runs dense with a one-line warning, and when none can
 be split the ep axis is one more data axis), stores each rank's experts only, and returns a
-:class:`~autopar.runtime.tp_module.ParallelModule`; :func:`autopar.optimizer` then averages
-gradients over the ranks that share them (the dense parts over ``dp x ep``, the experts over
-``dp``) before stepping.
+:class:`~autopar.runtime.tp_module.ParallelModule` whose backward averages gradients over the
+ranks that share them (the dense parts over ``dp x ep``, the experts over ``dp``) at the plan's
+ZeRO stage, like any data axis.
 """
 from __future__ import annotations
 
@@ -31,9 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
-from torch import nn
 
 from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
@@ -282,58 +280,5 @@ def ep_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
     return axes
 
 
-class EPOptimizer:
-    """Averages gradients over the ranks that share them, then steps ``optimizer_cls``: the
-    dense parameters over ``dp x ep`` (each rank saw its own tokens), the experts over
-    ``dp`` (their owner already got every rank's tokens' gradients through the exchange)."""
-
-    def __init__(self, module: nn.Module, optimizer_cls: type, params: Any = None, **kwargs: Any) -> None:
-        self.module = module
-        self.optimizer = optimizer_cls(params if params is not None else module.parameters(), **kwargs)
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    def _reduce(self) -> None:
-        m = self.module
-        n_ep = dist.get_world_size(m.ep_group)
-        n_dp = dist.get_world_size(m.ep_dp_group) if m.ep_dp_group is not None else 1
-        dense, expert = [], []
-        for fqn, p in m.named_parameters():
-            if p.grad is not None:
-                (expert if fqn in m.expert_params else dense).append(p.grad)
-        for grads, groups in ((dense, [m.ep_group, m.ep_dp_group]), (expert, [m.ep_dp_group])):
-            if not grads:
-                continue
-            if not any(g is not None and dist.get_world_size(g) > 1 for g in groups):
-                for g in grads:               # nothing to sum: scale in place
-                    g.div_(n_ep * n_dp)
-                continue
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            for g in groups:
-                if g is not None and dist.get_world_size(g) > 1:
-                    dist.all_reduce(flat, group=g)
-            flat.div_(n_ep * n_dp)
-            off = 0
-            for g in grads:
-                g.copy_(flat[off:off + g.numel()].view_as(g))
-                off += g.numel()
-
-    def step(self, closure: Any = None) -> Any:
-        self._reduce()
-        return self.optimizer.step(closure)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
-
-
 __all__ = ["Placement", "contiguous", "place_experts", "expert_loads", "EPCost", "ep_costs", "ep_axes",
-           "ExpertChoice", "plan_experts",
-           "EPOptimizer"]
+           "ExpertChoice", "plan_experts"]

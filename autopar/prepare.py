@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -74,9 +74,10 @@ def mesh_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
     names = [a for a, _ in axes]
     if not axes or len(set(names)) != len(names) or any(a not in _SUPPORTED for a in names) \
             or any(size < 1 for _, size in axes):
-        raise MeshError("this version parallelizes over a data axis and/or a tensor axis", where="mesh",
+        raise MeshError("this takes a mesh of a data axis and/or a tensor axis", where="mesh",
                         expected="axes named dp and/or tp (dp outermost), each of size >= 1", got=str(axes),
-                        fix="e.g. {'dp': 2, 'tp': 2}; pipeline and expert axes are not supported yet"
+                        fix="with pp or ep axes, call autopar.parallelize with that mesh (it plans the pipeline and "
+                            "the experts) or run `autopar plan` for a cluster"
                         if any(a in _FIXED_ROLES for a in names) else "name the axes dp and tp")
     if names == ["tp", "dp"]:
         raise MeshError("the data axis must be the outer mesh axis", where="mesh", got=str(axes),
@@ -226,28 +227,41 @@ def tensor_rewrite(gm: fx.GraphModule, the_plan: Plan, strategies: dict, cluster
 
 
 def data_rewrite(gm: fx.GraphModule, the_plan: Plan, cluster: Cluster, *, rid: int,
-                trainable: Mapping[str, bool] | None) -> list[tuple[list[str], list[tuple[int, ...]], list[bool]]]:
-    """Bucket the parameters, insert the data-axis nodes and schedule them. Returns the
-    buckets as (state_dict keys, tensor-axis-local shapes, trainable flags)."""
+                 trainable: Mapping[str, bool] | None, axis: str | None = None, n: int | None = None,
+                 include: Callable[[str], bool] | None = None, scheduled: bool = True,
+                 stored: Mapping[str, tuple[int, ...]] | None = None
+                 ) -> list[tuple[list[str], list[tuple[int, ...]], list[bool]]]:
+    """Bucket the parameters, insert the data-axis nodes and (``scheduled``) schedule them.
+    Returns the buckets as (state_dict keys, tensor-axis-local shapes, trainable flags). The
+    axis is the plan's data axis unless ``axis``/``n`` name another (with experts: the dense
+    parameters on ``dp x ep``, the experts on ``dp``), ``include`` limits the parameters and
+    ``stored`` gives the shapes of parameters a rank holds other than the graph says (this
+    rank's experts' rows)."""
     from autopar.cost.dp_planner import bucket_bytes as default_bucket_bytes
     from autopar.passes.dp_rewrite import bucket_params, dp_rewrite, param_placeholders, schedule
 
-    if the_plan.dp_axis is None or the_plan.dp == 1:
+    axis = axis or the_plan.dp_axis
+    n = n or the_plan.dp
+    if axis is None or n == 1:
         return []
     axes = tuple(the_plan.mesh.items())
+    priced = axis if axis in the_plan.mesh else the_plan.dp_axis or next(iter(the_plan.mesh))
     phs = param_placeholders(gm)
-    shapes = {f: local_shape(info(n).values[0].shape, the_plan.params.get(f, "R"), the_plan.tp)
+    shapes = {f: tuple((stored or {}).get(f) or local_shape(info(n).values[0].shape, the_plan.params.get(f, "R"),
+                                                            the_plan.tp))
               for f, n in phs.items()}
     nbytes = {f: math.prod(shape) * info(phs[f]).values[0].dtype.itemsize for f, shape in shapes.items()}
     grad = dict(trainable) if trainable is not None else {f: info(n).requires_grad for f, n in phs.items()}
+    mine = include or (lambda f: True)
     stage = the_plan.zero_stage
-    reduced = sum(b for f, b in nbytes.items() if grad.get(f, False) or stage == 3)
-    size = the_plan.bucket_bytes or default_bucket_bytes(cluster, axes, the_plan.dp_axis, reduced)
+    reduced = sum(b for f, b in nbytes.items() if mine(f) and (grad.get(f, False) or stage == 3))
+    size = the_plan.bucket_bytes or default_bucket_bytes(cluster, axes, priced, reduced)
     buckets = bucket_params(gm, nbytes=nbytes, bucket_bytes=size,
-                            include=(lambda f: True) if stage == 3 else (lambda f: grad.get(f, False)))
-    dp_rewrite(gm, rid=rid, stage=stage, buckets=buckets, axis=the_plan.dp_axis, n=the_plan.dp, nbytes=nbytes,
-               comm_time=lambda kind, b: collective_time(kind, b, cluster, axes, the_plan.dp_axis))
-    schedule(gm, overlap=the_plan.overlap)
+                            include=lambda f: mine(f) and (stage == 3 or grad.get(f, False)))
+    dp_rewrite(gm, rid=rid, stage=stage, buckets=buckets, axis=axis, n=n, nbytes=nbytes,
+               comm_time=lambda kind, b: collective_time(kind, b, cluster, axes, priced))
+    if scheduled:
+        schedule(gm, overlap=the_plan.overlap)
     return [(fqns, [shapes[f] for f in fqns], [grad.get(f, False) for f in fqns]) for fqns in buckets]
 
 

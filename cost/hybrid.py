@@ -18,14 +18,32 @@ A configuration (:func:`simulate`):
   or only the attention-score ops (``selective``: softmax / masking / dropout between the two
   attention matmuls); the schedule simulator (:mod:`autopar.cost.pp_sim`) runs the
   ``B / (dp*b)`` micro-batches through them with p2p of one block boundary's activation;
-- the data axis all-reduces (ZeRO-0/1) or reduce-scatters (2/3) each stage's gradients after
-  the pipeline drains (not overlapped with a pipeline; with ``pp == 1`` the last micro-batch's
-  backward hides what it can), priced on the links the dp axis spans;
+- the data axis, priced on the links the dp axis spans, works as the runtime does, which
+  differs with and without a pipeline:
+
+  - ``pp > 1`` (:mod:`autopar.runtime.stage_dp`): once per step, not per micro-batch. ZeRO-3
+    gathers the stages' whole parameters before the first micro-batch; after the last backward
+    ZeRO-0 all-reduces the gradients and ZeRO-2/3 reduce-scatter them, and ZeRO-1's optimizer
+    reduce-scatters them at its step; ZeRO-1/2 all-gather the updated parameters after it. All
+    of it is exposed (the gather precedes the first stage's first forward, the reductions follow
+    its last backward; nothing overlaps the pipeline's compute);
+  - ``pp == 1`` (the lone stage's runtime, :mod:`autopar.runtime.dp`): the reduction
+    (all-reduce for ZeRO-0/1, reduce-scatter for 2/3) runs during the last micro-batch's
+    backward, which hides what it can; ZeRO-1/2 all-gather the updated parameters once per
+    step; ZeRO-3 gathers every bucket for each micro-batch's forward and again for its
+    backward, prefetched under compute except the first. (The runtime's ZeRO-1 reduce-scatters
+    at the optimizer step instead: the same bytes as the all-reduce priced here, less hidden.)
 - the optimizer step reads and writes the stage's state once (memory-bound);
-- memory per device: parameters, gradients and optimizer state by the ZeRO formulas for the
-  stage's share of parameters, plus the activations of the micro-batches the schedule keeps
-  in flight (a block input per block under ``full``, and one block's whole activations during
-  its recomputation).
+- memory per device: parameters, gradients and optimizer state of the stage's (with ``v``
+  virtual stages: the rank's stages') share of parameters, plus the activations of the
+  micro-batches the schedule keeps in flight (a block input per block under ``full``, and one
+  block's whole activations during its recomputation). Optimizer state is divided by dp for
+  ZeRO >= 1 (in 16-bit it includes the fp32 master weights). With ``pp > 1`` the parameters
+  and gradients are whole under every ZeRO stage: gradients accumulate over the micro-batches
+  into whole tensors and are reduced only after the last backward, and ZeRO-3 keeps the
+  gathered whole parameters for the whole step (in 32-bit its flat pieces, the optimizer's
+  masters, add 1/dp more); what ZeRO saves inside a pipeline is optimizer state. With
+  ``pp == 1`` ZeRO-2/3 hold 1/dp of the gradients and ZeRO-3 1/dp of the parameters.
 
 Hardware FLOP/s count recomputation; model FLOP/s and MFU do not.
 """
@@ -384,25 +402,11 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     stage_params = per_stage * c.virtual * per_block + max(numel["pre"], numel["post"])
     width = 2.0 if facts.dtype in ("bf16", "fp16") else 4.0
     grad_bytes = width * stage_params
-    kind = "all_reduce" if c.zero_stage <= 1 else "reduce_scatter"
-    dp_comm = collective_time(kind, grad_bytes, cluster, axes, "dp") if c.dp > 1 else 0.0
-    if c.ep > 1:   # experts' gradients are summed over the dp / ep ranks holding the same experts
-        expert_bytes = width * per_stage * c.virtual * expert_block
-        ep_axes = (("pp", c.pp), ("dp", c.dp // c.ep), ("ep", c.ep), ("tp", c.tp))
-        dp_comm = collective_time(kind, grad_bytes - expert_bytes, cluster, axes, "dp") + \
-            (collective_time(kind, expert_bytes, cluster, ep_axes, "dp") if c.dp > c.ep else 0.0)
-    gathers = 0.0
-    if c.zero_stage in (1, 2) and c.dp > 1:      # the updated parameters, once per step
-        dp_comm += collective_time("all_gather", grad_bytes, cluster, axes, "dp")
-    elif c.zero_stage == 3 and c.dp > 1:         # every micro-batch gathers forward and backward
-        gathers = 2 * m * collective_time("all_gather", grad_bytes, cluster, axes, "dp")
-        dp_comm += gathers
-    hidden = (bwd[-1] if c.pp == 1 else 0.0)
-    # ZeRO-3's gathers are prefetched under the pipeline's compute except the first; the
-    # reductions run after the last backward (only a lone stage's last backward hides them)
-    exposed = max(0.0, dp_comm - gathers - hidden)
-    if gathers:
-        exposed += max(gathers - pipe, 0.0) + gathers / (2 * m)
+    expert_bytes = width * per_stage * c.virtual * expert_block
+    if c.pp > 1:
+        dp_comm, exposed = _pipeline_data_axis(c, cluster, axes, grad_bytes, expert_bytes)
+    else:
+        dp_comm, exposed = _lone_stage_data_axis(c, cluster, axes, grad_bytes, expert_bytes, m, bwd[-1], pipe)
     state_bytes_per_param = (4 + 4 * facts.k) if facts.dtype in ("bf16", "fp16") else 4 * (2 + facts.k)
     optim = _optimizer_time(stage_params / (c.dp if c.zero_stage >= 1 else 1), state_bytes_per_param, cluster)
     step = pipe + exposed + optim
@@ -423,6 +427,63 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
                  parts={"pipeline_s": pipe, "dp_comm_s": dp_comm, "optimizer_s": optim,
                         "tp_comm_per_block_s": blk.comm_fwd + blk.comm_bwd, "block_fwd_s": blk.fwd,
                         "block_bwd_s": blk.bwd, "stage_fwd_s": fwd, "stage_bwd_s": bwd, "p2p_s": p2p})
+
+
+def _data_collective(kind: str, nbytes: float, expert_bytes: float, c: Config, cluster: Cluster,
+                     axes: tuple[tuple[str, int], ...]) -> float:
+    """One collective of ``nbytes`` of a stage's gradients or parameters over the data axis. With
+    experts (``ep > 1``) their ``expert_bytes`` go over the ``dp / ep`` ranks holding the same
+    experts, the dense rest over the whole data axis."""
+    if c.dp == 1:
+        return 0.0
+    if c.ep == 1:
+        return collective_time(kind, nbytes, cluster, axes, "dp")
+    ep_axes = (("pp", c.pp), ("dp", c.dp // c.ep), ("ep", c.ep), ("tp", c.tp))
+    return collective_time(kind, nbytes - expert_bytes, cluster, axes, "dp") + \
+        (collective_time(kind, expert_bytes, cluster, ep_axes, "dp") if c.dp > c.ep else 0.0)
+
+
+def _lone_stage_data_axis(c: Config, cluster: Cluster, axes: tuple[tuple[str, int], ...], grad_bytes: float,
+                          expert_bytes: float, m: int, last_bwd: float, pipe: float) -> tuple[float, float]:
+    """The data axis without a pipeline (``pp == 1``): seconds in all, and exposed. The reduction
+    (all-reduce for ZeRO-0/1, reduce-scatter for 2/3) is issued bucket by bucket during the last
+    micro-batch's backward, which hides what it can; ZeRO-1/2 all-gather the updated parameters
+    once per step; ZeRO-3 gathers every bucket for each micro-batch's forward and again for its
+    backward, prefetched under compute except the first."""
+    if c.dp == 1:
+        return 0.0, 0.0
+    kind = "all_reduce" if c.zero_stage <= 1 else "reduce_scatter"
+    dp_comm = _data_collective(kind, grad_bytes, expert_bytes, c, cluster, axes)
+    gathers = 0.0
+    if c.zero_stage in (1, 2):
+        dp_comm += collective_time("all_gather", grad_bytes, cluster, axes, "dp")
+    elif c.zero_stage == 3:
+        gathers = 2 * m * collective_time("all_gather", grad_bytes, cluster, axes, "dp")
+        dp_comm += gathers
+    exposed = max(0.0, dp_comm - gathers - last_bwd)
+    if gathers:
+        exposed += max(gathers - pipe, 0.0) + gathers / (2 * m)
+    return dp_comm, exposed
+
+
+def _pipeline_data_axis(c: Config, cluster: Cluster, axes: tuple[tuple[str, int], ...], grad_bytes: float,
+                        expert_bytes: float) -> tuple[float, float]:
+    """The data axis of a pipeline rank (``pp > 1``, :mod:`autopar.runtime.stage_dp`): seconds in
+    all, and exposed. It works once per step, not per micro-batch: ZeRO-3 gathers the stages'
+    whole parameters before the first micro-batch; after the last backward ZeRO-0 all-reduces the
+    gradients and ZeRO-2/3 reduce-scatter them, and ZeRO-1's optimizer reduce-scatters them at its
+    step; ZeRO-1/2 all-gather the updated parameters after it. All of it is counted exposed: the
+    gather precedes the first stage's first forward and the reductions follow its last backward
+    (a later pipeline rank could hide its gather under the pipeline's fill, but the step waits
+    for the first)."""
+    if c.dp == 1:
+        return 0.0, 0.0
+    z = c.zero_stage
+    reduce = _data_collective("all_reduce" if z == 0 else "reduce_scatter", grad_bytes, expert_bytes, c, cluster,
+                              axes)
+    gather = _data_collective("all_gather", grad_bytes, expert_bytes, c, cluster, axes) if z >= 1 else 0.0
+    dp_comm = reduce + gather      # ZeRO-3's gather before the step, ZeRO-1/2's after it
+    return dp_comm, dp_comm
 
 
 @dataclass(frozen=True)
@@ -483,16 +544,25 @@ def _optimizer_time(numel: float, state_bytes: float, cluster: Cluster) -> float
 
 def _memory(facts: ModelFacts, c: Config, stage_params: float, blk: _Part, pre: _Part, post: _Part,
             result, per_stage: int, m: int) -> dict[str, float]:
+    """Peak bytes per device by term (module docstring). In 16-bit the optimizer state includes
+    the fp32 master weights; in 32-bit the masters are the parameters themselves."""
     mixed = facts.dtype in ("bf16", "fp16")
     n, z, k = c.dp, c.zero_stage, facts.k
-    if mixed:
-        params = 2 * stage_params / (n if z == 3 else 1)
-        grads = 2 * stage_params / (n if z >= 2 else 1)
-        optim = (4 + 4 * k) * stage_params / (n if z >= 1 else 1)
+    width = 2 if mixed else 4
+    state = (4 + 4 * k) if mixed else 4 * k
+    optim = state * stage_params / (n if z >= 1 else 1)
+    if c.pp > 1:
+        # runtime/stage_dp.py: every ZeRO stage accumulates whole gradients over the micro-batches
+        # and ZeRO-3 holds the whole parameters for the whole step, so the peak (activations in
+        # flight) sees both whole; ZeRO-3's flat pieces stay beside them: in 16-bit they are the
+        # fp32 masters counted with the optimizer state, in 32-bit one more 1/dp of the parameters
+        params = width * stage_params * (1 + (1 / n if z == 3 and not mixed else 0))
+        grads = width * stage_params
     else:
-        params = 4 * stage_params / (n if z == 3 else 1)
-        grads = 4 * stage_params / (n if z >= 2 else 1)
-        optim = 4 * k * stage_params / (n if z >= 1 else 1)
+        # the lone stage's runtime gathers ZeRO-3 parameters bucket by bucket and reduce-scatters
+        # ZeRO-2/3 gradients during backward: only pieces are held
+        params = width * stage_params / (n if z == 3 else 1)
+        grads = width * stage_params / (n if z >= 2 else 1)
     scale = 1.0                                   # saved bytes are already in the compute dtype
     inflight = max(result.peak_inflight[:c.pp]) if result.peak_inflight else 1
     if c.recompute == "full":

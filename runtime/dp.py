@@ -118,10 +118,10 @@ class Bucket:
                 for i, g in enumerate(grads):
                     if g is not None:
                         buf[self.flat_offsets[i]:self.flat_offsets[i + 1]] = g.reshape(-1)
-            buf.div_(rt.n)
+            buf.div_(rt.divisor)
             self._pending = _c10d.all_reduce_(buf, "sum", rt.group_name)
         else:
-            rows = self.to_rows(list(grads), rt.reduce_dtype).div_(rt.n)
+            rows = self.to_rows(list(grads), rt.reduce_dtype).div_(rt.divisor)
             self._pending = _c10d.reduce_scatter_tensor(rows.view(-1), "sum", rt.n, rt.group_name)
 
     def finish_reduce(self) -> tuple[torch.Tensor | None, ...]:
@@ -162,7 +162,7 @@ class Bucket:
     def issue_grad_scatter(self, grads: tuple[torch.Tensor | None, ...]) -> None:
         self.forget_backward()     # every node that reads these parameters has run its backward
         rt = self.rt
-        rows = self.to_rows(list(grads), rt.reduce_dtype).div_(rt.n)
+        rows = self.to_rows(list(grads), rt.reduce_dtype).div_(rt.divisor)
         self._pending = _c10d.reduce_scatter_tensor(rows.view(-1), "sum", rt.n, rt.group_name)
 
     def finish_grad_scatter(self) -> tuple[torch.Tensor | None, ...]:
@@ -217,10 +217,13 @@ class DPRuntime:
 
     def __init__(self, *, stage: int, n: int, rank: int, group_name: str, device: torch.device,
                  master_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype | None = None,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, divisor: int | None = None) -> None:
         self.id = next(_ids)
         _RUNTIMES[self.id] = self
         self.stage, self.n, self.rank, self.group_name, self.device = stage, n, rank, group_name, device
+        # how many ranks' rows a summed gradient covers: n, or dp x ep for experts reduced over dp
+        # (their owner already summed every ep rank's rows through the exchange)
+        self.divisor = divisor or n
         self.master_dtype = master_dtype                       # what the optimizer steps
         self.compute_dtype = compute_dtype or master_dtype     # what forward and backward run in
         self.mixed = self.compute_dtype != master_dtype

@@ -203,7 +203,8 @@ EP_OPS = (autopar_ep_dispatch, autopar_ep_combine, autopar_ep_moe)
 
 
 def average_over_senders(params: Sequence[torch.Tensor], n: int) -> None:
-    """Divide the gradients of expert parameters by the expert axis's size ``n`` as they arrive.
+    """Divide the gradients of expert parameters by the expert axis's size ``n`` as they arrive,
+    for experts that have no data axis (with one, it divides by ``dp x ep`` instead).
 
     An expert's owner computes its gradient on the rows every rank of the expert axis sent it,
     and each rank's loss is a mean over its own rows, so the owner receives the sum of ``n``
@@ -211,7 +212,7 @@ def average_over_senders(params: Sequence[torch.Tensor], n: int) -> None:
     parameters get the same mean by averaging over the expert axis as over a data axis.)"""
     for p in params:
         if p.requires_grad and not getattr(p, "_autopar_ep_scaled", False):
-            p.register_hook(lambda g, n=n: g / n)
+            p.register_hook(lambda g, n=n: g / n if g is not None else g)
             p._autopar_ep_scaled = True
 
 __all__ = ["EPRuntime", "DroplessMoE", "autopar_ep_dispatch", "autopar_ep_combine", "autopar_ep_moe", "EP_OPS",

@@ -177,7 +177,7 @@ class ShardedOptimizer:
                 if all(g is None for g in grads):
                     pending.append((b, None))
                     continue
-                rows = b.to_rows(grads, rt.reduce_dtype).div_(rt.n)
+                rows = b.to_rows(grads, rt.reduce_dtype).div_(rt.divisor)
                 pending.append((b, _c10d.reduce_scatter_tensor(rows.view(-1), "sum", rt.n, rt.group_name)))
         for b, h in pending:
             got = _c10d.wait_tensor(h) if h is not None else None

@@ -91,9 +91,10 @@ def _square_last(n: fx.Node) -> bool:
 HELD: dict[int, int] = {}   # storage pointer -> bytes of the tensors regions kept for backward
 
 
-def run(gm: fx.GraphModule, args: Sequence[Any], where: dict[fx.Node, int], zero3: DPRuntime | None = None) -> Any:
+def run(gm: fx.GraphModule, args: Sequence[Any], where: dict[fx.Node, int],
+        zero3: Sequence[DPRuntime] = ()) -> Any:
     """Execute ``gm`` on ``args`` like ``gm(*args)``, checkpointing the regions in ``where``.
-    ``zero3`` is the ZeRO-3 runtime whose gathered whole parameters regions must not keep (see
+    ``zero3`` are the ZeRO-3 runtimes whose gathered whole parameters regions must not keep (see
     the module docstring). The tensors each region keeps (its inputs) are noted in ``HELD`` for
     measurement."""
     env: dict[fx.Node, Any] = {}
@@ -165,7 +166,7 @@ def _execute(gm: fx.GraphModule, n: fx.Node, env: dict[fx.Node, Any]) -> Any:
 
 
 def _run_region(gm: fx.GraphModule, run_nodes: list[fx.Node], env: dict[fx.Node, Any],
-                zero3: DPRuntime | None) -> None:
+                zero3: Sequence[DPRuntime]) -> None:
     inside = set(run_nodes)
     reads: list[fx.Node] = []
     for n in run_nodes:
@@ -175,9 +176,14 @@ def _run_region(gm: fx.GraphModule, run_nodes: list[fx.Node], env: dict[fx.Node,
     tensors = [a for a in reads if isinstance(env[a], torch.Tensor)]
     others = {a: env[a] for a in reads if not isinstance(env[a], torch.Tensor)}
     outs = [n for n in run_nodes if any(u not in inside for u in n.users)]
-    tokens: dict[fx.Node, Any] = {}
-    if zero3 is not None and torch.is_grad_enabled():    # without grad nothing is recomputed
-        tokens = {a: tok for a in tensors if (tok := zero3.token_for(env[a])) is not None}
+    tokens: dict[fx.Node, tuple[DPRuntime, Any]] = {}
+    if torch.is_grad_enabled():    # without grad nothing is recomputed
+        for a in tensors:
+            for rt in zero3:
+                tok = rt.token_for(env[a])
+                if tok is not None:
+                    tokens[a] = (rt, tok)
+                    break
     kept = [a for a in tensors if a not in tokens]
     live = {a: env[a] for a in tokens}            # the gathered parameters, for the first run only
     needs_grad = {a: env[a].requires_grad for a in tokens}
@@ -191,8 +197,8 @@ def _run_region(gm: fx.GraphModule, run_nodes: list[fx.Node], env: dict[fx.Node,
         else:
             # Recomputation: gathered again, with the gradient flag they had, so the ops save
             # the same tensors as in forward (checkpoint matches them by order).
-            for a, tok in tokens.items():
-                local[a] = zero3.whole_for_backward(tok).detach().requires_grad_(needs_grad[a])
+            for a, (rt, tok) in tokens.items():
+                local[a] = rt.whole_for_backward(tok).detach().requires_grad_(needs_grad[a])
         for n in run_nodes:
             local[n] = _execute(gm, n, local)
         return tuple(local[o] for o in outs)

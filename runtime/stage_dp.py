@@ -38,14 +38,16 @@ from autopar.runtime.dp import Bucket, DPRuntime, shard_range
 class StageDataAxis:
     """The data axis of this rank's stages (module docstring). ``stages`` are
     ``(stage index, {state_dict key: the Parameter the stage computes with})``; ``shared``
-    names the parameters several pipeline ranks hold."""
+    names the parameters several pipeline ranks hold; ``divisor`` how many ranks' rows a summed
+    gradient covers (default ``n``; see :class:`~autopar.runtime.dp.DPRuntime`)."""
 
     def __init__(self, stages: Iterable[tuple[int, dict[str, nn.Parameter]]], *, zero_stage: int, n: int, rank: int,
-                 group_name: str, device: torch.device, shared: Iterable[str] = ()) -> None:
+                 group_name: str, device: torch.device, shared: Iterable[str] = (),
+                 divisor: int | None = None) -> None:
         stages = list(stages)
         master = next((p.dtype for _, ps in stages for p in ps.values() if p.dtype.is_floating_point), torch.float32)
         self.rt = DPRuntime(stage=zero_stage, n=n, rank=rank, group_name=group_name, device=device,
-                            master_dtype=master)
+                            master_dtype=master, divisor=divisor)
         self.zero_stage = zero_stage
         self.params: dict[str, nn.Parameter] = {}
         self.pieces: dict[str, nn.Parameter] = {}          # ZeRO-3: what the module registers and steps
@@ -117,10 +119,10 @@ class StageDataAxis:
             return
         if self.zero_stage == 0:
             flat = torch.cat([(g if g is not None else torch.zeros_like(self.params[f])).reshape(-1).to(rt.reduce_dtype)
-                              for f, g in zip(b.fqns, grads)]).div_(rt.n)
+                              for f, g in zip(b.fqns, grads)]).div_(rt.divisor)
             self._pending.append((b, _c10d.all_reduce_(flat, "sum", rt.group_name)))
             return
-        rows = b.to_rows(grads, rt.reduce_dtype).div_(rt.n)
+        rows = b.to_rows(grads, rt.reduce_dtype).div_(rt.divisor)
         self._pending.append((b, _c10d.reduce_scatter_tensor(rows.view(-1), "sum", rt.n, rt.group_name)))
 
     def _land(self, b: Bucket, got: torch.Tensor) -> None:

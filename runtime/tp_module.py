@@ -13,8 +13,9 @@ whole tensor-axis-local value under the original key.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import sympy
 import torch
@@ -39,7 +40,7 @@ class ParallelModule(nn.Module):
 
     def __init__(self, gm: fx.GraphModule, placements: dict[str, str], tensors: dict[str, torch.Tensor],
                  trainable: dict[str, bool], mesh: DeviceMesh, plan: Any, dims: dict[str, tuple[int, int]],
-                 dp: DPRuntime | None = None) -> None:
+                 dp: DPRuntime | Sequence[DPRuntime] | None = None) -> None:
         super().__init__()
         self._graph = [gm]                       # not a submodule: keeps state_dict keys original
         self._mesh = mesh
@@ -51,21 +52,25 @@ class ParallelModule(nn.Module):
         self._dp_dim = names.index(plan.dp_axis) if plan.dp_axis in names else None
         self._rank = mesh.get_local_rank(self._tp_dim) if self._tp_dim is not None else 0
         self._n = mesh.size(self._tp_dim) if self._tp_dim is not None else 1
-        self._dp = [dp]                          # not a submodule either
+        # the data axes' runtimes (several with experts: dense on dp x ep, experts on dp); not submodules
+        self._dps = [dp] if isinstance(dp, DPRuntime) else list(dp or ())
+        self._rt_of = {fqn: rt for rt in self._dps for fqn in rt.where}
         self._master_init: dict[str, torch.Tensor] = {}
         ginfo = graph_info(gm)
+        first = self._dps[0] if self._dps else None
         for fqn, full in tensors.items():
             local = self._local(fqn, full)
             if fqn in ginfo.param_fqns.values():
-                if self.zero3 and fqn in dp.where:
-                    local = self._piece(local)
-                elif dp is not None and dp.mixed:
+                rt = self._rt_of.get(fqn)
+                if rt is not None and rt.stage == 3:
+                    local = self._piece(local, rt)
+                elif first is not None and first.mixed:
                     self._master_init[fqn] = local            # taken by the optimizer as its fp32 master
-                    local = local.to(dp.compute_dtype)
+                    local = local.to(first.compute_dtype)
                 p = nn.Parameter(local, requires_grad=trainable.get(fqn, True))
                 _set(self, fqn, p)
-                if self.zero3 and fqn in dp.where:
-                    dp.shard_params[fqn] = p
+                if rt is not None and rt.stage == 3:
+                    rt.shard_params[fqn] = p
             else:
                 _set(self, fqn, local, buffer=True, persistent=fqn not in ginfo.transient_buffers)
         for name, value in ginfo.constants.items():
@@ -88,11 +93,16 @@ class ParallelModule(nn.Module):
 
     @property
     def dp_runtime(self) -> DPRuntime | None:
-        return self._dp[0]
+        """The (first) data axis's runtime, or None without a data axis."""
+        return self._dps[0] if self._dps else None
+
+    @property
+    def dp_runtimes(self) -> list[DPRuntime]:
+        return list(self._dps)
 
     @property
     def zero3(self) -> bool:
-        return self._dp[0] is not None and self._dp[0].stage == 3
+        return any(rt.stage == 3 for rt in self._dps)
 
     @property
     def dp_rank(self) -> int:
@@ -103,9 +113,8 @@ class ParallelModule(nn.Module):
     def dp_size(self) -> int:
         return self._mesh.size(self._dp_dim) if self._dp_dim is not None else 1
 
-    def _piece(self, local: torch.Tensor) -> torch.Tensor:
+    def _piece(self, local: torch.Tensor, rt: DPRuntime) -> torch.Tensor:
         """This data-axis rank's flat, zero-padded piece of a tensor-axis-local value (ZeRO-3)."""
-        rt = self._dp[0]
         flat = local.detach().reshape(-1)
         lo, hi = shard_range(flat.numel(), rt.n, rt.rank)
         out = flat.new_zeros(math.ceil(flat.numel() / rt.n))
@@ -114,7 +123,7 @@ class ParallelModule(nn.Module):
 
     def _whole_local(self, fqn: str, piece: torch.Tensor) -> torch.Tensor:
         """Gather a ZeRO-3 piece back into the tensor-axis-local value (a collective on the data axis)."""
-        rt = self._dp[0]
+        rt = self._rt_of[fqn]
         b, i = rt.where[fqn]
         bucket = rt.buckets[b]
         got = _c10d.wait_tensor(_c10d.all_gather_into_tensor(piece.detach().contiguous(), rt.n, rt.group_name))
@@ -140,15 +149,12 @@ class ParallelModule(nn.Module):
         state.update(dict(self.named_buffers(remove_duplicate=False)))
         inputs = iter(flat)
         call = [state[fqn] if kind in ("param", "buffer", "constant") else next(inputs) for _, kind, fqn in self._order]
-        rt = self._dp[0]
-        if rt is None:
+        with contextlib.ExitStack() as stack:
+            for rt in self._dps:          # ZeRO-3: whole parameters autograd saves become tokens
+                stack.enter_context(rt.saving())
+            if self._dps and self._dps[0].mixed:
+                stack.enter_context(torch.autocast(self._dps[0].device.type, dtype=self._dps[0].compute_dtype))
             outs = self._run(gm, call)
-        elif rt.mixed:
-            with rt.saving(), torch.autocast(rt.device.type, dtype=rt.compute_dtype):
-                outs = self._run(gm, call)
-        else:
-            with rt.saving():
-                outs = self._run(gm, call)
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         user = []
         for (kind, target), value in zip(ginfo.output_targets, outs):
@@ -193,7 +199,7 @@ class ParallelModule(nn.Module):
         if not where:
             return gm(*call)
         from autopar.runtime.recompute import run
-        return run(gm, call, where, self._dp[0] if self.zero3 else None)
+        return run(gm, call, where, [rt for rt in self._dps if rt.stage == 3])
 
     def set_recompute(self, mode: str) -> None:
         """``none``, ``selective`` (attention cores) or ``full`` (every layer) recomputation."""
@@ -241,13 +247,12 @@ class ParallelModule(nn.Module):
             if isinstance(value, DTensor):
                 value = value.full_tensor()
             p = self._placements.get(fqn)
-            rt = self._dp[0]
-            zero3 = self.zero3 and fqn in rt.where
-            if isinstance(value, torch.Tensor) and zero3:
+            rt = self._rt_of.get(fqn)
+            if isinstance(value, torch.Tensor) and rt is not None and rt.stage == 3:
                 b, i = rt.where[fqn]
                 if tuple(value.shape) != rt.buckets[b].shapes[i]:
                     value = self._local(fqn, value)
-                state_dict[key] = self._piece(value)
+                state_dict[key] = self._piece(value, rt)
             elif isinstance(p, Shard) and isinstance(value, torch.Tensor):
                 mine = dict(self.named_parameters()).get(fqn)
                 if mine is not None and value.shape != mine.shape:
@@ -257,10 +262,10 @@ class ParallelModule(nn.Module):
 
 
 def _to_dtensors(module: ParallelModule, state_dict: dict, prefix: str, local_metadata: Any) -> dict:
-    rt = module.dp_runtime
     for key in list(state_dict):
         fqn = module._aliases.get(key[len(prefix):], key[len(prefix):])
-        if module.zero3 and fqn in rt.where:
+        rt = module._rt_of.get(fqn)
+        if rt is not None and rt.stage == 3:
             state_dict[key] = module._whole_local(fqn, state_dict[key])
         p = module._placements.get(fqn)
         if isinstance(p, Shard) and module._tp_dim is not None:

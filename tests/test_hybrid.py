@@ -14,11 +14,12 @@ from autopar.errors import ConfigError
 from autopar.workload import capture_workload, load_workload
 
 
-def _facts(hidden: int, layers: int, heads: int, *, vocab: int = 51200, seq: int = 2048, attention="flash"):
+def _facts(hidden: int, layers: int, heads: int, *, vocab: int = 51200, seq: int = 2048, attention="flash",
+           dtype: str = "fp16"):
     w = load_workload("gpt", batch=1, seq=seq, overrides={"hidden": str(hidden), "layers": str(layers),
                                                           "heads": str(heads), "vocab": str(vocab),
                                                           "max_seq": str(seq)})
-    return ModelFacts(capture_workload(w), seq=seq, dtype="fp16", attention=attention)
+    return ModelFacts(capture_workload(w), seq=seq, dtype=dtype, attention=attention)
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +168,57 @@ def test_expert_parallelism_is_searched_for_moe_models():
     assert eps == {1, 2, 4, 8}
     with pytest.raises(ConfigError):
         simulate(facts, cl, Config(dp=2, tp=4, pp=1, micro_batch=1, ep=4), batch=16)   # ep must divide dp
+
+
+def _zero_runs(facts, *, pp: int, batch: int, micro_batch: int = 1, dp: int = 2):
+    cl = Cluster.from_spec(f"1x{dp * pp}", hardware="a100")
+    return {z: simulate(facts, cl, Config(dp=dp, tp=1, pp=pp, micro_batch=micro_batch, zero_stage=z), batch=batch)
+            for z in range(4)}
+
+
+def test_zero_inside_a_pipeline_holds_whole_parameters_and_gradients(small):
+    # runtime/stage_dp.py: gradients accumulate whole over the micro-batches under every ZeRO
+    # stage, and ZeRO-3 keeps the whole parameters for the whole step; only optimizer state is
+    # divided (the old pricing divided ZeRO-2/3's gradients and ZeRO-3's parameters by dp)
+    runs = _zero_runs(small, pp=2, batch=32)
+    zero = runs[0].memory
+    for z in (1, 2, 3):
+        mem = runs[z].memory
+        assert mem["grads"] == pytest.approx(zero["grads"]), z
+        assert mem["params"] == pytest.approx(zero["params"]), z      # fp16: ZeRO-3's pieces are the fp32 masters
+        assert mem["optimizer"] == pytest.approx(zero["optimizer"] / 2), z
+        assert mem["activations"] == pytest.approx(zero["activations"]), z
+
+
+def test_zero3_pieces_sit_beside_the_whole_parameters_in_fp32():
+    # in 32-bit the optimizer steps ZeRO-3's flat pieces themselves: 1/dp more than the whole
+    facts = _facts(256, 4, 4, vocab=1024, seq=128, dtype="fp32")
+    runs = _zero_runs(facts, pp=2, batch=16, micro_batch=2)
+    assert runs[3].memory["params"] == pytest.approx(1.5 * runs[2].memory["params"])
+    assert runs[3].memory["grads"] == pytest.approx(runs[2].memory["grads"])
+
+
+def test_zero3_inside_a_pipeline_gathers_once_per_step(small):
+    # one gather before the first micro-batch, one reduce-scatter after the last backward:
+    # the data axis's time does not grow with the micro-batch count (it was 2 gathers each)
+    few, many = (_zero_runs(small, pp=2, batch=b) for b in (8, 64))
+    assert many[3].microbatches == 8 * few[3].microbatches
+    for runs in (few, many):
+        # ZeRO-1/2/3 all move one reduce-scatter and one all-gather of the stage per step, exposed
+        assert runs[3].parts["dp_comm_s"] == pytest.approx(runs[2].parts["dp_comm_s"])
+        assert runs[1].parts["dp_comm_s"] == pytest.approx(runs[2].parts["dp_comm_s"])
+        assert runs[0].parts["dp_comm_s"] < runs[3].parts["dp_comm_s"]
+        for s in runs.values():
+            assert s.exposed_comm_s == pytest.approx(s.parts["dp_comm_s"])
+    assert many[3].parts["dp_comm_s"] == pytest.approx(few[3].parts["dp_comm_s"])
+    assert many[3].exposed_comm_s == pytest.approx(few[3].exposed_comm_s)
+
+
+def test_without_a_pipeline_zero_still_shards_and_gathers_per_micro_batch(small):
+    # pp == 1: the lone stage's runtime gathers ZeRO-3 buckets for every micro-batch and keeps
+    # only gradient (2/3) and parameter (3) pieces
+    few, many = (_zero_runs(small, pp=1, batch=b) for b in (8, 64))
+    assert many[3].parts["dp_comm_s"] > 4 * few[3].parts["dp_comm_s"]
+    zero = few[0].memory
+    assert few[2].memory["grads"] == pytest.approx(zero["grads"] / 2)
+    assert few[3].memory["params"] == pytest.approx(zero["params"] / 2)
