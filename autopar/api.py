@@ -123,6 +123,13 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
     if plan is not None and placements:
         raise ConfigError("placements= and plan= are both given", where="parallelize", got=str(dict(placements)),
                           fix="put the placements in the plan (autopar.plan(..., placements=...)), or drop plan=")
+    mesh = mesh if plan is None or not isinstance(mesh, int) else plan.mesh     # an int with a plan: the plan's
+    pipelined = has_axis(mesh, "pp") or (plan is not None and plan.pp_axis is not None)
+    experts = has_axis(mesh, "ep") or (plan is not None and plan.ep_axis is not None)
+    _refuse_unused(("a pipeline", pipelined, dict(mixed_precision=mixed_precision, calibration=calibration,
+                                                 placements=placements, sizes=sizes, bucket_bytes=bucket_bytes)),
+                   ("expert parallelism", experts, dict(mixed_precision=mixed_precision, placements=placements,
+                                                       sizes=sizes, bucket_bytes=bucket_bytes)))
     args = as_args(example_inputs)
     kwargs = {k: v for k, v in (example_kwargs or {}).items() if v is not None}
     check_devices(model, (*args, *kwargs.values()), None)
@@ -131,13 +138,12 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
                           fix="call torch.distributed.init_process_group (torchrun sets the environment) first")
     check_devices(model, (*args, *kwargs.values()),
                   "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
-    mesh = mesh if plan is None or not isinstance(mesh, int) else plan.mesh     # an int with a plan: the plan's
-    if has_axis(mesh, "pp") or (plan is not None and plan.pp_axis is not None):
+    if pipelined:
         return build_pipeline(model, mesh, args, loss_fn=loss_fn, schedule=schedule, microbatches=microbatches,
                               virtual_stages=virtual_stages, hardware=hardware, memory_budget=memory_budget,
                               sync_params=sync_params, zero_stage=zero_stage, plan=plan, recompute=recompute,
                               example_kwargs=kwargs)
-    if has_axis(mesh, "ep") or (plan is not None and plan.ep_axis is not None):
+    if experts:
         return build_experts(model, mesh, args, hardware=hardware, memory_budget=memory_budget,
                              sync_params=sync_params, calibration=calibration, placement=expert_placement,
                              dims=dims, capacity_factor=capacity_factor, example_kwargs=kwargs, plan=plan,
@@ -146,6 +152,18 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
                        memory_budget=memory_budget, sizes=sizes, sync_params=sync_params, zero_stage=zero_stage,
                        overlap=overlap, bucket_bytes=bucket_bytes, mixed_precision=mixed_precision,
                        recompute=recompute, placements=placements)
+
+
+def _refuse_unused(*cases: tuple[str, bool, dict[str, Any]]) -> None:
+    """Options a build does not use must keep their defaults: a given one would be silently dropped."""
+    for what, applies, options in cases:
+        given = sorted(k for k, v in options.items()
+                       if v is not None and not (isinstance(v, (int, float, Mapping)) and not v))
+        if applies and given:
+            raise ConfigError(f"{', '.join(given)} cannot be used with {what}", where="parallelize",
+                              got=", ".join(f"{k}={options[k]!r}" for k in given),
+                              fix=f"drop {', '.join(given)}; with {what} these are not applied "
+                                  "(experts inside a pipeline are placed in order)")
 
 
 def optimizer(module: Any, optimizer_cls: type, params: Any = None, **kwargs: Any):

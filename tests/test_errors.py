@@ -304,3 +304,11 @@ def test_every_error_is_a_config_error_where_it_was_one():
         assert issubclass(cls, ConfigError)
     for cls in (CaptureError, InputMismatchError):
         assert issubclass(cls, AutoparError)
+
+
+@pytest.mark.parametrize("mesh,option", [({"pp": 2}, {"mixed_precision": "bf16"}), ({"pp": 2}, {"calibration": _x()}),
+                                         ({"ep": 2}, {"placements": {"up.weight": "S(0)"}})])
+def test_an_option_the_build_would_drop_is_refused(mesh, option):
+    with pytest.raises(autopar.ConfigError) as err:
+        autopar.parallelize(MLP(), mesh, (_x(),), **option)
+    assert next(iter(option)) in str(err.value) and "fix:" in str(err.value)
