@@ -168,8 +168,8 @@ def build_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, loss_fn:
     # 2. the graph at the micro-batch size (static), rewritten for the tensor axis
     tp_plan = None
     if tp_n > 1:
-        given = None if plan is None else replace(plan, mesh={"tp": tp_n}, dp_axis=None, pp_axis=None,
-                                                  stage_starts=(), schedule=None)
+        given = None if plan is None else replace(plan, mesh={"tp": tp_n}, dp_axis=None, pp_axis=None, ep_axis=None,
+                                                  stage_starts=(), schedule=None, expert_placement={})
         gm, tp_plan = planned_graph(model, {"tp": tp_n}, mb_args, example_kwargs=mb_kwargs, dims=(), after="rewrite",
                                     hardware=hardware, group_name=tp_group.group_name, memory_budget=memory_budget,
                                     plan=given, pinned=expert_side if ep_n > 1 else None)
@@ -179,7 +179,7 @@ def build_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, loss_fn:
     own = loss_fn is None
     loss_fn = loss_fn or own_loss(gm)
     tensors = model_tensors(model, sync=sync_params)
-    experts: dict[str, str] = {}
+    experts: dict[str, tuple[str, tuple[int, ...]]] = {}
     if ep_n > 1:   # each MoE layer's experts spread over the ep axis, on the whole graph before the cuts
         experts = split_experts(gm, tensors, group=mesh.get_group(names.index("ep")), n=ep_n,
                                 rank=mesh.get_local_rank(names.index("ep")))
