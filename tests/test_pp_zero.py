@@ -72,6 +72,7 @@ def _case(mesh: dict, *, schedule: str, virtual: int | None = None, zero: int = 
         # with experts and no dp axis, an expert has one holder: nothing to shard it over
         alone = set(pm.expert_storage) if mesh.get("dp", 1) == 1 else set()
         held = {"whole_params": sum(p.numel() for st in pm.stages for f, p in st.named_parameters() if f not in alone),
+                "stage_params": sum(p.numel() for st in pm.stages for p in st.parameters()),
                 "module_params": sum(p.numel() for p in pm.parameters()),
                 "whole_grads": sum(1 for st in pm.stages for p in st.parameters() if p.grad is not None),
                 "grad_pieces": sum(len(rt.sinks) for rt in pm.dp_runtimes)}
@@ -134,7 +135,7 @@ def _check(mesh: dict, opts: dict, results: list[dict]) -> None:
     for r in results:
         assert r["zero"] == (zero if mesh.get("dp", 1) * mesh.get("ep", 1) > 1 else 0)
         if zero in (1, 2):       # the optimizer steps this rank's pieces only
-            assert r["stepped_numel"] is not None and r["stepped_numel"] < r["held"]["whole_params"]
+            assert r["stepped_numel"] is not None and r["stepped_numel"] < r["held"]["stage_params"]
         if zero == 2:            # after a step only gradient pieces are kept
             assert r["held"]["whole_grads"] == 0 and r["held"]["grad_pieces"] > 0
         if zero == 3:            # between steps the stages hold nothing whole, the module pieces
