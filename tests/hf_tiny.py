@@ -66,3 +66,14 @@ def batch(rows: int = 4, seq: int = 8, seed: int = 1) -> dict[str, torch.Tensor]
     """A training batch as users pass one: token ids and labels (the model shifts them)."""
     ids = torch.randint(3, VOCAB, (rows, seq), generator=torch.Generator().manual_seed(seed))
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+class Logits(torch.nn.Module):
+    """Calls a library model as users do and returns its logits."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits

@@ -38,7 +38,6 @@ RTOL = 1e-5
 
 # name -> (mesh, parallelize options); None: one process, no process group
 PLANS = {
-    "dp2-zero0": ({"dp": 2}, {"zero_stage": 0}),
     "dp2-zero3": ({"dp": 2}, {"zero_stage": 3}),
     "tp2": ({"tp": 2}, {"tensor_split": True}),
     "pp2": ({"pp": 2}, {"schedule": "1f1b", "microbatches": 2}),

@@ -29,6 +29,7 @@ from torch import nn
 
 import autopar
 from autopar.runtime.launch import run_ranks
+from tests.hf_tiny import Logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,17 +42,6 @@ TOL_TP64 = 1e-8
 MODELS = ("mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "loop")
 EXPERTS = 4
 VOCAB = 64
-
-
-class Logits(nn.Module):
-    """Calls the library model as users do and returns its logits."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, use_cache=False).logits
 
 
 class Expert(nn.Module):

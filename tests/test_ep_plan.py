@@ -29,6 +29,7 @@ import autopar.ep
 from autopar import models
 from autopar.plans import Plan
 from autopar.runtime.launch import run_ranks
+from tests.hf_tiny import Logits
 
 RTOL = 1e-5
 WORLD = 2
@@ -62,17 +63,6 @@ def _mixtral() -> torch.nn.Module:
         for p in model.parameters():
             p.normal_(0.0, 0.2)
     return Logits(model)
-
-
-class Logits(torch.nn.Module):
-    """Calls the library model as users do and returns its logits."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, use_cache=False).logits
 
 
 def _unbalanced_calibration(model: torch.nn.Module) -> tuple:

@@ -174,7 +174,7 @@ _HIDDEN6_TP4 = {"kind": "stack", "widths": (8, 6, 8), "norm": False, "mesh": {"t
                 "zero": None, "budget": "lean", "force": None}
 
 
-@settings(max_examples=8, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+@settings(max_examples=5, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @example(case=_HIDDEN6_TP4)
 @example(case={**_HIDDEN6_TP4, "force": (0, "S(0)")})     # forced split of the 6-wide dim: a ShardingError

@@ -100,6 +100,8 @@ TOL = {torch.float32: 1e-5, torch.float64: 1e-5}
 F32, F64 = torch.float32, torch.float64
 TP_F32 = ("llama", "falcon")
 DP_F32 = ("llama", "gpt2", "t5")      # float32 data parallelism; every architecture runs dp in float64
+# pipelines on architectures of different block shapes (the llama-like ones cut like llama)
+PP = ("llama", "gemma2", "phi3", "gpt_neox", "gpt2", "opt", "falcon", "bloom", "deepseek_v3", "t5")
 
 
 def _world2_cases() -> list:
@@ -111,7 +113,8 @@ def _world2_cases() -> list:
         if arch in DP_F32:
             cases.append((arch, {"dp": 2}, 0, F32, "sgd"))
         cases.append((arch, {"dp": 2}, 3, F64, "adamw"))
-        cases.append((arch, {"pp": 2}, 0, F64, "sgd"))
+        if arch in PP:
+            cases.append((arch, {"pp": 2}, 0, F64, "sgd"))
     return cases
 
 
@@ -145,7 +148,7 @@ def world2():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_each_layout_matches_one_process(world2, arch):
     checked = [(case, res) for case, res in world2 if case[0] == arch]
-    assert len(checked) >= 3          # tp, dp (ZeRO-3) and pp at least
+    assert len(checked) >= 2 + (arch in PP)      # tp and dp (ZeRO-3), and pp where listed
     for case, res in checked:
         _check(case, res)
 

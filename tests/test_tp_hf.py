@@ -9,19 +9,9 @@ import torch
 
 import autopar
 from autopar.runtime.launch import run_ranks
+from tests.hf_tiny import Logits
 
 transformers = pytest.importorskip("transformers")
-
-
-class Logits(torch.nn.Module):
-    """Calls the library model as users do and returns its logits."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, use_cache=False).logits
 
 
 def _build() -> torch.nn.Module:
