@@ -141,7 +141,8 @@ def check_fits(gm: fx.GraphModule, plan: Any, budget: float | None, sizes: Mappi
 def smallest_devices(gm: fx.GraphModule, plan: Any, budget: float, batch: int) -> tuple[int | None, int]:
     """The fewest devices (dp x the plan's tp; dp dividing the global ``batch``, ZeRO-3 when
     dp > 1) whose per-device state fits ``budget``, with that dp; (None, 0) if none does."""
-    from autopar.cost.dp_planner import local_numels, memory_split, param_bytes
+    from autopar.cost.dp_planner import memory_split
+    from autopar.cost.plan_sizes import local_numels, param_bytes
 
     trainable, frozen, buffers = local_numels(gm, plan)
     for dp in (d for d in range(1, batch + 1) if batch % d == 0 and d * plan.tp <= MAX_DEVICES):

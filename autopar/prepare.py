@@ -22,7 +22,7 @@ from torch import nn
 from autopar.checks import check_options, check_plan_placements, forced_placements
 from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
-from autopar.cost.dp_planner import dtype_of, local_numels, local_shape, param_bytes
+from autopar.cost.plan_sizes import dtype_of, local_numels, local_shape, param_bytes
 from autopar.cost.tp_solver import Solution, SolverConfig, solve
 from autopar.errors import CaptureError, MeshError, PlanFileError
 from autopar.passes.capture import capture

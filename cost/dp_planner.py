@@ -49,7 +49,7 @@ from autopar.errors import AutoparInternalError, ConfigError
 from autopar.passes.memory import OPTIMIZER_STATE
 from autopar.passes.meta import dtype_bytes, evaluate, graph_info, info
 from autopar.passes.sharding import is_decision
-from autopar.placement import Shard, parse
+from autopar.placement import Shard
 
 log = logging.getLogger("autopar.dp_planner")
 
@@ -576,45 +576,6 @@ def seconds(x: float) -> str:
     if x >= 1:
         return f"{x:.2f} s"
     return f"{x * 1e3:.1f} ms" if x >= 1e-3 else f"{x * 1e6:.0f} us"
-
-
-
-# -- what a plan leaves on each rank (tensor-axis-local sizes) ------------------------------
-def dtype_of(gm: fx.GraphModule) -> str:
-    for node in gm.graph.nodes:
-        rec = info(node)
-        if rec.kind == "param" and rec.values:
-            return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(rec.values[0].dtype, "fp32")
-    return "fp32"
-
-
-def param_bytes(gm: fx.GraphModule) -> int:
-    return {"fp32": 4, "bf16": 2, "fp16": 2}.get(dtype_of(gm), 4)
-
-
-def local_numels(gm: fx.GraphModule, the_plan: Any) -> tuple[int, int, int]:
-    """Per-rank (tensor-axis-local) trainable and frozen parameter elements, and buffer bytes."""
-    trainable = frozen = buffers = 0
-    for node in gm.graph.nodes:
-        rec = info(node)
-        if node.op != "placeholder" or rec.kind not in ("param", "buffer") or not rec.values:
-            continue
-        numel = math.prod(local_shape(rec.values[0].shape, the_plan.params.get(rec.target_fqn, "R"), the_plan.tp))
-        if rec.kind == "buffer":
-            buffers += numel * rec.values[0].dtype.itemsize
-        elif rec.requires_grad:
-            trainable += numel
-        else:
-            frozen += numel
-    return trainable, frozen, buffers
-
-
-def local_shape(shape: Any, placement: str, tp: int) -> tuple[int, ...]:
-    out = [int(d) for d in shape]
-    p = parse(placement)
-    if isinstance(p, Shard):
-        out[p.dim] //= tp
-    return tuple(out)
 
 
 __all__ = ["MemorySplit", "memory_split", "bucket_bytes", "dp_comm_time", "exposed_comm", "DPChoice",
