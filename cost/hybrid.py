@@ -145,7 +145,7 @@ class ModelFacts:
     """What the simulator reads from one captured, analysed graph (module docstring)."""
 
     def __init__(self, gm: fx.GraphModule, *, seq: int, dtype: str = "bf16", optimizer_floats: int = 2,
-                 attention: str = "flash") -> None:
+                 attention: str = "flash", layers: int | None = None) -> None:
         if attention not in ("flash", "materialized"):
             raise ConfigError(f"unknown attention kernel model {attention!r}", expected="flash or materialized")
         self.attention = attention
@@ -158,7 +158,11 @@ class ModelFacts:
         self.dtype = dtype
         self.k = optimizer_floats
         cls = max(ginfo.block_classes, key=lambda c: len(c.members) * c.nodes_per_member)
-        self.layers = len(cls.members)
+        # ``layers``: how many copies of the block the real model has when ``gm`` was captured
+        # with fewer (:func:`autopar.workload.capture_for_planning`); every per-block figure is
+        # one copy's, so only the count changes
+        self.captured_layers = len(cls.members)
+        self.layers = layers or self.captured_layers
         self.members = set(cls.members)
         nodes = list(gm.graph.nodes)
         self.where: dict[fx.Node, str] = {}
@@ -203,7 +207,7 @@ class ModelFacts:
                 out["expert"] += numel / (tp if split else 1)
                 out["expert_whole"] += numel
         for k in ("block", "expert", "expert_whole"):
-            out[k] /= self.layers
+            out[k] /= self.captured_layers
         return out
 
     def _reader_part(self, param: fx.Node) -> str:
@@ -295,7 +299,7 @@ class ModelFacts:
                     p.comm_bwd += t / 2
         blk = parts["block"]
         for name in blk.__dataclass_fields__:
-            setattr(blk, name, getattr(blk, name) / self.layers)
+            setattr(blk, name, getattr(blk, name) / self.captured_layers)
         self._cache[key] = (parts, strategies)
         return parts, strategies
 
