@@ -40,7 +40,7 @@ def _budget(args: argparse.Namespace, cluster) -> float:
 def _plan_hybrid(args: argparse.Namespace, w, gm, cluster, start: float) -> int:
     """``autopar plan`` (default): the joint search over every parallelism (cost/hybrid.py)."""
     from autopar.cost.hybrid import RECOMPUTE
-    from autopar.cost.plan_search import search, smallest_cluster
+    from autopar.cost.plan_search import leanest, search, smallest_cluster
 
     facts = _hybrid_facts(args, gm)
     space = {}
@@ -57,11 +57,13 @@ def _plan_hybrid(args: argparse.Namespace, w, gm, cluster, start: float) -> int:
     _progress(args, f"scored {scored} configurations in {planner_s:.1f}s")
     if best is None:
         smallest = smallest_cluster(facts, cluster, batch=args.batch, budget=_budget(args, cluster))
+        lean = leanest(facts, cluster, batch=args.batch, **space)
         raise DoesNotFitError(f"no configuration of {w.name} fits in {_budget(args, cluster) / 1e9:.1f} GB per "
                               f"device on {cluster.name}", where="autopar plan", smallest_devices=smallest,
                               expected=f"per-device memory <= {_budget(args, cluster) / 1e9:.1f} GB",
-                              got=f"the leanest needs {min(o.peak_memory_bytes for o in others) / 1e9:.1f} GB"
-                              if others else "no configuration divides the batch and layers",
+                              got=f"the leanest, {config_line(lean.config, lean.microbatches)}, needs "
+                                  f"{lean.peak_memory_bytes / 1e9:.1f} GB"
+                              if lean is not None else "no configuration divides the batch and layers",
                               fix=(f"{smallest} devices (whole nodes of {cluster.devices_per_node}) would fit"
                                    if smallest else "no cluster up to 65536 devices fits")
                               + "; or raise --memory-budget")

@@ -20,19 +20,16 @@ import torch.fx as fx
 
 from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
-from autopar.cost.compute import op_time
+from autopar.cost.op_cost import node_seconds
+from autopar.cost.pp_sim import ZB_SPLIT_OVERHEAD
 from autopar.errors import ConfigError, DoesNotFitError, MeshError
-from autopar.passes.meta import evaluate, info
+from autopar.passes.meta import info
 from autopar.passes.pp_split import CutPlan, OpCosts, op_costs, plan_cuts
 
 log = logging.getLogger("autopar.pp")
 
 AXES = ("pp", "dp", "ep", "tp")      # the order a pipeline mesh lists them in (pp outermost)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
-# torch's zero-bubble schedules run autograd twice per micro-batch (input gradients, then
-# weight gradients from the saved graph); on this project's 2-core CPU that backward costs
-# ~35 % more than one whole backward (bench/pp.py: 135 ms vs 101 ms per 1F1B-sized step).
-ZB_SPLIT_OVERHEAD = 0.35
 
 
 @dataclass(frozen=True)
@@ -87,10 +84,8 @@ def node_time_fn(device, dtype: str, sizes: Mapping[str, int] | None = None) -> 
         rec = info(node)
         if rec.collective is not None:
             return rec.collective.time_fwd_s + rec.collective.time_bwd_s
-        t = op_time(float(evaluate(rec.flops_fwd, at)), float(evaluate(rec.bytes_fwd, at)), device, dtype)
-        if rec.requires_grad:
-            t += op_time(float(evaluate(rec.flops_bwd, at)), float(evaluate(rec.bytes_bwd, at)), device, dtype)
-        return t
+        f, b = node_seconds(node, at, device, dtype)
+        return f + b
     return time
 
 

@@ -11,6 +11,8 @@ dispatch on a CPU); it is an assumption listed in the device's ``sources``.
 """
 from __future__ import annotations
 
+import math
+
 from autopar.cost.hardware import DeviceSpec, dtype_bytes
 from autopar.errors import ConfigError
 
@@ -21,10 +23,14 @@ def _non_negative(value: float, what: str) -> None:
                           got=repr(value))
 
 
-def compute_time(flops: float, device: DeviceSpec, dtype: object = "bf16") -> float:
-    """Seconds to execute ``flops`` at the device's achievable matmul rate for ``dtype``."""
+def compute_time(flops: float, device: DeviceSpec, dtype: object = "bf16", *,
+                 efficiency: float | None = None) -> float:
+    """Seconds to execute ``flops`` at ``efficiency`` of the device's peak for ``dtype`` (default:
+    its large-matmul ``matmul_efficiency``)."""
     _non_negative(flops, "flops")
-    return flops / device.achievable_flops(dtype) if flops else 0.0
+    if not flops:
+        return 0.0
+    return flops / (device.peak(dtype) * (efficiency or device.matmul_efficiency))
 
 
 def memory_time(bytes_moved: float, device: DeviceSpec) -> float:
@@ -34,16 +40,56 @@ def memory_time(bytes_moved: float, device: DeviceSpec) -> float:
 
 
 def op_time(flops: float, bytes_moved: float, device: DeviceSpec, dtype: object = "bf16", *,
-            launch_overhead: bool = True) -> float:
+            launch_overhead: bool = True, efficiency: float | None = None) -> float:
     """Roofline seconds of one op: the slower of its compute and its memory traffic.
 
-    With ``launch_overhead`` (default) an op that does any work also pays
+    ``efficiency``: the fraction of peak this op's compute reaches (:func:`gemm_efficiency`
+    for a matmul of known shape); default the device's ``matmul_efficiency``. With
+    ``launch_overhead`` (default) an op that does any work also pays
     ``device.kernel_overhead_s``; pass False for the pure roofline.
     """
-    roof = max(compute_time(flops, device, dtype), memory_time(bytes_moved, device))
+    roof = max(compute_time(flops, device, dtype, efficiency=efficiency), memory_time(bytes_moved, device))
     if launch_overhead and (flops > 0 or bytes_moved > 0):
         roof += device.kernel_overhead_s
     return roof
+
+
+# Output tiles a GEMM library picks from (NVIDIA, "Matrix Multiplication Background User's
+# Guide", DU-09799-001, 2023, section 2.3: cuBLAS's 16-bit kernels tile the output in 256x128,
+# 128x128, 128x64, 64x64 ... and larger tiles are the more efficient ones). A tile smaller than
+# 128x128 is credited its operand reuse relative to 128x128: ``tm*tn / (tm + tn)`` FLOPs per
+# element it loads, so 128x64 runs at 2/3 and 64x64 at 1/2 of a large tile's rate (an
+# assumption of this model, not a measurement; `autopar calibrate` measures the large-GEMM rate).
+GEMM_TILES = ((256, 128), (128, 256), (128, 128), (128, 64), (64, 128), (64, 64), (32, 32))
+
+
+def _tile_rate(tm: int, tn: int) -> float:
+    return min(1.0, (tm * tn / (tm + tn)) / 64.0)
+
+
+def gemm_efficiency(m: int, n: int, k: int, device: DeviceSpec, *, batch: int = 1) -> float:
+    """Fraction of dense peak an ``(m, k) @ (k, n)`` GEMM (``batch`` of them) reaches: the
+    device's large-GEMM ``matmul_efficiency`` times the tile and wave quantization of its
+    output (the same guide, section 3): the output is cut into tiles, the tiles run in waves of
+    ``sm_count`` (one tile per SM), and every wave costs a full one. A GEMM with fewer tiles
+    than SMs may also split ``k`` into up to 16 slices of at least 256 (split-K, as cuBLAS and
+    CUTLASS do; the slices' final sum is not charged). The best tile (:data:`GEMM_TILES`, at
+    its rate) and split are taken. A device without ``sm_count`` (a CPU) has no such loss. A
+    thin inner dimension shows as memory traffic in the roofline, not here."""
+    base = device.matmul_efficiency
+    sms = device.sm_count
+    if not sms or m < 1 or n < 1 or k < 1:
+        return base
+    best = 0.0
+    for tm, tn in GEMM_TILES:
+        tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
+        for split in (1, 2, 4, 8, 16):
+            if split > 1 and (k // split < 256 or tiles * split > 2 * sms):
+                break
+            waves = math.ceil(tiles * split / sms)
+            util = m * n * k * batch / (waves * sms * tm * tn * math.ceil(k / split))
+            best = max(best, util * _tile_rate(tm, tn))
+    return base * min(1.0, best)
 
 
 def ridge_point(device: DeviceSpec, dtype: object = "bf16") -> float:

@@ -43,7 +43,7 @@ import torch.fx as fx
 
 from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
-from autopar.cost.compute import op_time
+from autopar.cost.op_cost import node_seconds
 from autopar.cost.tp_solver import Solution, SolverConfig, solve
 from autopar.errors import AutoparInternalError, ConfigError
 from autopar.passes.memory import OPTIMIZER_STATE
@@ -324,10 +324,9 @@ class _Facts:
         if micro_batch not in self._roofline:
             at, fwd, bwd = self.sizes(micro_batch), 0.0, 0.0
             for node in self.ops:
-                rec = info(node)
-                fwd += op_time(evaluate(rec.flops_fwd, at), evaluate(rec.bytes_fwd, at), self.device, self.dtype)
-                if rec.requires_grad:
-                    bwd += op_time(evaluate(rec.flops_bwd, at), evaluate(rec.bytes_bwd, at), self.device, self.dtype)
+                f, b = node_seconds(node, at, self.device, self.dtype)
+                fwd += f
+                bwd += b
             self._roofline[micro_batch] = (fwd, bwd)
         return self._roofline[micro_batch]
 

@@ -74,6 +74,10 @@ class DeviceSpec:
     matmul_efficiency: float
     memory_efficiency: float
     kernel_overhead_s: float = 0.0
+    # streaming multiprocessors (0: not a GPU, no tile/wave quantization of GEMMs) and the
+    # fraction of peak a fused (flash) attention kernel reaches (0: ``matmul_efficiency``)
+    sm_count: int = 0
+    attention_efficiency: float = 0.0
     sources: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +104,14 @@ class DeviceSpec:
         if self.kernel_overhead_s < 0:
             raise ConfigError("kernel_overhead_s must not be negative", where=where,
                               expected=">= 0", got=repr(self.kernel_overhead_s))
+        if not isinstance(self.sm_count, int) or isinstance(self.sm_count, bool) or self.sm_count < 0:
+            raise ConfigError("sm_count must be a whole number >= 0", where=where, got=repr(self.sm_count))
+        if not (0 <= self.attention_efficiency <= 1):
+            raise ConfigError("attention_efficiency is a fraction of peak", where=where,
+                              expected="0 (use matmul_efficiency) or 0 < value <= 1",
+                              got=repr(self.attention_efficiency))
+        if not self.attention_efficiency:
+            object.__setattr__(self, "attention_efficiency", self.matmul_efficiency)
 
     def peak(self, dtype: object) -> float:
         """Dense peak FLOP/s for ``dtype``; a ConfigError if the device has no figure for it."""
@@ -124,7 +136,8 @@ class DeviceSpec:
                 "memory_bytes": self.memory_bytes, "memory_bandwidth": self.memory_bandwidth,
                 "matmul_efficiency": self.matmul_efficiency,
                 "memory_efficiency": self.memory_efficiency,
-                "kernel_overhead_s": self.kernel_overhead_s, "sources": dict(self.sources)}
+                "kernel_overhead_s": self.kernel_overhead_s, "sm_count": self.sm_count,
+                "attention_efficiency": self.attention_efficiency, "sources": dict(self.sources)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, where: str = "hardware profile") -> DeviceSpec:
@@ -136,8 +149,8 @@ class DeviceSpec:
             raise ConfigError("device entry is missing keys", where=where,
                               expected=", ".join(required), got=f"missing {missing}",
                               fix="regenerate the profile with `autopar calibrate --out FILE`")
-        return cls(**{key: data[key] for key in (*required, "kernel_overhead_s", "sources")
-                      if key in data})
+        return cls(**{key: data[key] for key in (*required, "kernel_overhead_s", "sm_count",
+                                                 "attention_efficiency", "sources") if key in data})
 
 
 # --- built-in devices -------------------------------------------------------------------------
@@ -149,6 +162,8 @@ _EFF_NOTE = ("assumption, not in any datasheet: large bf16/fp16 GEMMs in cuBLAS 
 _MEM_NOTE = ("assumption: large device-to-device copies typically reach ~85% of HBM peak "
              "(STREAM-like); `autopar calibrate` measures it")
 _LAUNCH_NOTE = "assumption: ~3 us minimum time per CUDA kernel (launch + tail); calibrate to refine"
+_TILE_NOTE = ("GEMM tile and wave quantization over the SMs (NVIDIA, Matrix Multiplication Background "
+              "User's Guide, 2023); matmul_efficiency is then a large, well-tiled GEMM's")
 
 A100_SXM_80GB = DeviceSpec(
     name="a100-sxm-80gb",
@@ -157,7 +172,11 @@ A100_SXM_80GB = DeviceSpec(
     peak_flops={"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
     memory_bytes=80e9, memory_bandwidth=2.039e12,
     matmul_efficiency=0.70, memory_efficiency=0.85, kernel_overhead_s=3e-6,
+    sm_count=108, attention_efficiency=0.55,
     sources={"peak_flops.fp32": f"{_A100_SHEET}: FP32 19.5 TFLOPS (non-tensor)",
+             "sm_count": f"NVIDIA A100 Tensor Core GPU Architecture whitepaper (2020): 108 SMs; {_TILE_NOTE}",
+             "attention_efficiency": "Dao, FlashAttention-2 (arXiv:2307.08691, 2023): 50-73 % of A100 peak in "
+                                     "forward, less in backward; 0.55 taken for both passes",
              "peak_flops.tf32": f"{_A100_SHEET}: TF32 Tensor Core 156 TFLOPS",
              "peak_flops.bf16": f"{_A100_SHEET}: BFLOAT16 Tensor Core 312 TFLOPS",
              "peak_flops.fp16": f"{_A100_SHEET}: FP16 Tensor Core 312 TFLOPS",
@@ -173,7 +192,12 @@ H100_SXM_80GB = DeviceSpec(
                 "fp8": 1978.9e12},
     memory_bytes=80e9, memory_bandwidth=3.35e12,
     matmul_efficiency=0.65, memory_efficiency=0.85, kernel_overhead_s=3e-6,
+    sm_count=132, attention_efficiency=0.40,
     sources={"peak_flops.fp32": f"{_H100_SHEET}: FP32 67 TFLOPS (non-tensor)",
+             "sm_count": f"NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022): 132 SMs (SXM5); {_TILE_NOTE}",
+             "attention_efficiency": "Shah et al., FlashAttention-3 (arXiv:2407.08608, 2024): FlashAttention-2 "
+                                     "reaches about 35 % of H100 peak, FlashAttention-3 up to 75 %; 0.40 taken "
+                                     "for what PyTorch's fused attention reaches",
              "peak_flops.tf32": f"{_H100_SHEET}: TF32 Tensor Core 989 TFLOPS sparse / 2",
              "peak_flops.bf16": f"{_H100_SHEET}: BFLOAT16 Tensor Core 1,979 TFLOPS sparse / 2",
              "peak_flops.fp16": f"{_H100_SHEET}: FP16 Tensor Core 1,979 TFLOPS sparse / 2",

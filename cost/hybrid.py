@@ -61,6 +61,7 @@ import torch.fx as fx
 from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
 from autopar.cost.compute import op_time
+from autopar.cost.op_cost import node_seconds
 from autopar.errors import ConfigError
 from autopar.passes.meta import evaluate, graph_info, info
 from autopar.passes.sharding import is_decision, tensor_inputs
@@ -223,32 +224,21 @@ class ModelFacts:
         key = (tp, micro_batch, cluster.name)
         if key in self._cache:
             return self._cache[key]
-        if micro_batch > 2:
-            # every figure is affine in the micro-batch size (FLOPs and bytes grow with it, a
-            # kernel's launch and a collective's latency do not): extend the line through 1 and 2
-            (one, strategies), (two, _) = self.parts(tp, 1, cluster, axes), self.parts(tp, 2, cluster, axes)
-            parts = {}
-            for name in one:
-                a, b = one[name], two[name]
-                parts[name] = _Part(**{f: getattr(a, f) + (micro_batch - 1) * (getattr(b, f) - getattr(a, f))
-                                       for f in a.__dataclass_fields__})
-            self._cache[key] = (parts, strategies)
-            return self._cache[key]
         from autopar.cost.tp_solver import SolverConfig, _Pricer, solve
 
         at = self.sizes(micro_batch)
         strategies: Mapping[str, Any] = {}
         pricer = None
         if tp > 1:
-            # the tensor solver's choice does not depend on the micro-batch size for the
-            # blocks that matter (it is a per-matmul layout); solve once per degree at 1
-            skey = (tp, cluster.name)
+            # the solver's layout changes with the token count (a collective's latency weighs
+            # less against more tokens): solved at this micro-batch size
+            skey = (tp, micro_batch, cluster.name)
             if skey not in self._solved:
                 t0 = time.perf_counter()
-                cfg1 = SolverConfig(n=tp, cluster=cluster, mesh_axes=axes, axis="tp", sizes=self.sizes(1),
-                                    dtype=self.dtype)
-                self._solved[skey] = solve(self.gm, cfg1).strategies
-                log.info("tensor layout at tp=%d solved in %.2fs", tp, time.perf_counter() - t0)
+                cfg = SolverConfig(n=tp, cluster=cluster, mesh_axes=axes, axis="tp", sizes=at, dtype=self.dtype)
+                self._solved[skey] = solve(self.gm, cfg).strategies
+                log.info("tensor layout at tp=%d, micro-batch %d solved in %.2fs", tp, micro_batch,
+                         time.perf_counter() - t0)
             strategies = self._solved[skey]
             cfg = SolverConfig(n=tp, cluster=cluster, mesh_axes=axes, axis="tp", sizes=at, dtype=self.dtype)
             pricer = _Pricer(self.gm, cfg)
@@ -264,31 +254,40 @@ class ModelFacts:
             p = parts[self.where[n]]
             s = strategies.get(n.name)
             work = s.work if s is not None else 1.0
-            ff, fb = float(evaluate(rec.flops_fwd, at)), float(evaluate(rec.flops_bwd, at))
-            bf, bb = float(evaluate(rec.bytes_fwd, at)) * width, float(evaluate(rec.bytes_bwd, at)) * width
-            if self.attention == "materialized" and _is_sdpa(n):
-                scores = _score_bytes(n, at, self.dtype)
-                bf, bb = bf + SCORE_PASSES_FWD * scores, bb + SCORE_PASSES_BWD * scores
-            f = op_time(ff * work, bf * work, dev, self.dtype)
-            b = op_time(fb * work, bb * work, dev, self.dtype) if rec.requires_grad else 0.0
-            saved = float(evaluate(rec.saved_bytes, at)) * work * width
+            ff = float(evaluate(rec.flops_fwd, at))
+            fb = float(evaluate(rec.flops_bwd, at)) if rec.requires_grad else 0.0
+            extra = (0.0, 0.0)
+            score_saved = 0.0
+            sdpa = _is_sdpa(n)
+            if self.attention == "materialized" and sdpa:
+                scores = _score_bytes(n, at, self.dtype) * work
+                extra = (SCORE_PASSES_FWD * scores, SCORE_PASSES_BWD * scores)
+                # held for backward: the probabilities and the dropout output in the compute
+                # dtype and the 1-byte dropout mask (Korthikanti et al. 2022, section 4.1)
+                score_saved = 2 * scores + scores / (2 if self.dtype in ("bf16", "fp16") else 4)
+            f, b = node_seconds(n, at, dev, self.dtype, strategy=s, n=tp, width=width, extra_bytes=extra,
+                                attention=self.attention)
+            saved = float(evaluate(rec.saved_bytes, at)) * work * width + score_saved
             p.fwd += f
             p.bwd += b
             if rec.moe_role == "expert":
                 p.expert_fwd += f
                 p.expert_bwd += b
-                p.expert_fwd1 += op_time(ff, bf, dev, self.dtype)
-                p.expert_bwd1 += op_time(fb, bb, dev, self.dtype) if rec.requires_grad else 0.0
+                f1, b1 = node_seconds(n, at, dev, self.dtype, width=width)
+                p.expert_fwd1 += f1
+                p.expert_bwd1 += b1
                 buf = n.args[0] if n.target is torch.ops.aten.bmm.default else None
                 if buf is not None and info(buf).moe_role != "expert" and buf not in buffers:
                     buffers.add(buf)          # the dispatch buffer entering the experts
                     p.a2a_bytes += float(evaluate(info(buf).values[0].nbytes, at)) * width
             p.saved += saved
-            p.flops += ff + (fb if rec.requires_grad else 0.0)
+            p.flops += ff + fb
             p.fwd_flops += ff
-            if _is_score_op(n):
+            if _is_score_op(n) or score_saved:
+                # what selective recomputation redoes and frees: the ops between the two
+                # attention matmuls, or a materialising attention's whole core
                 p.score_fwd += f
-                p.score_saved += saved
+                p.score_saved += saved if not score_saved else score_saved
             if pricer is not None and s is not None:
                 for j, arg in enumerate(tensor_inputs(n)):
                     src = strategies.get(arg.name)
@@ -352,7 +351,7 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     """Score one configuration (module docstring) at global ``batch``. ``fast`` replaces the
     event simulation of the pipeline by its closed form (exact for uniform stages, a close
     estimate otherwise): the search ranks with it and re-scores its finalists exactly."""
-    from autopar.cost.pp_sim import StageCosts, make
+    from autopar.cost.pp_sim import ZB_SPLIT_OVERHEAD, StageCosts, make
     from autopar.cost.pp_sim import simulate as run_schedule
 
     if c.recompute not in RECOMPUTE:
@@ -363,59 +362,67 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
                           where="config", fix="pick a micro-batch size dividing batch / dp")
     m = batch // (c.dp * c.micro_batch)
     stages = c.pp * c.virtual
-    if facts.layers % stages:
-        raise ConfigError(f"{facts.layers} layers do not split into {stages} stages", where="config",
-                          fix="pick pp * virtual stages dividing the layer count")
+    if facts.layers < stages:
+        raise ConfigError(f"{facts.layers} layers cannot fill {stages} pipeline stages", where="config",
+                          fix="pick pp * virtual stages of at most the layer count")
     if c.ep > 1 and (not facts.experts or facts.experts % c.ep or c.dp % c.ep):
         raise ConfigError(f"ep={c.ep} must divide the expert count and dp", where="config")
+    # without a pipeline the runtime runs each micro-batch's forward and backward in turn
+    sched = c.schedule if c.pp > 1 else "1f1b"
+    if sched == "interleaved" and (c.virtual < 2 or m % c.pp):
+        raise ConfigError("interleaved needs virtual >= 2 and micro-batches a multiple of pp", where="config")
     axes = _axes(c, cluster)
     parts, strategies = facts.parts(c.tp, c.micro_batch, cluster, axes)
     pre, blk, post = parts["pre"], parts["block"], parts["post"]
     if c.ep > 1:
         blk = _with_experts(blk, c, cluster)
-    per_stage = facts.layers // stages
     re_blk = {"none": 0.0, "selective": blk.score_fwd, "full": blk.fwd + blk.comm_fwd}[c.recompute]
-    fwd, bwd = [], []
-    for s in range(stages):
-        f = per_stage * (blk.fwd + blk.comm_fwd)
-        b = per_stage * (blk.bwd + blk.comm_bwd + re_blk)
-        if s == 0:
-            f, b = f + pre.fwd + pre.comm_fwd, b + pre.bwd + pre.comm_bwd
-        if s == stages - 1:
-            f, b = f + post.fwd + post.comm_fwd, b + post.bwd + post.comm_bwd
-        fwd.append(f)
-        bwd.append(b)
+    split = 1.0 + ZB_SPLIT_OVERHEAD if sched == "zb" else 1.0     # torch's split backward, both planners
+    blk_f, blk_b = blk.fwd + blk.comm_fwd, (blk.bwd + blk.comm_bwd) * split + re_blk
+    pre_f, pre_b = pre.fwd + pre.comm_fwd, (pre.bwd + pre.comm_bwd) * split
+    post_f, post_b = post.fwd + post.comm_fwd, (post.bwd + post.comm_bwd) * split
+    counts = stage_layers(facts.layers, stages, blk_f + blk_b, pre_f + pre_b, post_f + post_b)
+    fwd = [counts[s] * blk_f + (pre_f if s == 0 else 0.0) + (post_f if s == stages - 1 else 0.0)
+           for s in range(stages)]
+    bwd = [counts[s] * blk_b + (pre_b if s == 0 else 0.0) + (post_b if s == stages - 1 else 0.0)
+           for s in range(stages)]
+    acts = _stage_activations(facts, c, counts, blk, pre, post)
     act_bytes = _boundary_bytes(facts, c)
     p2p = collective_time("send_recv", act_bytes, cluster, axes, "pp") if c.pp > 1 else 0.0
-    sched = c.schedule if c.pp > 1 else "gpipe"
-    if sched == "interleaved" and (c.virtual < 2 or m % c.pp):
-        raise ConfigError("interleaved needs virtual >= 2 and micro-batches a multiple of pp", where="config")
     if fast:
-        result = _closed_form(sched, c.pp, c.virtual, m, fwd, bwd, p2p)
+        result = _closed_form(sched, c.pp, c.virtual, m, fwd, bwd, p2p, acts)
     else:
         result = run_schedule(make(sched, c.pp, m, c.virtual),
-                              StageCosts(forward_s=tuple(fwd), backward_s=tuple(bwd), p2p_s=p2p))
+                              StageCosts(forward_s=tuple(fwd), backward_s=tuple(bwd), p2p_s=p2p,
+                                         activation_bytes=tuple(acts)))
     pipe = result.step_time_s
-    # data axis and optimizer
+    # parameters per device: its stages' blocks, and the parts before and after where it holds them
     numel = facts.param_numel(c.tp, strategies)
     per_block = numel["block"]
     expert_block = 0.0
     if c.ep > 1:   # experts kept whole on tp, 1/ep of them per rank; the dense rest as before
         expert_block = numel["expert_whole"] / c.ep
         per_block = numel["block"] - numel["expert"] + expert_block
-    stage_params = per_stage * c.virtual * per_block + max(numel["pre"], numel["post"])
-    width = 2.0 if facts.dtype in ("bf16", "fp16") else 4.0
-    grad_bytes = width * stage_params
-    expert_bytes = width * per_stage * c.virtual * expert_block
+    held = [sum(counts[s] * per_block + (numel["pre"] if s == 0 else 0.0)
+                + (numel["post"] if s == stages - 1 else 0.0) for s in range(d, stages, c.pp))
+            for d in range(c.pp)]
+    experts = [sum(counts[s] for s in range(d, stages, c.pp)) * expert_block for d in range(c.pp)]
+    working = blk.saved if c.recompute == "full" else 0.0     # one block's, while it is recomputed
+    mems = [_memory(facts, c, held[d], result.peak_activation_bytes[d] + working, per_block, numel)
+            for d in range(c.pp)]
+    worst = max(range(c.pp), key=lambda d: sum(mems[d].values()))
+    mem = mems[worst]
+    # the data axis and the optimizer: the slowest device's (the one holding the most parameters)
+    d_big = max(range(c.pp), key=lambda d: held[d])
+    stage_params = held[d_big]
+    bytes_ = _DataBytes.of(facts, stage_params, experts[d_big], per_block, numel["pre"])
     if c.pp > 1:
-        dp_comm, exposed = _pipeline_data_axis(c, cluster, axes, grad_bytes, expert_bytes)
+        dp_comm, exposed = _pipeline_data_axis(c, cluster, axes, bytes_)
     else:
-        dp_comm, exposed = _lone_stage_data_axis(c, cluster, axes, grad_bytes, expert_bytes, m, bwd[-1], pipe)
+        dp_comm, exposed = _lone_stage_data_axis(c, cluster, axes, bytes_, m, fwd[0], bwd[0])
     state_bytes_per_param = (4 + 4 * facts.k) if facts.dtype in ("bf16", "fp16") else 4 * (2 + facts.k)
     optim = _optimizer_time(stage_params / (c.dp if c.zero_stage >= 1 else 1), state_bytes_per_param, cluster)
     step = pipe + exposed + optim
-    # memory
-    mem = _memory(facts, c, stage_params, blk, pre, post, result, per_stage, m)
     peak = sum(mem.values())
     fits = budget is None or peak <= budget
     samples = batch / c.micro_batch                # the parts are per micro-batch
@@ -427,10 +434,74 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     return Score(config=c, step_time_s=step, microbatches=m, model_flops=model_flops, hw_flops=hw_flops,
                  tflops_per_device=tput / 1e12, hw_tflops_per_device=hw_flops / step / devices / 1e12,
                  mfu=tput / peak_flops, peak_memory_bytes=peak, memory=mem,
-                 bubble_fraction=result.bubble_fraction, exposed_comm_s=exposed + (c.tp > 1) * 0.0, fits=fits,
+                 bubble_fraction=result.bubble_fraction, exposed_comm_s=exposed, fits=fits,
                  parts={"pipeline_s": pipe, "dp_comm_s": dp_comm, "optimizer_s": optim,
                         "tp_comm_per_block_s": blk.comm_fwd + blk.comm_bwd, "block_fwd_s": blk.fwd,
-                        "block_bwd_s": blk.bwd, "stage_fwd_s": fwd, "stage_bwd_s": bwd, "p2p_s": p2p})
+                        "block_bwd_s": blk.bwd, "stage_fwd_s": fwd, "stage_bwd_s": bwd, "p2p_s": p2p,
+                        "stage_layers": list(counts)})
+
+
+def stage_layers(layers: int, stages: int, block: float, pre: float = 0.0, post: float = 0.0) -> list[int]:
+    """Blocks per pipeline stage, contiguous and at least one each, that minimise the slowest
+    stage's time: each block costs ``block``, the first stage also ``pre`` (embeddings) and the
+    last ``post`` (final norm, head). The runtime's cut search (:func:`autopar.passes.pp_split.
+    plan_cuts`) minimises the same bottleneck over the captured ops; restricted to block
+    boundaries it is this. Llama 3 405B's 126 layers on 16 stages come out as Meta laid them
+    (first and last stage one layer lighter) once the head and embedding weigh about a layer."""
+    if stages == 1:
+        return [layers]
+    extra = [pre] + [0.0] * (stages - 2) + [post]
+    block = max(block, 1e-30)
+
+    def capacity(limit: float) -> list[int]:
+        return [max(0, int((limit - e) / block * (1 + 1e-12))) for e in extra]
+
+    # the bottleneck is k blocks plus one stage's extra, for some k: search the smallest that fits
+    candidates = sorted({k * block + e for e in set(extra) for k in range(1, layers + 1)})
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        caps = capacity(candidates[mid])
+        if min(caps) >= 1 and sum(caps) >= layers:
+            hi = mid
+        else:
+            lo = mid + 1
+    counts = capacity(candidates[lo])
+    if min(counts) < 1 or sum(counts) < layers:
+        counts = [1] * stages
+        counts[stages // 2] += layers - stages
+        return counts
+    # give back the surplus from the slowest stages, keeping the middle ones the fullest
+    surplus = sum(counts) - layers
+    order = sorted(range(stages), key=lambda s: (-(counts[s] * block + extra[s]), abs(s - (stages - 1) / 2)))
+    while surplus:
+        for s in order:
+            if surplus and counts[s] > 1:
+                counts[s] -= 1
+                surplus -= 1
+        order = sorted(range(stages), key=lambda s: (-(counts[s] * block + extra[s]), abs(s - (stages - 1) / 2)))
+    return counts
+
+
+@dataclass(frozen=True)
+class _DataBytes:
+    """What one rank's data axis moves: gradients are reduced in fp32 (a mixed-precision run
+    keeps and reduces them in fp32, ``runtime/dp.py``), parameters gathered in the compute
+    dtype; ``tail``: the last bucket's share, which no compute hides."""
+
+    grads: float
+    params: float
+    expert_grads: float
+    expert_params: float
+    tail_grads: float
+    tail_params: float
+
+    @staticmethod
+    def of(facts: "ModelFacts", numel: float, expert_numel: float, per_block: float, pre: float) -> "_DataBytes":
+        cw = 2.0 if facts.dtype in ("bf16", "fp16") else 4.0
+        tail = min(numel, max(per_block, pre))
+        return _DataBytes(grads=4.0 * numel, params=cw * numel, expert_grads=4.0 * expert_numel,
+                          expert_params=cw * expert_numel, tail_grads=4.0 * tail, tail_params=cw * tail)
 
 
 def _data_collective(kind: str, nbytes: float, expert_bytes: float, c: Config, cluster: Cluster,
@@ -447,31 +518,52 @@ def _data_collective(kind: str, nbytes: float, expert_bytes: float, c: Config, c
         (collective_time(kind, expert_bytes, cluster, ep_axes, "dp") if c.dp > c.ep else 0.0)
 
 
-def _lone_stage_data_axis(c: Config, cluster: Cluster, axes: tuple[tuple[str, int], ...], grad_bytes: float,
-                          expert_bytes: float, m: int, last_bwd: float, pipe: float) -> tuple[float, float]:
-    """The data axis without a pipeline (``pp == 1``): seconds in all, and exposed. The reduction
-    (all-reduce for ZeRO-0/1, reduce-scatter for 2/3) is issued bucket by bucket during the last
-    micro-batch's backward, which hides what it can; ZeRO-1/2 all-gather the updated parameters
-    once per step; ZeRO-3 gathers every bucket for each micro-batch's forward and again for its
-    backward, prefetched under compute except the first."""
+def _lone_stage_data_axis(c: Config, cluster: Cluster, axes: tuple[tuple[str, int], ...], b: _DataBytes,
+                          m: int, fwd: float, bwd: float) -> tuple[float, float]:
+    """The data axis without a pipeline (``pp == 1``, :mod:`autopar.runtime.dp`), as the runtime
+    runs it for ``m`` micro-batches of ``fwd`` + ``bwd`` seconds each: seconds in all, and
+    exposed. The runtime reduces every backward (there is no skipped synchronisation between
+    micro-batches):
+
+    - ZeRO-0 all-reduces each micro-batch's gradients during its backward;
+    - ZeRO-1 accumulates whole gradients and reduce-scatters them at ``opt.step()``, then
+      all-gathers the updated parameters: both after the last backward, both exposed;
+    - ZeRO-2 reduce-scatters each micro-batch's gradients during its backward and all-gathers
+      the updated parameters after the step (exposed);
+    - ZeRO-3 gathers every bucket for each micro-batch's forward and again for its backward and
+      reduce-scatters during backward, prefetched under compute.
+
+    What overlaps a micro-batch's compute is hidden up to that compute; the last bucket's
+    collective (the first bucket's gather) is exposed whatever the overlap."""
     if c.dp == 1:
         return 0.0, 0.0
-    kind = "all_reduce" if c.zero_stage <= 1 else "reduce_scatter"
-    dp_comm = _data_collective(kind, grad_bytes, expert_bytes, c, cluster, axes)
-    gathers = 0.0
-    if c.zero_stage in (1, 2):
-        dp_comm += collective_time("all_gather", grad_bytes, cluster, axes, "dp")
-    elif c.zero_stage == 3:
-        gathers = 2 * m * collective_time("all_gather", grad_bytes, cluster, axes, "dp")
-        dp_comm += gathers
-    exposed = max(0.0, dp_comm - gathers - last_bwd)
-    if gathers:
-        exposed += max(gathers - pipe, 0.0) + gathers / (2 * m)
-    return dp_comm, exposed
+
+    def coll(kind: str, nbytes: float, expert: float) -> float:
+        return _data_collective(kind, nbytes, expert, c, cluster, axes)
+
+    def overlapped(total: float, tail: float, compute: float) -> float:
+        return max(total - compute, tail)
+
+    z = c.zero_stage
+    rs = coll("reduce_scatter", b.grads, b.expert_grads)
+    ag = coll("all_gather", b.params, b.expert_params)
+    if z == 0:
+        ar = coll("all_reduce", b.grads, b.expert_grads)
+        tail = coll("all_reduce", b.tail_grads, 0.0)
+        return m * ar, m * overlapped(ar, tail, bwd)
+    if z == 1:
+        return rs + ag, rs + ag
+    if z == 2:
+        tail = coll("reduce_scatter", b.tail_grads, 0.0)
+        return m * rs + ag, m * overlapped(rs, tail, bwd) + ag
+    tail_ag, tail_rs = coll("all_gather", b.tail_params, 0.0), coll("reduce_scatter", b.tail_grads, 0.0)
+    total = m * (2 * ag + rs)
+    exposed = m * (overlapped(ag, tail_ag, fwd) + overlapped(ag + rs, tail_ag + tail_rs, bwd))
+    return total, exposed
 
 
-def _pipeline_data_axis(c: Config, cluster: Cluster, axes: tuple[tuple[str, int], ...], grad_bytes: float,
-                        expert_bytes: float) -> tuple[float, float]:
+def _pipeline_data_axis(c: Config, cluster: Cluster, axes: tuple[tuple[str, int], ...],
+                        b: _DataBytes) -> tuple[float, float]:
     """The data axis of a pipeline rank (``pp > 1``, :mod:`autopar.runtime.stage_dp`): seconds in
     all, and exposed. It works once per step, not per micro-batch: ZeRO-3 gathers the stages'
     whole parameters before the first micro-batch; after the last backward ZeRO-0 all-reduces the
@@ -483,9 +575,9 @@ def _pipeline_data_axis(c: Config, cluster: Cluster, axes: tuple[tuple[str, int]
     if c.dp == 1:
         return 0.0, 0.0
     z = c.zero_stage
-    reduce = _data_collective("all_reduce" if z == 0 else "reduce_scatter", grad_bytes, expert_bytes, c, cluster,
+    reduce = _data_collective("all_reduce" if z == 0 else "reduce_scatter", b.grads, b.expert_grads, c, cluster,
                               axes)
-    gather = _data_collective("all_gather", grad_bytes, expert_bytes, c, cluster, axes) if z >= 1 else 0.0
+    gather = _data_collective("all_gather", b.params, b.expert_params, c, cluster, axes) if z >= 1 else 0.0
     dp_comm = reduce + gather      # ZeRO-3's gather before the step, ZeRO-1/2's after it
     return dp_comm, dp_comm
 
@@ -494,13 +586,15 @@ def _pipeline_data_axis(c: Config, cluster: Cluster, axes: tuple[tuple[str, int]
 class _Pipe:
     step_time_s: float
     bubble_fraction: float
-    peak_inflight: tuple[int, ...]
+    peak_activation_bytes: tuple[float, ...]
 
 
-def _closed_form(sched: str, p: int, v: int, m: int, fwd: list[float], bwd: list[float], p2p: float) -> _Pipe:
+def _closed_form(sched: str, p: int, v: int, m: int, fwd: list[float], bwd: list[float], p2p: float,
+                 acts: list[float]) -> _Pipe:
     """Pipeline time without the event simulation: the busiest device works ``m`` times its
     share, plus the fill and drain through the other stages (zb hides the weight-gradient half
-    of backward in the drain)."""
+    of backward in the drain). Activations: each stage holds as many micro-batches as the
+    schedule keeps in flight on it (all ``m`` under GPipe, ``p - device`` under 1F1B)."""
     dev = [sum(fwd[s] + bwd[s] for s in range(d, p * v, p)) for d in range(p)]
     busy = max(dev)
     chunk = [(f + b) for f, b in zip(fwd, bwd)]
@@ -509,8 +603,9 @@ def _closed_form(sched: str, p: int, v: int, m: int, fwd: list[float], bwd: list
         fill = sum(sorted(f + b / 2 for f, b in zip(fwd, bwd))[:-1])
     step = busy * m / 1.0 + fill + 2 * (p - 1) * p2p
     step = max(step, busy * m)
-    inflight = tuple(min(m, p - (s % p)) if sched != "gpipe" else m for s in range(p * v))
-    return _Pipe(step_time_s=step, bubble_fraction=(step - busy * m) / (busy * m), peak_inflight=inflight)
+    inflight = [m if sched == "gpipe" else min(m, (p - s % p) * (1 if v == 1 else 2)) for s in range(p * v)]
+    peak = tuple(sum(inflight[s] * acts[s] for s in range(d, p * v, p)) for d in range(p))
+    return _Pipe(step_time_s=step, bubble_fraction=(step - busy * m) / (busy * m), peak_activation_bytes=peak)
 
 
 def _with_experts(blk: _Part, c: Config, cluster: Cluster) -> _Part:
@@ -530,7 +625,7 @@ def timeline_of(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int):
     from autopar.cost.pp_sim import simulate as run_schedule
     score = simulate(facts, cluster, c, batch=batch)
     fwd, bwd = score.parts["stage_fwd_s"], score.parts["stage_bwd_s"]
-    sched = c.schedule if c.pp > 1 else "gpipe"
+    sched = c.schedule if c.pp > 1 else "1f1b"
     return run_schedule(make(sched, c.pp, score.microbatches, c.virtual),
                         StageCosts(forward_s=tuple(fwd), backward_s=tuple(bwd), p2p_s=score.parts["p2p_s"]))
 
@@ -546,37 +641,51 @@ def _optimizer_time(numel: float, state_bytes: float, cluster: Cluster) -> float
     return op_time(0.0, 2 * numel * state_bytes, cluster.device, "fp32", launch_overhead=False)
 
 
-def _memory(facts: ModelFacts, c: Config, stage_params: float, blk: _Part, pre: _Part, post: _Part,
-            result, per_stage: int, m: int) -> dict[str, float]:
-    """Peak bytes per device by term (module docstring). In 16-bit the optimizer state includes
-    the fp32 master weights; in 32-bit the masters are the parameters themselves."""
+def _stage_activations(facts: ModelFacts, c: Config, counts: list[int], blk: _Part, pre: _Part,
+                       post: _Part) -> list[float]:
+    """Bytes one micro-batch leaves held on each stage from its forward to its backward: every
+    block's saved activations (``none``), less the attention scores (``selective``), or only
+    each block's input (``full``); the first stage also holds what the part before saves and
+    the last what the part after saves (the logits). Without a pipeline the one stage runs one
+    micro-batch at a time (gradient accumulation), so this is its whole activation memory."""
+    stages = len(counts)
+    per_block = {"none": blk.saved, "selective": blk.saved - blk.score_saved,
+                 "full": _boundary_bytes(facts, c)}[c.recompute]
+    return [counts[s] * per_block + (pre.saved if s == 0 else 0.0) + (post.saved if s == stages - 1 else 0.0)
+            for s in range(stages)]
+
+
+def _memory(facts: ModelFacts, c: Config, held: float, acts: float, per_block: float,
+            numel: Mapping[str, float]) -> dict[str, float]:
+    """Peak bytes on one device holding ``held`` parameters and ``acts`` bytes of activations at
+    the schedule's peak, by term, as the runtime holds them (``w`` the compute width, ``n`` the
+    data axis, ``k`` the optimizer's fp32 moments per parameter):
+
+    ============  ======================================  =======================================
+    term          without a pipeline (runtime/dp.py)       inside a pipeline (runtime/stage_dp.py)
+    ============  ======================================  =======================================
+    params        w, whole; ZeRO-3: two gathered buckets   w, whole (ZeRO-3 keeps them gathered
+                  (+ 4/n pieces in fp32)                   for the step; + 4/n pieces in fp32)
+    grads         ZeRO-0: 4 (fp32 sums); ZeRO-1: w whole   4, whole (fp32 sums over the
+                  + 4/n at the step; ZeRO-2/3: 4/n         micro-batches)
+    optimizer     (4 masters in 16-bit + 4k), /n for ZeRO >= 1 (in 32-bit the masters are the
+                  parameters or their pieces)
+    activations   ``acts``, plus under full recomputation one block's whole activations while
+                  it is recomputed
+    ============  ======================================  =======================================
+    """
     mixed = facts.dtype in ("bf16", "fp16")
     n, z, k = c.dp, c.zero_stage, facts.k
-    width = 2 if mixed else 4
-    state = (4 + 4 * k) if mixed else 4 * k
-    optim = state * stage_params / (n if z >= 1 else 1)
+    w = 2.0 if mixed else 4.0
+    optim = ((4 + 4 * k) if mixed else 4 * k) * held / (n if z >= 1 else 1)
+    pieces = 0.0 if mixed or z < 3 else 4 * held / n          # fp32 ZeRO-3: the pieces beside the whole
     if c.pp > 1:
-        # runtime/stage_dp.py: every ZeRO stage accumulates whole gradients over the micro-batches
-        # and ZeRO-3 holds the whole parameters for the whole step, so the peak (activations in
-        # flight) sees both whole; ZeRO-3's flat pieces stay beside them: in 16-bit they are the
-        # fp32 masters counted with the optimizer state, in 32-bit one more 1/dp of the parameters
-        params = width * stage_params * (1 + (1 / n if z == 3 and not mixed else 0))
-        grads = width * stage_params
+        params = w * held + pieces
+        grads = 4.0 * held
     else:
-        # the lone stage's runtime gathers ZeRO-3 parameters bucket by bucket and reduce-scatters
-        # ZeRO-2/3 gradients during backward: only pieces are held
-        params = width * stage_params / (n if z == 3 else 1)
-        grads = width * stage_params / (n if z >= 2 else 1)
-    scale = 1.0                                   # saved bytes are already in the compute dtype
-    inflight = max(result.peak_inflight[:c.pp]) if result.peak_inflight else 1
-    if c.recompute == "full":
-        per_mb = per_stage * c.virtual * _boundary_bytes(facts, c) + blk.saved * scale
-    elif c.recompute == "selective":
-        per_mb = per_stage * c.virtual * (blk.saved - blk.score_saved) * scale
-    else:
-        per_mb = per_stage * c.virtual * blk.saved * scale
-    per_mb += max(pre.saved, post.saved) * scale
-    acts = per_mb * inflight
+        bucket = max(per_block, numel["pre"], numel["post"])
+        params = (w * min(held, 2 * bucket) + pieces) if z == 3 else w * held
+        grads = {0: 4.0 * held, 1: w * held + 4.0 * held / n}.get(z, 4.0 * held / n)
     return {"params": params, "grads": grads, "optimizer": optim, "activations": acts}
 
 

@@ -1,6 +1,6 @@
 """The joint search over the hybrid simulator's configurations (:mod:`autopar.cost.hybrid`).
 
-:func:`configurations` enumerates dp x tp x pp (tp within a node, pp dividing the layers, dp
+:func:`configurations` enumerates dp x tp x pp (tp within a node, pp up to the layer count, dp
 the rest dividing the batch) x ep (a sub-axis of dp for mixture-of-experts models) x ZeRO
 stage x recomputation x micro-batch x schedule. :func:`search` skips a configuration whose
 compute alone already loses, ranks the rest with the pipeline's closed form, re-scores the
@@ -25,8 +25,8 @@ def configurations(facts: ModelFacts, *, devices: int, batch: int, per_node: int
                    schedules: Sequence[str] = ("1f1b", "interleaved", "gpipe", "zb"),
                    recomputes: Sequence[str] = RECOMPUTE, zero_stages: Sequence[int] = (0, 1, 2, 3),
                    micro_batches: Sequence[int] = (1, 2, 4, 8), tp_max: int | None = None) -> Iterable[Config]:
-    """Every configuration the search considers: tp a power of two within a node, pp dividing
-    the layers, dp the rest dividing the batch."""
+    """Every configuration the search considers: tp a power of two within a node, pp up to the
+    layer count, dp the rest dividing the batch."""
     tps = [t for t in (1, 2, 4, 8, 16) if t <= (tp_max or per_node) and devices % t == 0]
 
     def eps(dp: int) -> list[int]:   # expert parallelism: a sub-axis of dp dividing the experts
@@ -34,7 +34,9 @@ def configurations(facts: ModelFacts, *, devices: int, batch: int, per_node: int
             return [1]
         return [e for e in range(1, dp + 1) if dp % e == 0 and facts.experts % e == 0]
     for tp in tps:
-        for pp in [p for p in range(1, facts.layers + 1) if facts.layers % p == 0 and (devices // tp) % p == 0]:
+        # any pipeline degree up to the layer count: stages need not hold equal numbers of
+        # layers (cost/hybrid.py: stage_layers)
+        for pp in [p for p in range(1, facts.layers + 1) if (devices // tp) % p == 0]:
             dp = devices // (tp * pp)
             if batch % dp:
                 continue
@@ -42,7 +44,7 @@ def configurations(facts: ModelFacts, *, devices: int, batch: int, per_node: int
                 for sched in (schedules if pp > 1 else ("gpipe",)):
                     vs = [2] if sched == "interleaved" else [1]
                     for v in vs:
-                        if facts.layers % (pp * v) or (sched == "interleaved" and (batch // dp // mb) % pp):
+                        if facts.layers < pp * v or (sched == "interleaved" and (batch // dp // mb) % pp):
                             continue
                         for rc in recomputes:
                             for z in (zero_stages if dp > 1 else (0,)):
@@ -141,6 +143,25 @@ def _with_reason(s: Score, best: Score | None, budget: float) -> Score:
     return Score(**{**{k: getattr(s, k) for k in s.__dataclass_fields__}, "reason": why})
 
 
+def leanest(facts: ModelFacts, cluster: Cluster, *, batch: int, **space: Any) -> Score | None:
+    """The configuration that holds the least memory per device on ``cluster`` (whether or not
+    it fits): every layout at ZeRO-3 (where there is a data axis), full recomputation and
+    micro-batch 1, the settings that each lower memory."""
+    lean = None
+    space = {**space, "recomputes": ("full",), "micro_batches": (1,), "schedules": ("1f1b",)}
+    for c in configurations(facts, devices=cluster.world_size, batch=batch, per_node=cluster.devices_per_node,
+                            **space):
+        if c.dp > 1 and c.zero_stage != 3 and 3 in space.get("zero_stages", (3,)):
+            continue
+        try:
+            s = simulate(facts, cluster, c, batch=batch, fast=True)
+        except ConfigError:
+            continue
+        if lean is None or s.peak_memory_bytes < lean.peak_memory_bytes:
+            lean = s
+    return simulate(facts, cluster, lean.config, batch=batch) if lean is not None else None
+
+
 def smallest_cluster(facts: ModelFacts, cluster: Cluster, *, batch: int, budget: float | None = None,
                      limit: int = 1 << 16) -> int | None:
     """The smallest device count (whole nodes) on which some configuration fits."""
@@ -160,4 +181,4 @@ def smallest_cluster(facts: ModelFacts, cluster: Cluster, *, batch: int, budget:
     return None
 
 
-__all__ = ["configurations", "search", "smallest_cluster"]
+__all__ = ["configurations", "search", "leanest", "smallest_cluster"]

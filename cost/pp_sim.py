@@ -40,6 +40,12 @@ from dataclasses import dataclass
 
 from autopar.errors import ConfigError
 
+# torch's zero-bubble schedules run autograd twice per micro-batch (input gradients, then
+# weight gradients from the saved graph); on this project's 2-core CPU that split backward
+# costs ~35 % more than one whole backward (bench/pp.py: 135 ms vs 101 ms per 1F1B-sized
+# step). Both planners charge it (no GPU measurement yet says what it costs there).
+ZB_SPLIT_OVERHEAD = 0.35
+
 KINDS = ("F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
 COMPUTE_KINDS = ("F", "B", "W")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")

@@ -16,7 +16,8 @@ per value and target placement: three column-parallel consumers of one replicate
 share one backward all-reduce). Repeated blocks are solved once: the first member of the
 largest block class is solved for each placement of the values carried from one member to
 the next, and the outer DP steps over all members at once with that cost times their count
-(not with forced placements, which may differ from one member to the next).
+(the real model's where the graph holds fewer copies, ``GraphInfo.block_copies``; not with
+forced placements, which may differ from one member to the next).
 """
 from __future__ import annotations
 
@@ -29,10 +30,10 @@ import torch.fx as fx
 
 from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
-from autopar.cost.compute import op_time
+from autopar.cost.op_cost import node_seconds
 from autopar.errors import AutoparInternalError
 from autopar.passes.memory import OPTIMIZER_STATE
-from autopar.passes.meta import evaluate, graph_info, info
+from autopar.passes.meta import block_copies, evaluate, graph_info, info
 from autopar.passes.sharding import Strategy, is_decision, strategies, tensor_inputs, written_in_place
 from autopar.placement import REP, Shard, Spec, comm_bytes, shard, transition
 
@@ -125,13 +126,8 @@ class _Pricer:
                 return 0.0, 0.0
             nbytes = self.bytes_of(node) * self.state_factor
             return 0.0, nbytes / self.cfg.n if isinstance(s.outputs[0].value, Shard) else nbytes
-        dev, sizes = self.cfg.cluster.device, self.cfg.sizes
-        fwd = op_time(evaluate(rec.flops_fwd, sizes) * s.work, evaluate(rec.bytes_fwd, sizes) * s.work,
-                      dev, self.cfg.dtype)
-        bwd = 0.0
-        if rec.requires_grad:
-            bwd = op_time(evaluate(rec.flops_bwd, sizes) * s.work, evaluate(rec.bytes_bwd, sizes) * s.work,
-                          dev, self.cfg.dtype)
+        fwd, bwd = node_seconds(node, self.cfg.sizes, self.cfg.cluster.device, self.cfg.dtype, strategy=s,
+                                n=self.cfg.n)
         return fwd + bwd, 0.0
 
     def convert(self, node: fx.Node, idx: int, src: Spec, dst: Spec) -> float:
@@ -177,6 +173,7 @@ class _Block:
     """A block class collapsed into one DP step."""
 
     members: list[list[fx.Node]]           # per member, its nodes in graph order
+    copies: int                            # how many the real model has (more when captured with fewer)
     carry_in: list[fx.Node]                # values member 0 takes from the previous member's role
     carry_out: list[fx.Node]               # the last member's values used after the block
     shared: list[fx.Node]                  # other outside values the members read
@@ -402,7 +399,7 @@ def _chain_order(steps: list[fx.Node]) -> list[fx.Node]:
 
 def _find_block(gm: fx.GraphModule, steps: list[fx.Node]) -> tuple[_Block, int, int] | None:
     """The largest block class as one collapsible step: (block, first, last step index)."""
-    classes = sorted(graph_info(gm).block_classes, key=lambda c: -len(c.members) * c.nodes_per_member)
+    classes = sorted(graph_info(gm).block_classes, key=lambda c: -block_copies(gm, c) * c.nodes_per_member)
     for cls in classes:
         if len(cls.members) < 2:
             continue
@@ -411,7 +408,7 @@ def _find_block(gm: fx.GraphModule, steps: list[fx.Node]) -> tuple[_Block, int, 
         if not idx or any(owner[i] is None for i in range(idx[0], idx[-1] + 1)):
             continue
         members = [_chain_order([steps[i] for i in idx if owner[i] == m]) for m in cls.members]
-        block = _carries(members, set(steps[idx[-1] + 1:]))
+        block = _carries(members, set(steps[idx[-1] + 1:]), block_copies(gm, cls))
         if block is not None:
             return block, idx[0], idx[-1]
     return None
@@ -424,12 +421,13 @@ def _member_of(step: fx.Node, members: Sequence[str], steps: list[fx.Node]) -> s
     return users.pop() if len(users) == 1 and next(iter(users)) in members else None
 
 
-def _carries(members: list[list[fx.Node]], after: set[fx.Node]) -> _Block | None:
+def _carries(members: list[list[fx.Node]], after: set[fx.Node], copies: int) -> _Block | None:
     """Work out what flows between members; None if the members do not line up."""
     first, second, last = members[0], members[1], members[-1]
-    if any(len(m) != len(first) or [s.target for s in m] != [s.target for s in first] for m in members):
+    if any(len(m) != len(first) or list(map(_op, m)) != list(map(_op, first)) for m in members):
         return None
     pos0 = {v: j for j, v in enumerate(first)}
+    inside = {v for m in members for v in m}
     carry_in, carry_src, shared = [], [], []
     for j, (s0, s1) in enumerate(zip(first, second)):
         for a0, a1 in zip(_reads(s0), _reads(s1)):
@@ -441,18 +439,25 @@ def _carries(members: list[list[fx.Node]], after: set[fx.Node]) -> _Block | None
                     carry_src.append(a1)
                 elif carry_src[carry_in.index(a0)] is not a1:
                     return None
-            elif a0 not in pos0 and a0 not in shared:
-                if a0 is not a1:
+            elif a0 not in pos0:                   # read from outside: the same value, or one per
+                if a1 in inside:                   # member (gemma2's masks, sliding / full in turn)
                     return None
-                shared.append(a0)
+                shared.extend(a for a in (a0, a1) if a not in shared)
+    for m in members[2:]:
+        shared.extend(a for s in m for a in _reads(s) if a not in inside and a not in shared)
     pos_last = {v: j for j, v in enumerate(last)}
     carry_out = [v for v in last if any(u in after for u in v.users) or _is_output_arg(v)]
     src_pos = [pos0[c] for c in carry_src]
     if any(pos_last[v] not in src_pos for v in carry_out) or not carry_in:
         return None
-    block = _Block(members=members, carry_in=carry_in, carry_out=carry_out, shared=shared)
+    block = _Block(members=members, copies=copies, carry_in=carry_in, carry_out=carry_out, shared=shared)
     block.carry_src = carry_src  # type: ignore[attr-defined]
     return block
+
+
+def _op(step: fx.Node) -> object:
+    """What a step does, for lining members up: its op (a parameter step by kind, not by name)."""
+    return "placeholder" if step.op == "placeholder" else step.target
 
 
 def _is_output_arg(v: fx.Node) -> bool:
@@ -471,7 +476,8 @@ def _spec_choices(node: fx.Node, cfg: SolverConfig) -> list[Spec]:
 
 
 def _solve_block(block: _Block, pricer: _Pricer) -> None:
-    """Price member 0 for every placement of the carried values; copy to all members."""
+    """Price member 0 for every placement of the carried values; copy to all members; the
+    cost is one member's times the real model's copies (:attr:`_Block.copies`)."""
     import itertools
     first = block.members[0]
     choices = [_spec_choices(v, pricer.cfg) for v in block.carry_in]
@@ -481,7 +487,7 @@ def _solve_block(block: _Block, pricer: _Pricer) -> None:
         finals = {src: (s,) for src, s in zip(block.carry_src, sigma)}  # type: ignore[attr-defined]
         dp = _DP(pricer, first, count_uses(first, list(finals)))
         _, chosen, comp, comm, state = dp.run(start, finals)
-        k = len(block.members)
+        k = block.copies
         plan = {}
         for member in block.members:
             for s0, s in zip(first, member):

@@ -207,7 +207,9 @@ def test_zero3_inside_a_pipeline_gathers_once_per_step(small):
         # ZeRO-1/2/3 all move one reduce-scatter and one all-gather of the stage per step, exposed
         assert runs[3].parts["dp_comm_s"] == pytest.approx(runs[2].parts["dp_comm_s"])
         assert runs[1].parts["dp_comm_s"] == pytest.approx(runs[2].parts["dp_comm_s"])
-        assert runs[0].parts["dp_comm_s"] < runs[3].parts["dp_comm_s"]
+        # gradients are reduced in fp32 and parameters gathered in the compute dtype (bf16 here):
+        # ZeRO-0's all-reduce moves 2 x 4 bytes a parameter, the others 4 + 2
+        assert runs[0].parts["dp_comm_s"] > runs[3].parts["dp_comm_s"]
         for s in runs.values():
             assert s.exposed_comm_s == pytest.approx(s.parts["dp_comm_s"])
     assert many[3].parts["dp_comm_s"] == pytest.approx(few[3].parts["dp_comm_s"])
@@ -221,4 +223,7 @@ def test_without_a_pipeline_zero_still_shards_and_gathers_per_micro_batch(small)
     assert many[3].parts["dp_comm_s"] > 4 * few[3].parts["dp_comm_s"]
     zero = few[0].memory
     assert few[2].memory["grads"] == pytest.approx(zero["grads"] / 2)
-    assert few[3].memory["params"] == pytest.approx(zero["params"] / 2)
+    # ZeRO-3 in 16-bit: its pieces are the fp32 masters (optimizer state); what it holds as
+    # parameters is the gathered working set, two buckets (the one in use and the prefetched)
+    assert few[3].memory["params"] < zero["params"] / 2
+    assert few[3].memory["optimizer"] == pytest.approx(zero["optimizer"] / 2)
