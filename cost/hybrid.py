@@ -65,7 +65,7 @@ from autopar.cost.op_cost import node_seconds
 from autopar.errors import ConfigError
 from autopar.passes.meta import evaluate, graph_info, info
 from autopar.passes.sharding import is_decision, tensor_inputs
-from autopar.placement import REP
+from autopar.placement import REP, Shard
 
 log = logging.getLogger("autopar.hybrid")
 
@@ -176,6 +176,10 @@ class ModelFacts:
         self._cache: dict[tuple[int, int, Any], dict[str, _Part]] = {}
         self._numel: dict[tuple[int, int], dict[str, float]] = {}
         self._solved: dict[tuple[int, str], Mapping[str, Any]] = {}
+        self._share: dict[tuple[int, int], float] = {}
+        self._first: dict[str, int] = {}
+        for i, n in enumerate(nodes):
+            self._first.setdefault(info(n).block_member, i)
         self.hidden = 1
         for n in nodes:
             if self.where.get(n) == "block" and info(n).values and len(info(n).values[0].shape) == 3:
@@ -211,6 +215,27 @@ class ModelFacts:
             out[k] /= self.captured_layers
         return out
 
+    def boundary_share(self, tp: int, strategies: Mapping[str, Any]) -> float:
+        """The fraction of a block-boundary activation one tensor rank holds (and sends to the next
+        pipeline stage, and keeps as a recomputed block's input): ``1/tp`` when the tensor layout
+        leaves the residual stream sharded between blocks (sequence parallel), else 1."""
+        if tp == 1 or not strategies:
+            return 1.0
+        key = (tp, id(strategies))
+        if key not in self._share:
+            self._share[key] = 1.0
+            members = sorted(self.members, key=lambda m: self._first.get(m, 0))
+            second = members[1] if len(members) > 1 else None
+            for n in self.gm.graph.nodes:
+                if info(n).block_member != second or not is_decision(n):
+                    continue
+                for arg in tensor_inputs(n):
+                    src = strategies.get(arg.name)
+                    if info(arg).block_member != second and src is not None and src.outputs:
+                        self._share[key] = 1.0 / tp if isinstance(src.outputs[0].value, Shard) else 1.0
+                        return self._share[key]
+        return self._share[key]
+
     def _reader_part(self, param: fx.Node) -> str:
         for u in param.users:
             w = self.where.get(u)
@@ -218,12 +243,16 @@ class ModelFacts:
                 return w
         return "pre"
 
-    def parts(self, tp: int, micro_batch: int, cluster: Cluster, axes: tuple[tuple[str, int], ...]
-              ) -> tuple[dict[str, _Part], Mapping[str, Any]]:
-        """Per micro-batch: seconds, FLOPs and saved bytes of the part before, one block, after."""
-        key = (tp, micro_batch, cluster.name)
+    def parts(self, tp: int, micro_batch: int, cluster: Cluster, axes: tuple[tuple[str, int], ...],
+              *, exact: bool = True) -> tuple[dict[str, _Part], Mapping[str, Any]]:
+        """Per micro-batch: seconds, FLOPs and saved bytes of the part before, one block, after.
+        The tensor layout is the solver's at this micro-batch size; ``exact=False`` prices the
+        micro-batch-1 layout instead (one solve per degree: the search ranks with it and
+        re-scores its finalists exactly)."""
+        key = (tp, micro_batch, cluster.name, exact or tp == 1 or micro_batch == 1)
         if key in self._cache:
             return self._cache[key]
+        layout_mb = micro_batch if exact else 1
         from autopar.cost.tp_solver import SolverConfig, _Pricer, solve
 
         at = self.sizes(micro_batch)
@@ -232,12 +261,13 @@ class ModelFacts:
         if tp > 1:
             # the solver's layout changes with the token count (a collective's latency weighs
             # less against more tokens): solved at this micro-batch size
-            skey = (tp, micro_batch, cluster.name)
+            skey = (tp, layout_mb, cluster.name)
             if skey not in self._solved:
                 t0 = time.perf_counter()
-                cfg = SolverConfig(n=tp, cluster=cluster, mesh_axes=axes, axis="tp", sizes=at, dtype=self.dtype)
+                cfg = SolverConfig(n=tp, cluster=cluster, mesh_axes=axes, axis="tp", sizes=self.sizes(layout_mb),
+                                   dtype=self.dtype)
                 self._solved[skey] = solve(self.gm, cfg).strategies
-                log.info("tensor layout at tp=%d, micro-batch %d solved in %.2fs", tp, micro_batch,
+                log.info("tensor layout at tp=%d, micro-batch %d solved in %.2fs", tp, layout_mb,
                          time.perf_counter() - t0)
             strategies = self._solved[skey]
             cfg = SolverConfig(n=tp, cluster=cluster, mesh_axes=axes, axis="tp", sizes=at, dtype=self.dtype)
@@ -350,7 +380,8 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
              budget: float | None = None, fast: bool = False) -> Score:
     """Score one configuration (module docstring) at global ``batch``. ``fast`` replaces the
     event simulation of the pipeline by its closed form (exact for uniform stages, a close
-    estimate otherwise): the search ranks with it and re-scores its finalists exactly."""
+    estimate otherwise) and prices the micro-batch-1 tensor layout: the search ranks with it
+    and re-scores its finalists exactly."""
     from autopar.cost.pp_sim import ZB_SPLIT_OVERHEAD, StageCosts, make
     from autopar.cost.pp_sim import simulate as run_schedule
 
@@ -372,7 +403,7 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     if sched == "interleaved" and (c.virtual < 2 or m % c.pp):
         raise ConfigError("interleaved needs virtual >= 2 and micro-batches a multiple of pp", where="config")
     axes = _axes(c, cluster)
-    parts, strategies = facts.parts(c.tp, c.micro_batch, cluster, axes)
+    parts, strategies = facts.parts(c.tp, c.micro_batch, cluster, axes, exact=not fast)
     pre, blk, post = parts["pre"], parts["block"], parts["post"]
     if c.ep > 1:
         blk = _with_experts(blk, c, cluster)
@@ -386,8 +417,9 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
            for s in range(stages)]
     bwd = [counts[s] * blk_b + (pre_b if s == 0 else 0.0) + (post_b if s == stages - 1 else 0.0)
            for s in range(stages)]
-    acts = _stage_activations(facts, c, counts, blk, pre, post)
-    act_bytes = _boundary_bytes(facts, c)
+    share = facts.boundary_share(c.tp, strategies)
+    acts = _stage_activations(facts, c, counts, blk, pre, post, share)
+    act_bytes = _boundary_bytes(facts, c) * share
     p2p = collective_time("send_recv", act_bytes, cluster, axes, "pp") if c.pp > 1 else 0.0
     if fast:
         result = _closed_form(sched, c.pp, c.virtual, m, fwd, bwd, p2p, acts)
@@ -642,7 +674,7 @@ def _optimizer_time(numel: float, state_bytes: float, cluster: Cluster) -> float
 
 
 def _stage_activations(facts: ModelFacts, c: Config, counts: list[int], blk: _Part, pre: _Part,
-                       post: _Part) -> list[float]:
+                       post: _Part, share: float) -> list[float]:
     """Bytes one micro-batch leaves held on each stage from its forward to its backward: every
     block's saved activations (``none``), less the attention scores (``selective``), or only
     each block's input (``full``); the first stage also holds what the part before saves and
@@ -650,7 +682,7 @@ def _stage_activations(facts: ModelFacts, c: Config, counts: list[int], blk: _Pa
     micro-batch at a time (gradient accumulation), so this is its whole activation memory."""
     stages = len(counts)
     per_block = {"none": blk.saved, "selective": blk.saved - blk.score_saved,
-                 "full": _boundary_bytes(facts, c)}[c.recompute]
+                 "full": _boundary_bytes(facts, c) * share}[c.recompute]
     return [counts[s] * per_block + (pre.saved if s == 0 else 0.0) + (post.saved if s == stages - 1 else 0.0)
             for s in range(stages)]
 

@@ -42,7 +42,7 @@ def configurations(facts: ModelFacts, *, devices: int, batch: int, per_node: int
                 continue
             for mb in [b for b in micro_batches if (batch // dp) % b == 0]:
                 for sched in (schedules if pp > 1 else ("gpipe",)):
-                    vs = [2] if sched == "interleaved" else [1]
+                    vs = [2, 4] if sched == "interleaved" else [1]
                     for v in vs:
                         if facts.layers < pp * v or (sched == "interleaved" and (batch // dp // mb) % pp):
                             continue
@@ -111,10 +111,10 @@ def _lower_bound(facts: ModelFacts, cluster: Cluster, c: Config, batch: int) -> 
     """Compute alone, perfectly split over tp and pp (no bubble, no communication): from this
     degree's figures when known, else from the unsplit model's divided by tp (no tensor
     solve needed to rule a configuration out)."""
-    parts, _ = facts._cache.get((c.tp, c.micro_batch, cluster.name), (None, None))
+    parts, _ = facts._cache.get((c.tp, c.micro_batch, cluster.name, c.micro_batch == 1), (None, None))
     scale = 1.0
     if parts is None:
-        parts, _ = facts._cache.get((1, c.micro_batch, cluster.name), (None, None))
+        parts, _ = facts._cache.get((1, c.micro_batch, cluster.name, True), (None, None))
         scale = 1.0 / c.tp
     if parts is None:
         return 0.0

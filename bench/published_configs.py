@@ -1,0 +1,200 @@
+"""Published training configurations, simulated as published and re-planned by autopar.
+
+Command:  python bench/published_configs.py [--only NAME,...] [--json]
+
+For each configuration below (the layout a team published for a model and cluster), the
+simulator (`cost/hybrid.py`, default settings: flash attention, the built-in hardware
+profiles) scores that exact layout; what the publication leaves open (micro-batch size,
+schedule, virtual stages, ZeRO stage where unspecified, recomputation where unspecified) is
+set to the simulator's best, as the publishers tuned theirs. Printed: its predicted TFLOP/s
+per GPU next to the published figure where one is published (the publication's own FLOP
+count: model FLOPs for Meta's figures, hardware FLOPs with recomputation for Megatron-LM's).
+Then the planner (`cost/plan_search.py`) searches the same model, cluster, batch and memory
+budget, and its plan's step time is compared with the published layout's: ``ratio`` is the
+published layout's predicted step time over the planner's (>= 1: the planner's is at least
+as fast). The last line gives the highest A100 MFU any printed configuration reaches.
+
+The configurations and their sources:
+
+- **Llama 3 405B** (Llama Team, AI @ Meta, "The Llama 3 Herd of Models", arXiv:2407.21783,
+  2024, Table 4): 126 layers, sequence 8192, 16M tokens per step (2048 sequences), BF16 on
+  H100: TP8 CP1 PP16 DP64 on 8,192 GPUs (430 TFLOP/s per GPU, 43 % MFU) and DP128 on 16,384
+  GPUs (400, 41 %). The paper removes one layer from the first and the last stage.
+- **Mixtral 8x22B** on 128 H100 (16 nodes): TP4 PP4 EP8, the layout Megatron-Core's MoE
+  guide gives for it; sequence 4096, batch 256 sequences (ours). No throughput is published.
+- **DeepSeek-V3** (DeepSeek-AI, "DeepSeek-V3 Technical Report", arXiv:2412.19437, 2024,
+  section 3.2): PP16 EP64 TP1 with ZeRO-1 data parallelism on 2,048 H800 GPUs (simulated on
+  the H100 profile: same compute, the H800's NVLink is slower), sequence 4096, batch 15,360
+  sequences (the report's final batch). No per-GPU throughput is published.
+- **Gemma 2 27B** (Gemma Team, arXiv:2408.00118, 2024: trained with ZeRO-3-like sharding
+  and model parallelism, on TPUs): ZeRO-3 with TP2 on 256 H100 (ours), sequence 8192,
+  batch 1024. No GPU throughput is published.
+- **Megatron-LM GPT** (Narayanan et al., SC'21, Table 1; `bench/anchors/`): all ten rows,
+  fp16 on A100, full recomputation, ZeRO-0, the row's tp and pp.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+logging.getLogger("autopar").setLevel(logging.ERROR)
+
+from autopar.cost.cluster import Cluster  # noqa: E402
+from autopar.cost.hybrid import RECOMPUTE, Config, ModelFacts, simulate  # noqa: E402
+from autopar.cost.plan_search import search  # noqa: E402
+from autopar.errors import ConfigError  # noqa: E402
+from autopar.workload import capture_for_planning, load_workload  # noqa: E402
+
+ANCHORS = Path(__file__).resolve().parent / "anchors" / "megatron_weak_scaling.csv"
+BUDGET = 80e9
+
+
+@dataclass
+class Row:
+    name: str
+    model: str
+    hardware: str
+    nodes: int
+    seq: int
+    batch: int
+    dtype: str
+    layout: dict                       # fixed degrees and settings of the published layout
+    published: float | None = None     # TFLOP/s per GPU
+    counts: str = "model"              # which FLOPs the publication counts: model or hardware
+    overrides: dict = field(default_factory=dict)
+
+
+def rows() -> list[Row]:
+    out = [
+        Row("Llama 3 405B, 8K GPUs", "llama3-405b", "h100", 1024, 8192, 2048, "bf16",
+            {"tp": 8, "pp": 16}, published=430),
+        Row("Llama 3 405B, 16K GPUs", "llama3-405b", "h100", 2048, 8192, 2048, "bf16",
+            {"tp": 8, "pp": 16}, published=400),
+        Row("Mixtral 8x22B", "mixtral-8x22b", "h100", 16, 4096, 256, "bf16", {"tp": 4, "pp": 4, "ep": 8}),
+        Row("DeepSeek-V3", "hf:deepseek-v3", "h100", 256, 4096, 15360, "bf16",
+            {"tp": 1, "pp": 16, "ep": 64, "zero_stage": 1}),
+        Row("Gemma 2 27B", "hf:gemma2-27b", "h100", 32, 8192, 1024, "bf16", {"tp": 2, "pp": 1, "zero_stage": 3}),
+    ]
+    for r in csv.DictReader(open(ANCHORS)):
+        out.append(Row(f"Megatron GPT {float(r['params_b']):g}B", "gpt", "a100", int(r["gpus"]) // 8, 2048,
+                       int(r["global_batch"]), "fp16",
+                       {"tp": int(r["tp"]), "pp": int(r["pp"]), "zero_stage": 0, "recompute": "full"},
+                       published=float(r["tflops_per_gpu"]), counts="hardware",
+                       overrides={"hidden": r["hidden"], "layers": r["layers"], "heads": r["heads"],
+                                  "vocab": "51200", "max_seq": "2048"}))
+    return out
+
+
+def published_layout(facts: ModelFacts, cluster: Cluster, row: Row):
+    """The fastest completion of the published layout (what the publication leaves open) that
+    fits the memory budget, and the fastest one whatever its memory (the publication ran, so
+    where the two differ for a layout with a published figure, the simulator's memory model is
+    stricter than the publishers' system)."""
+    lay = row.layout
+    tp, pp = lay["tp"], lay["pp"]
+    dp = cluster.world_size // (tp * pp)
+    best, fastest, errors = None, None, set()
+    for mb in (1, 2, 4, 8):
+        for sched, v in (("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb", 1)):
+            if pp == 1 and sched != "1f1b":
+                continue
+            for z in ([lay["zero_stage"]] if "zero_stage" in lay else [0, 1, 2, 3]):
+                for rc in ([lay["recompute"]] if "recompute" in lay else list(RECOMPUTE)):
+                    c = Config(dp=dp, tp=tp, pp=pp, micro_batch=mb, schedule=sched, virtual=v, recompute=rc,
+                               zero_stage=z, ep=lay.get("ep", 1))
+                    try:
+                        s = simulate(facts, cluster, c, batch=row.batch, budget=BUDGET, fast=True)
+                    except ConfigError as exc:
+                        errors.add(str(exc).splitlines()[0])
+                        continue
+                    if s.fits and (best is None or s.step_time_s < best.step_time_s):
+                        best = s
+                    if fastest is None or s.step_time_s < fastest.step_time_s:
+                        fastest = s
+    exact = [simulate(facts, cluster, s.config, batch=row.batch, budget=BUDGET) if s is not None else None
+             for s in (best, fastest)]
+    return exact[0], exact[1], errors
+
+
+def tflops(score, counts: str) -> float:
+    return score.hw_tflops_per_device if counts == "hardware" else score.tflops_per_device
+
+
+def describe(c) -> str:
+    return (f"dp={c.dp} tp={c.tp} pp={c.pp}" + (f" ep={c.ep}" if c.ep > 1 else "") + f" Z{c.zero_stage} "
+            f"mb={c.micro_batch} {c.schedule if c.pp > 1 else '-'}" + (f"/v{c.virtual}" if c.virtual > 1 else "")
+            + f" {c.recompute}")
+
+
+def _line(label: str, score, counts: str) -> str:
+    return (f"  {label:<10} {describe(score.config):<46} {tflops(score, counts):>6.1f} TFLOP/s, MFU "
+            f"{100 * score.mfu:>4.1f}%, {score.peak_memory_bytes / 1e9:>5.1f} GB, step {score.step_time_s:>7.2f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="published_configs", description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="comma-separated substrings of row names")
+    ap.add_argument("--json", action="store_true", help="also print one JSON line with every figure")
+    args = ap.parse_args(argv)
+    picked = [r for r in rows() if not args.only or any(k.lower() in r.name.lower() for k in args.only.split(","))]
+    start, out, a100_mfu = time.perf_counter(), [], 0.0
+    for row in picked:
+        t0 = time.perf_counter()
+        w = load_workload(row.model, batch=1, seq=row.seq, overrides=row.overrides)
+        cap = capture_for_planning(w)
+        facts = ModelFacts(cap.gm, seq=row.seq, dtype=row.dtype, layers=cap.block_copies)
+        cluster = Cluster.from_spec(f"{row.nodes}x8", hardware=row.hardware)
+        fitting, fastest, errors = published_layout(facts, cluster, row)
+        if row.published is None or fastest is None:
+            fastest = fitting          # nothing ran to say the publishers' system held more
+        t1 = time.perf_counter()
+        best, _, scored = search(facts, cluster, batch=row.batch, budget=BUDGET, top=0)
+        search_s = time.perf_counter() - t1
+        print(f"{row.name} ({cluster.world_size} x {cluster.device.name}, batch {row.batch} x {row.seq}, "
+              f"{row.dtype}; captured {cap.describe()})", flush=True)
+        rec = {"name": row.name, "published_tflops": row.published, "counts": row.counts, "errors": sorted(errors),
+               "as_published": fastest.as_dict() if fastest else None,
+               "published_fitting": fitting.as_dict() if fitting else None,
+               "planner": best.as_dict() if best else None, "configurations_scored": scored, "search_s": search_s}
+        if fastest is None:
+            print(f"  DOES NOT SIMULATE: {'; '.join(sorted(errors))}", flush=True)
+            out.append(rec)
+            continue
+        pred = tflops(fastest, row.counts)
+        err = pred / row.published - 1 if row.published else None
+        vs = f"  vs {row.published:g} published ({100 * err:+.1f}%)" if row.published else "  (no figure published)"
+        over = "" if fastest.fits else "  [over the budget in this model]"
+        print(_line("published", fastest, row.counts) + vs + over, flush=True)
+        if fitting is not None and fitting.config != fastest.config:
+            print(_line("fitting", fitting, row.counts), flush=True)
+        ratio = fitting.step_time_s / best.step_time_s if fitting and best else None
+        if best is not None:
+            print(_line("planner", best, row.counts) + (f"  x{ratio:.3f} the fitting published layout's speed"
+                                                        if ratio else "") + f"; searched {scored} in {search_s:.1f} s"
+                  + ("" if ratio is None or ratio >= 1 - 1e-9 else "  SLOWER"), flush=True)
+        else:
+            print("  planner    nothing fits", flush=True)
+        if row.hardware == "a100":
+            a100_mfu = max([a100_mfu] + [s.mfu for s in (fastest, fitting, best) if s is not None])
+        rec.update(predicted_tflops=pred, error=err, ratio=ratio, row_s=time.perf_counter() - t0)
+        out.append(rec)
+    done = [o for o in out if o.get("as_published") is not None]
+    compared = [o for o in done if o.get("ratio") is not None]
+    print(f"\n{len(done)} of {len(out)} published configurations simulate; the planner's plan fits and is at least "
+          f"as fast as the fitting published layout on {sum(o['ratio'] >= 1 - 1e-9 for o in compared)} of "
+          f"{len(compared)}; highest A100 MFU {100 * a100_mfu:.1f}%; wall {time.perf_counter() - start:.0f} s")
+    if args.json:
+        print(json.dumps({"bench": "published_configs", "rows": out, "a100_max_mfu": a100_mfu}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
