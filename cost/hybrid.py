@@ -470,7 +470,7 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
                  parts={"pipeline_s": pipe, "dp_comm_s": dp_comm, "optimizer_s": optim,
                         "tp_comm_per_block_s": blk.comm_fwd + blk.comm_bwd, "block_fwd_s": blk.fwd,
                         "block_bwd_s": blk.bwd, "stage_fwd_s": fwd, "stage_bwd_s": bwd, "p2p_s": p2p,
-                        "stage_layers": list(counts)})
+                        "stage_layers": list(counts), "device_memory_bytes": mems})
 
 
 def stage_layers(layers: int, stages: int, block: float, pre: float = 0.0, post: float = 0.0) -> list[int]:
@@ -699,7 +699,8 @@ def _memory(facts: ModelFacts, c: Config, held: float, acts: float, per_block: f
     params        w, whole; ZeRO-3: two gathered buckets   w, whole (ZeRO-3 keeps them gathered
                   (+ 4/n pieces in fp32)                   for the step; + 4/n pieces in fp32)
     grads         ZeRO-0: 4 (fp32 sums); ZeRO-1: w whole   4, whole (fp32 sums over the
-                  + 4/n at the step; ZeRO-2/3: 4/n         micro-batches)
+                  (4/n pieces only inside the step);       micro-batches)
+                  ZeRO-2/3: 4/n
     optimizer     (4 masters in 16-bit + 4k), /n for ZeRO >= 1 (in 32-bit the masters are the
                   parameters or their pieces)
     activations   ``acts``, plus under full recomputation one block's whole activations while
@@ -717,7 +718,8 @@ def _memory(facts: ModelFacts, c: Config, held: float, acts: float, per_block: f
     else:
         bucket = max(per_block, numel["pre"], numel["post"])
         params = (w * min(held, 2 * bucket) + pieces) if z == 3 else w * held
-        grads = {0: 4.0 * held, 1: w * held + 4.0 * held / n}.get(z, 4.0 * held / n)
+        # ZeRO-1's fp32 pieces exist only inside the optimizer step, after activations are freed
+        grads = {0: 4.0 * held, 1: w * held}.get(z, 4.0 * held / n)
     return {"params": params, "grads": grads, "optimizer": optim, "activations": acts}
 
 

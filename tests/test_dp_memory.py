@@ -74,6 +74,21 @@ def test_held_bytes_match_zero_formulas_and_plan(world):
                     assert abs(got[kind] - want) <= TOL * want, (
                         f"ZeRO-{stage} world {world} rank {rank}: {kind} held {got[kind]} bytes, "
                         f"{name} says {want:.0f}")
+    # the hybrid simulator (what `autopar plan` searches with) holds the same per ZeRO stage
+    from autopar.cost.cluster import Cluster
+    from autopar.cost.hybrid import Config, ModelFacts, simulate
+    from autopar.workload import capture_workload, load_workload
+    w = load_workload("gpt", batch=1, seq=8, overrides={k: str(v) for k, v in GPT.items()})
+    facts = ModelFacts(capture_workload(w), seq=8, dtype="fp32")
+    cluster = Cluster.from_spec(f"1x{world}", hardware="cpu")
+    for stage in range(4):
+        sim = simulate(facts, cluster, Config(dp=world, tp=1, pp=1, micro_batch=1, zero_stage=stage),
+                       batch=2 * world).memory
+        got = measured[0][stage]
+        for kind in ("grads", "optimizer") + (("params",) if stage < 3 else ()):
+            assert abs(got[kind] - sim[kind]) <= TOL * sim[kind], (stage, kind, got[kind], sim[kind])
+        if stage == 3:     # at rest the pieces; the simulator adds the two gathered buckets of a step
+            assert got["params"] * (1 - TOL) <= sim["params"] <= got["params"] + measured[0][0]["params"]
     # the stages really shrink what is held
     held = [measured[0][s] for s in range(4)]
     assert held[1]["optimizer"] < held[0]["optimizer"] and held[2]["grads"] < held[1]["grads"]

@@ -47,7 +47,17 @@ def _case(mesh: dict, *, schedule: str, virtual: int | None = None, zero: int = 
     # below the replicated state, the solver splits this tiny model's weights (with experts, which
     # stay whole on the tensor axis, the pipeline's stages must still fit: a looser bound)
     budget = (0.9 if "ep" in mesh else 0.75) * 16 * sum(p.numel() for p in model.parameters()) if tp > 1 else None
-    pm = autopar.parallelize(model, mesh, local, loss_fn=_loss, schedule=schedule, microbatches=micro,
+    during: dict = {}        # what the last stage holds in the middle of a step (its loss runs there)
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if "pm" in during:
+            pm_ = during["pm"]
+            params = [p for st in pm_.stages for p in st.parameters()] + list(pm_.parameters())
+            grads = [p.grad for p in params] + [g for rt in pm_.dp_runtimes for g in rt.sinks.values()]
+            for kind, tensors in (("params", params), ("grads", grads)):
+                during[kind] = max(during.get(kind, 0), _bytes(tensors))
+        return _loss(out, target)
+    pm = autopar.parallelize(model, mesh, local, loss_fn=loss_fn, schedule=schedule, microbatches=micro,
                              virtual_stages=virtual, zero_stage=zero, recompute=recompute, memory_budget=budget)
     again = None
     if reapply:     # the saved plan, applied to a fresh copy, builds the same pipeline
@@ -58,6 +68,7 @@ def _case(mesh: dict, *, schedule: str, virtual: int | None = None, zero: int = 
                  "loss": twin.step(*local, target=local_t).item()}
     opt = autopar.optimizer(pm, torch.optim.SGD, lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    during["pm"] = pm
     loss_err, held, first_loss = 0.0, {}, None
     for _ in range(STEPS):
         want = _loss(ref(*args), target)
@@ -92,7 +103,10 @@ def _case(mesh: dict, *, schedule: str, virtual: int | None = None, zero: int = 
             slices += 1
         param_err = max(param_err, (v - want).abs().max().item() / scale)
     stepped = getattr(opt, "masters", None)
-    return {"loss_err": loss_err, "param_err": param_err, "keys": sorted(pm.state_dict()), "all": sorted(ref_state),
+    during.pop("pm")
+    during["optimizer"] = _bytes([v for st in opt.state.values() for v in st.values()])
+    during["last_stage"] = pm._last
+    return {"during": during, "loss_err": loss_err, "param_err": param_err, "keys": sorted(pm.state_dict()), "all": sorted(ref_state),
             "held": held, "slices": slices,
             "stepped_numel": sum(m.numel() for m in stepped.values()) if stepped else None,
             "whole_numel": sum(p.numel() for p in ref.parameters()),
@@ -100,6 +114,15 @@ def _case(mesh: dict, *, schedule: str, virtual: int | None = None, zero: int = 
             "again": again, "first_loss": first_loss,
             "experts_held": {f: tuple(q.shape) for st in pm.stages for f, q in st.named_parameters()
                              if f in pm.expert_storage}}
+
+
+def _bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+    return total
 
 
 def _all(rank: int, world: int, cases: list[tuple[dict, dict]]) -> list[dict]:
@@ -171,3 +194,25 @@ def worlds():
 def test_pipeline_cases(worlds, world, i):
     mesh, opts = WORLDS[world][i]
     _check(mesh, opts, [rank[i] for rank in worlds(world)])
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_the_simulator_holds_what_the_last_stage_holds(worlds, zero):
+    # cost/hybrid.py's per-device memory of a pp=2 x dp=2 pipeline against what the last stage's
+    # ranks hold on gloo in the middle of a step (their loss function runs there): parameters,
+    # gradients (whole fp32 sums over the micro-batches) and the optimizer's momentum
+    from autopar.cost.cluster import Cluster
+    from autopar.cost.hybrid import Config, ModelFacts, simulate
+    from autopar.workload import capture_workload, load_workload
+    i = next(j for j, (mesh, opts) in enumerate(FOUR) if mesh == PP2_DP2 and opts.get("zero") == zero
+             and opts["schedule"] == "1f1b" and "dtype" not in opts)
+    w = load_workload("llama", batch=1, seq=8, overrides={k: str(v) for k, v in {**SMALL, "layers": 2}.items()})
+    facts = ModelFacts(capture_workload(w), seq=8, dtype="fp32", optimizer_floats=1)
+    score = simulate(facts, Cluster.from_spec("1x4", hardware="cpu"),
+                     Config(dp=2, tp=1, pp=2, micro_batch=2, zero_stage=zero), batch=8)
+    want = score.parts["device_memory_bytes"][1]
+    last = [rank[i]["during"] for rank in worlds(4) if rank[i]["during"]["last_stage"]]
+    assert len(last) == 2
+    for got in last:
+        for kind in ("params", "grads", "optimizer"):
+            assert abs(got[kind] - want[kind]) <= 0.05 * want[kind], (zero, kind, got[kind], want[kind])

@@ -1,0 +1,219 @@
+"""The simulator prices what the runtime does (cost/hybrid.py, cost/op_cost.py, cost/compute.py).
+
+One test per modelling error an audit found; each fails on the old pricing:
+
+1. without a pipeline, gradient accumulation holds one micro-batch's activations, not all;
+2. ZeRO-1/2's all-gather after the optimizer step is exposed, not hidden under backward;
+3. ZeRO-1 reduce-scatters once, at the step (exposed), and nothing per micro-batch;
+4. mixed precision reduces and keeps gradients in fp32 (4 bytes), parameters gathered in 16 bits;
+5. materialized attention scores are held for backward (and freed by selective recompute);
+   full recompute holds one block's working set once, not once per micro-batch in flight;
+6. a column-parallel rank still reads the whole input, a row-parallel one writes a whole
+   partial sum;
+7. the tensor layout is solved at each micro-batch size;
+8. GEMM and attention efficiency depend on shape and kernel; the zero-bubble split backward
+   costs the same in both planners;
+
+and the pipeline stages need not divide the layers.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from autopar.cost.cluster import Cluster
+from autopar.cost.compute import gemm_efficiency
+from autopar.cost.hardware import load_hardware
+from autopar.cost.hybrid import Config, ModelFacts, simulate, stage_layers
+from autopar.cost.op_cost import efficiencies, local_bytes, node_seconds
+from autopar.cost.pp_sim import ZB_SPLIT_OVERHEAD
+from autopar.passes.meta import evaluate, info
+from autopar.workload import capture_workload, load_workload
+
+A100 = "a100"
+
+
+def _facts(*, hidden=512, layers=4, heads=8, vocab=4096, seq=256, dtype="bf16", attention="flash", real=None):
+    w = load_workload("gpt", batch=1, seq=seq, overrides={"hidden": str(hidden), "layers": str(layers),
+                                                          "heads": str(heads), "vocab": str(vocab),
+                                                          "max_seq": str(seq)})
+    return ModelFacts(capture_workload(w), seq=seq, dtype=dtype, attention=attention, layers=real)
+
+
+@pytest.fixture(scope="module")
+def facts():
+    return _facts()
+
+
+@pytest.fixture(scope="module")
+def node8():
+    return Cluster.from_spec("1x8", hardware=A100)
+
+
+def _score(facts, cluster, batch, **kw):
+    return simulate(facts, cluster, Config(**{"tp": 1, "pp": 1, "micro_batch": 1, **kw}), batch=batch)
+
+
+# 1 -----------------------------------------------------------------------------------------------
+def test_gradient_accumulation_holds_one_micro_batch(facts, node8):
+    # pp == 1 runs each micro-batch's forward and backward in turn: 8 micro-batches hold what 1 does
+    one = _score(facts, node8, 8, dp=8)
+    eight = _score(facts, node8, 64, dp=8)
+    assert eight.microbatches == 8 * one.microbatches
+    assert eight.memory["activations"] == pytest.approx(one.memory["activations"])
+    # a real pipeline (GPipe) does keep every micro-batch in flight
+    g1 = _score(facts, node8, 8, dp=4, pp=2, schedule="gpipe")
+    g8 = _score(facts, node8, 64, dp=4, pp=2, schedule="gpipe")
+    assert g8.memory["activations"] > 6 * g1.memory["activations"]
+
+
+# 2, 3 --------------------------------------------------------------------------------------------
+def test_zero1_and_zero2_gathers_are_exposed_and_zero1_reduces_once(facts, node8):
+    runs = {z: _score(facts, node8, 64, dp=8, zero_stage=z) for z in range(4)}
+    z0, z1, z2 = runs[0], runs[1], runs[2]
+    # ZeRO-1: one reduce-scatter and one all-gather per step, both after the last backward
+    assert z1.exposed_comm_s == pytest.approx(z1.parts["dp_comm_s"])
+    # ZeRO-0 and ZeRO-2 reduce every micro-batch (8 of them); ZeRO-1 once
+    assert z0.parts["dp_comm_s"] > 4 * z1.parts["dp_comm_s"]
+    # ZeRO-2: eight reduce-scatters (one per micro-batch) and one all-gather, ZeRO-1 one of each:
+    # the reduce-scatters hide under backward, the all-gather after the step cannot
+    reduce_scatter = (z2.parts["dp_comm_s"] - z1.parts["dp_comm_s"]) / 7
+    all_gather = z1.parts["dp_comm_s"] - reduce_scatter
+    assert all_gather > 0 and z2.exposed_comm_s >= all_gather * (1 - 1e-9)
+
+
+# 4 -----------------------------------------------------------------------------------------------
+def test_mixed_precision_gradients_are_fp32_in_memory_and_on_the_wire(node8):
+    bf16, fp32 = _facts(dtype="bf16"), _facts(dtype="fp32")
+    for z in range(4):
+        b = _score(bf16, node8, 8, dp=8, zero_stage=z)
+        f = _score(fp32, node8, 8, dp=8, zero_stage=z)
+        if z != 1:    # ZeRO-1 keeps the whole compute-dtype gradients until the step reduces them
+            assert b.memory["grads"] == pytest.approx(f.memory["grads"]), z
+    # the reduction moves fp32 in both: ZeRO-0's all-reduce costs the same
+    b0, f0 = (_score(x, node8, 8, dp=8) for x in (bf16, fp32))
+    assert b0.parts["dp_comm_s"] == pytest.approx(f0.parts["dp_comm_s"])
+    # while ZeRO-1/2's parameter all-gather moves half the bytes in bf16
+    b1, f1 = (_score(x, node8, 8, dp=8, zero_stage=1) for x in (bf16, fp32))
+    assert b1.parts["dp_comm_s"] < f1.parts["dp_comm_s"]
+
+
+# 5 -----------------------------------------------------------------------------------------------
+def test_materialized_scores_are_held_and_selective_recompute_frees_them(node8):
+    seq = 512
+    flash, mat = _facts(seq=seq), _facts(seq=seq, attention="materialized")
+    f, m = (_score(x, node8, 8, dp=8) for x in (flash, mat))
+    heads, layers = 8, 4
+    # probabilities and dropout output (2 bytes each) and the 1-byte mask, per layer
+    scores = 1 * heads * seq * seq
+    assert m.memory["activations"] - f.memory["activations"] == pytest.approx(layers * scores * 5, rel=0.01)
+    sel = _score(mat, node8, 8, dp=8, recompute="selective")
+    assert sel.memory["activations"] == pytest.approx(f.memory["activations"], rel=0.02)
+    assert sel.step_time_s > m.step_time_s      # the attention cores run again
+
+
+def test_full_recompute_holds_one_working_set_whatever_is_in_flight(facts, node8):
+    few = _score(facts, node8, 16, dp=4, pp=2, schedule="gpipe", recompute="full")
+    many = _score(facts, node8, 64, dp=4, pp=2, schedule="gpipe", recompute="full")
+    blk = facts.parts(1, 1, node8, (("pp", 2), ("dp", 4), ("tp", 1)))[0]["block"]
+    # 4x the micro-batches in flight: 4x the held block inputs, the recomputed block's working set once
+    grown = many.memory["activations"] - few.memory["activations"]
+    assert grown == pytest.approx(3 * (few.memory["activations"] - blk.saved), rel=1e-6)
+
+
+# 6 -----------------------------------------------------------------------------------------------
+def test_split_ops_read_their_inputs_at_the_placement_they_need():
+    from autopar.passes.sharding import strategies
+    f = _facts()
+    at = {"batch": 2, "seq": 256}
+    fc = next(n for n in f.gm.graph.nodes if info(n).fqn and info(n).fqn.endswith("mlp.fc")
+              and n.target is torch.ops.aten.linear.default)
+    opts = {s.name: s for s in strategies(fc, 2, at)}
+    whole = float(evaluate(info(fc).bytes_fwd, at))
+    x, w = (float(evaluate(info(a).out_bytes, at)) for a in fc.args[:2])
+    out = float(evaluate(info(fc).out_bytes, at))
+    # column-parallel: the whole input, half the weight (and bias), half the output
+    col = opts["colwise"]
+    assert local_bytes(fc, at, col, 2) == pytest.approx(x + w / 2 + _bias(fc, at) / 2 + out / 2)
+    # row-parallel: half the input and weight, the whole bias and a whole partial output
+    row = opts["rowwise"]
+    assert local_bytes(fc, at, row, 2) == pytest.approx(x / 2 + w / 2 + _bias(fc, at) + out)
+    for s in (col, row):              # the old pricing scaled every byte by the work share
+        assert local_bytes(fc, at, s, 2) > whole * s.work
+    assert local_bytes(fc, at, None, 1) == pytest.approx(whole)
+
+
+def _bias(node, at) -> float:
+    return float(evaluate(info(node.args[2]).out_bytes, at)) if len(node.args) > 2 else 0.0
+
+
+# 7 -----------------------------------------------------------------------------------------------
+def test_the_tensor_layout_is_solved_at_each_micro_batch_size(facts, node8):
+    axes = (("pp", 1), ("dp", 4), ("tp", 2))
+    for mb in (1, 4):
+        facts.parts(2, mb, node8, axes)
+    solved = {k[1] for k in facts._solved if k[0] == 2}
+    assert {1, 4} <= solved
+
+
+# 8 -----------------------------------------------------------------------------------------------
+def test_gemm_efficiency_follows_tile_and_wave_quantization():
+    a100 = load_hardware(A100)
+    big = gemm_efficiency(8192, 8192, 8192, a100)
+    assert big == pytest.approx(a100.matmul_efficiency, rel=0.01)
+    # 108 SMs: 108 tiles of 128x128 fill one wave, one more tile costs a second wave
+    full = gemm_efficiency(128 * 108, 128, 4096, a100)
+    spill = gemm_efficiency(128 * 109, 128, 4096, a100)
+    assert spill < 0.6 * full
+    # a tiny output over a long inner dimension: split-K and small tiles recover some, not all
+    assert gemm_efficiency(64, 64, 65536, a100) < 0.2 * big
+    # no SMs (a CPU): no quantization
+    assert gemm_efficiency(7, 5, 3, load_hardware("cpu")) == load_hardware("cpu").matmul_efficiency
+
+
+def test_attention_runs_at_the_devices_attention_efficiency(facts):
+    a100 = load_hardware(A100)
+    sdpa = next(n for n in facts.gm.graph.nodes if "scaled_dot_product" in str(n.target))
+    at = facts.sizes(1)
+    assert efficiencies(sdpa, at, a100) == (a100.attention_efficiency, a100.attention_efficiency)
+    f, _ = node_seconds(sdpa, at, a100, "bf16")
+    flops = float(evaluate(info(sdpa).flops_fwd, at))
+    assert f >= flops / (a100.peak("bf16") * a100.attention_efficiency)
+    gemm = next(n for n in facts.gm.graph.nodes if n.target in (torch.ops.aten.linear.default,
+                                                                torch.ops.aten.addmm.default))
+    eff, _ = efficiencies(gemm, at, a100)
+    assert eff is not None and eff <= a100.matmul_efficiency
+
+
+def test_zero_bubble_charges_its_split_backward(facts, node8):
+    one = _score(facts, node8, 32, dp=4, pp=2, schedule="1f1b")
+    zb = _score(facts, node8, 32, dp=4, pp=2, schedule="zb")
+    assert sum(zb.parts["stage_bwd_s"]) == pytest.approx((1 + ZB_SPLIT_OVERHEAD) * sum(one.parts["stage_bwd_s"]))
+
+
+# non-uniform stages ------------------------------------------------------------------------------
+@pytest.mark.parametrize("layers,stages,pre,post", [(7, 3, 0.0, 0.0), (10, 4, 1.5, 2.5), (9, 4, 0.2, 3.0),
+                                                    (6, 6, 0.5, 0.5), (13, 5, 4.0, 0.0)])
+def test_stage_layers_minimise_the_slowest_stage(layers, stages, pre, post):
+    got = stage_layers(layers, stages, 1.0, pre, post)
+    assert sum(got) == layers and min(got) >= 1
+
+    def slowest(counts):
+        return max(c + (pre if i == 0 else 0) + (post if i == stages - 1 else 0) for i, c in enumerate(counts))
+    best = min(slowest(c) for c in itertools.product(range(1, layers + 1), repeat=stages) if sum(c) == layers)
+    assert slowest(got) == pytest.approx(best)
+
+
+def test_llama3_405b_layout_takes_a_layer_off_the_first_and_last_stage():
+    # the head and embedding of a 126-layer model on 16 stages weigh about a layer: Meta's layout
+    assert stage_layers(126, 16, 1.0, 0.1, 0.9) == [7] + [8] * 14 + [7]
+
+
+def test_any_pipeline_degree_works_for_any_layer_count(node8):
+    f = _facts(layers=2, real=7)
+    s = simulate(f, node8, Config(dp=2, tp=1, pp=4, micro_batch=1), batch=8)
+    assert s.parts["stage_layers"] and sum(s.parts["stage_layers"]) == 7 and len(s.parts["stage_layers"]) == 4
+    s = simulate(f, node8, Config(dp=4, tp=1, pp=2, micro_batch=1, schedule="interleaved", virtual=3), batch=16)
+    assert sum(s.parts["stage_layers"]) == 7 and len(s.parts["stage_layers"]) == 6
