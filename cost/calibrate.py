@@ -4,6 +4,9 @@ Measures, on the machine it runs on:
 
 - matmul throughput (fp32, bf16, fp16 where they run) over a few square sizes, best of
   several timed runs after warm-up (CUDA is synchronized around each timing);
+- causal attention (``scaled_dot_product_attention``) forward + backward throughput, which
+  becomes the profile's ``attention_efficiency``; on a GPU its SM count (the GEMM model's
+  wave quantization, :func:`autopar.cost.compute.gemm_efficiency`);
 - memory bandwidth from a large device-to-device copy (counted as read + write);
 - per-kernel overhead from a stream of tiny in-place adds;
 - collective latency and bandwidth of all_reduce, all_gather, reduce_scatter and all_to_all at
@@ -83,6 +86,27 @@ def measure_matmul(device: torch.device, dtype: str, sizes: Sequence[int],
         if seconds > 0.3:
             break
     return results
+
+
+def measure_attention(device: torch.device, dtype: str, shape: Sequence[int], repeats: int) -> float | None:
+    """FLOP/s of causal ``scaled_dot_product_attention`` forward plus backward on ``[b, heads,
+    s, d]`` tensors, counted as the flop pass counts it (forward 4·b·heads·s²·d, backward twice
+    that: the whole square, the count the planners price); None if it does not run."""
+    b, h, n, d = shape
+    try:
+        q, k, v = (torch.randn(b, h, n, d, device=device).to(_DTYPES[dtype]).requires_grad_() for _ in range(3))
+        grad = torch.randn(b, h, n, d, device=device).to(_DTYPES[dtype])
+
+        def step() -> None:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            torch.autograd.grad(out, (q, k, v), grad)
+        seconds = best_time(step, device, warmup=1, repeats=repeats)
+    except (RuntimeError, TypeError) as exc:
+        _log(f"attention {dtype}: skipped ({str(exc).splitlines()[0][:80]})")
+        return None
+    rate = 3 * 4.0 * b * h * n * n * d / seconds
+    _log(f"attention {dtype} [{b}, {h}, {n}, {d}] forward + backward: {rate / 1e9:.1f} GFLOP/s")
+    return rate
 
 
 def measure_memory(device: torch.device, nbytes: int, repeats: int) -> float:
@@ -258,22 +282,29 @@ def _datasheet_for(device_name: str) -> DeviceSpec | None:
 
 
 def build_device_spec(device: torch.device, flops: dict[str, float], bandwidth: float,
-                      overhead: float) -> DeviceSpec:
+                      overhead: float, attention: dict[str, float] | None = None) -> DeviceSpec:
     """A DeviceSpec from measurements.
 
     On a GPU this module knows (A100, H100) the datasheet peaks stay and the measured rates
     become efficiencies (clamped to 1). Elsewhere the best measured rate *is* the peak and
-    the efficiencies are 1: the figures are achievable rates, not datasheet ones.
+    the efficiencies are 1: the figures are achievable rates, not datasheet ones. The
+    attention rate (``attention``, FLOP/s by dtype) becomes ``attention_efficiency`` against
+    the same peak, and a GPU's SM count is read from the runtime.
     """
     measured = "measured by autopar calibrate on this machine"
+    sm_count = 0
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        memory = float(torch.cuda.get_device_properties(device).total_memory)
+        props = torch.cuda.get_device_properties(device)
+        memory, sm_count = float(props.total_memory), int(props.multi_processor_count)
     else:
         name, memory = "cpu", _host_memory_bytes()
     sheet = _datasheet_for(name) if device.type == "cuda" else None
     sources = {"memory_bytes": f"{measured} (total reported by the runtime)",
                "kernel_overhead_s": f"{measured} (tiny in-place add)"}
+    attention = attention or {}
+    if sm_count:
+        sources["sm_count"] = f"{measured} (the runtime's multiprocessor count)"
     if sheet is not None:
         key = "bf16" if "bf16" in flops else "fp32"
         eff = min(1.0, flops[key] / sheet.peak(key))
@@ -281,17 +312,25 @@ def build_device_spec(device: torch.device, flops: dict[str, float], bandwidth: 
         sources.update(sheet.sources)
         sources["matmul_efficiency"] = f"{measured}: best {key} matmul / datasheet peak"
         sources["memory_efficiency"] = f"{measured}: copy bandwidth / datasheet peak"
+        att = min(1.0, attention[key] / sheet.peak(key)) if key in attention else sheet.attention_efficiency
+        if key in attention:
+            sources["attention_efficiency"] = f"{measured}: causal {key} attention forward + backward / datasheet peak"
         return DeviceSpec(name=f"{sheet.name} (calibrated)", peak_flops=dict(sheet.peak_flops),
                           memory_bytes=memory, memory_bandwidth=sheet.memory_bandwidth,
                           matmul_efficiency=eff, memory_efficiency=mem_eff,
-                          kernel_overhead_s=overhead, sources=sources)
+                          kernel_overhead_s=overhead, sm_count=sm_count or sheet.sm_count,
+                          attention_efficiency=att, sources=sources)
     for key in flops:
         sources[f"peak_flops.{key}"] = f"{measured}: best {key} matmul rate (so efficiency 1)"
     sources["memory_bandwidth"] = f"{measured}: copy bandwidth (so efficiency 1)"
     sources["matmul_efficiency"] = sources["memory_efficiency"] = "1.0: peaks are measured rates"
+    key = "fp32" if "fp32" in flops else next(iter(flops))
+    att = min(1.0, attention[key] / flops[key]) if key in attention else 0.0
+    if att:
+        sources["attention_efficiency"] = f"{measured}: causal {key} attention forward + backward / best {key} matmul"
     return DeviceSpec(name=f"{name} (calibrated)", peak_flops=flops, memory_bytes=memory,
                       memory_bandwidth=bandwidth, matmul_efficiency=1.0, memory_efficiency=1.0,
-                      kernel_overhead_s=overhead, sources=sources)
+                      kernel_overhead_s=overhead, sm_count=sm_count, attention_efficiency=att, sources=sources)
 
 
 # --- entry points -----------------------------------------------------------------------------
@@ -300,9 +339,11 @@ def _plan(device: torch.device, quick: bool) -> dict[str, Any]:
     gpu = device.type == "cuda"
     if quick:
         return {"matmul_sizes": [1024, 4096] if gpu else [256, 512], "repeats": 3,
+                "attention_shape": [2, 16, 1024, 128] if gpu else [1, 4, 128, 32],
                 "memory_bytes": (256 if gpu else 32) * 2**20, "overhead_count": 200,
                 "message_sizes": [2**12, 2**16, 2**20, 2**22], "comm_repeats": 3}
     return {"matmul_sizes": [2048, 4096, 8192] if gpu else [512, 1024, 2048], "repeats": 10,
+            "attention_shape": [4, 16, 4096, 128] if gpu else [1, 8, 512, 64],
             "memory_bytes": (1024 if gpu else 256) * 2**20, "overhead_count": 2000,
             "message_sizes": [2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24, 2**26],
             "comm_repeats": 5}
@@ -346,12 +387,17 @@ def calibrate(device: str = "auto", *, out: str | None = None, quick: bool = Fal
         rates = measure_matmul(target, dtype, plan["matmul_sizes"], plan["repeats"])
         if rates:
             matmul[dtype], flops[canonical_dtype(dtype)] = rates, max(rates.values())
+    attention: dict[str, float] = {}
+    for dtype in ("bf16", "fp32") if target.type == "cuda" else ("fp32",):
+        rate = measure_attention(target, dtype, plan["attention_shape"], plan["repeats"])
+        if rate:
+            attention[canonical_dtype(dtype)] = rate
     bandwidth = measure_memory(target, plan["memory_bytes"], plan["repeats"])
     overhead = measure_kernel_overhead(target, plan["overhead_count"])
     notes: list[str] = []
     links = _measure_links(target, plan, notes)
-    spec = build_device_spec(target, flops, bandwidth, overhead)
-    measurements = {"matmul_flops_per_s": matmul, "copy_bandwidth": bandwidth,
+    spec = build_device_spec(target, flops, bandwidth, overhead, attention)
+    measurements = {"matmul_flops_per_s": matmul, "attention_flops_per_s": attention, "copy_bandwidth": bandwidth,
                     "kernel_overhead_s": overhead, "plan": plan, "quick": quick,
                     "torch": torch.__version__, "host": socket.gethostname(),
                     "seconds": round(time.perf_counter() - started, 3)}

@@ -59,6 +59,10 @@ def test_quick_run_writes_a_loadable_profile(quick_profile: tuple[Path, dict]) -
     assert device.peak("fp32") > 0 and device.memory_bandwidth > 0
     assert "measured" in device.sources["peak_flops.fp32"]
     assert profile["measurements"]["seconds"] < 60
+    # the attention kernel's rate becomes the profile's attention efficiency (a CPU has no SMs)
+    rate = profile["measurements"]["attention_flops_per_s"]["fp32"]
+    assert device.attention_efficiency == pytest.approx(min(1.0, rate / device.peak("fp32")))
+    assert "attention" in device.sources["attention_efficiency"] and device.sm_count == 0
 
 
 def test_quick_run_measures_gloo_collectives(quick_profile: tuple[Path, dict]) -> None:
