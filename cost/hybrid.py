@@ -140,6 +140,10 @@ class _Part:
     expert_fwd1: float = 0.0          # ... and whole (experts kept whole on tp under ep)
     expert_bwd1: float = 0.0
     a2a_bytes: float = 0.0            # the [E, C, h] token buffers an expert exchange moves
+    layer_fwd: float = 0.0            # layers of another block class (before or after the main one):
+    layer_saved: float = 0.0          # what full recomputation redoes and frees
+    layer_fwd_flops: float = 0.0
+    layers: int = 0
 
 
 class ModelFacts:
@@ -178,8 +182,10 @@ class ModelFacts:
         self._solved: dict[tuple[int, str], Mapping[str, Any]] = {}
         self._share: dict[tuple[int, int], float] = {}
         self._first: dict[str, int] = {}
+        self._first_node: dict[str, fx.Node] = {}
         for i, n in enumerate(nodes):
             self._first.setdefault(info(n).block_member, i)
+            self._first_node.setdefault(info(n).block_member, n)
         self.hidden = 1
         for n in nodes:
             if self.where.get(n) == "block" and info(n).values and len(info(n).values[0].shape) == 3:
@@ -277,6 +283,7 @@ class ModelFacts:
         width = 0.5 if self.dtype in ("bf16", "fp16") and self._captured_fp32 else 1.0
         parts = {"pre": _Part(), "block": _Part(), "post": _Part()}
         buffers: set[fx.Node] = set()
+        members: set[str] = set()
         for n in self.gm.graph.nodes:
             if not is_decision(n):
                 continue
@@ -313,6 +320,12 @@ class ModelFacts:
             p.saved += saved
             p.flops += ff + fb
             p.fwd_flops += ff
+            if self.where[n] != "block" and rec.block_member is not None:
+                p.layer_fwd += f
+                p.layer_saved += saved
+                p.layer_fwd_flops += ff
+                members.add(rec.block_member)
+                p.layers = len({m for m in members if self.where.get(self._first_node[m]) == self.where[n]})
             if _is_score_op(n) or score_saved:
                 # what selective recomputation redoes and frees: the ops between the two
                 # attention matmuls, or a materialising attention's whole core
@@ -410,8 +423,9 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     re_blk = {"none": 0.0, "selective": blk.score_fwd, "full": blk.fwd + blk.comm_fwd}[c.recompute]
     split = 1.0 + ZB_SPLIT_OVERHEAD if sched == "zb" else 1.0     # torch's split backward, both planners
     blk_f, blk_b = blk.fwd + blk.comm_fwd, (blk.bwd + blk.comm_bwd) * split + re_blk
-    pre_f, pre_b = pre.fwd + pre.comm_fwd, (pre.bwd + pre.comm_bwd) * split
-    post_f, post_b = post.fwd + post.comm_fwd, (post.bwd + post.comm_bwd) * split
+    full = c.recompute == "full"          # every layer, of the main block class or another one
+    pre_f, pre_b = pre.fwd + pre.comm_fwd, (pre.bwd + pre.comm_bwd) * split + full * pre.layer_fwd
+    post_f, post_b = post.fwd + post.comm_fwd, (post.bwd + post.comm_bwd) * split + full * post.layer_fwd
     counts = stage_layers(facts.layers, stages, blk_f + blk_b, pre_f + pre_b, post_f + post_b)
     fwd = [counts[s] * blk_f + (pre_f if s == 0 else 0.0) + (post_f if s == stages - 1 else 0.0)
            for s in range(stages)]
@@ -459,8 +473,8 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     fits = budget is None or peak <= budget
     samples = batch / c.micro_batch                # the parts are per micro-batch
     model_flops = (pre.flops + post.flops + facts.layers * blk.flops) * samples
-    hw_flops = model_flops + samples * facts.layers * {"none": 0.0, "selective": 0.0,
-                                                        "full": blk.fwd_flops}[c.recompute]
+    hw_flops = model_flops + samples * (facts.layers * blk.fwd_flops + pre.layer_fwd_flops
+                                        + post.layer_fwd_flops) * (c.recompute == "full")
     peak_flops = cluster.device.peak(facts.dtype)
     tput = model_flops / step / devices
     return Score(config=c, step_time_s=step, microbatches=m, model_flops=model_flops, hw_flops=hw_flops,
@@ -681,9 +695,12 @@ def _stage_activations(facts: ModelFacts, c: Config, counts: list[int], blk: _Pa
     the last what the part after saves (the logits). Without a pipeline the one stage runs one
     micro-batch at a time (gradient accumulation), so this is its whole activation memory."""
     stages = len(counts)
-    per_block = {"none": blk.saved, "selective": blk.saved - blk.score_saved,
-                 "full": _boundary_bytes(facts, c) * share}[c.recompute]
-    return [counts[s] * per_block + (pre.saved if s == 0 else 0.0) + (post.saved if s == stages - 1 else 0.0)
+    boundary = _boundary_bytes(facts, c) * share
+    per_block = {"none": blk.saved, "selective": blk.saved - blk.score_saved, "full": boundary}[c.recompute]
+
+    def outer(p: _Part) -> float:      # the part before or after, its other layers recomputed under full
+        return p.saved - p.layer_saved + p.layers * boundary if c.recompute == "full" else p.saved
+    return [counts[s] * per_block + (outer(pre) if s == 0 else 0.0) + (outer(post) if s == stages - 1 else 0.0)
             for s in range(stages)]
 
 

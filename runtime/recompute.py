@@ -1,6 +1,6 @@
 """Activation recomputation: run a captured graph with some regions checkpointed.
 
-``full`` checkpoints every member of the repeated block class (each transformer layer): its
+``full`` checkpoints every member of the repeated block classes (each transformer layer): its
 forward keeps only the tensors entering the layer, and backward runs the layer's forward
 again. ``selective`` checkpoints only the attention cores (a fused attention op, or the run of
 score ops between the two attention matmuls), which hold the ``[b, heads, s, s]`` scores.
@@ -71,12 +71,15 @@ def regions(gm: fx.GraphModule, mode: str, members: Sequence[str] | None = None)
 
 
 def layer_members(gm: fx.GraphModule) -> list[str]:
-    """The members (layers) of ``gm``'s largest repeated block class."""
+    """The members (layers) of ``gm``'s repeated block classes, in graph order: every layer of
+    a model whose layers differ (DeepSeek-V3's dense first layers and its MoE ones)."""
     classes = graph_info(gm).block_classes
     if not classes:
         raise ConfigError("full recomputation needs repeated layers, and the graph has none", where="recompute",
                           fix="use recompute='selective' or 'none'")
-    return list(max(classes, key=lambda c: len(c.members) * c.nodes_per_member).members)
+    members = {m for c in classes for m in c.members}
+    order = dict.fromkeys(info(n).block_member for n in gm.graph.nodes if info(n).block_member in members)
+    return list(order)
 
 
 def _name(n: fx.Node) -> str:
