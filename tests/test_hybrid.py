@@ -110,6 +110,14 @@ def test_too_big_for_the_cluster_names_the_smallest_that_fits(capsys):
     err = capsys.readouterr().err
     assert code == 2
     assert "fits in 4.0 GB per device" in err and "devices (whole nodes of 2) would fit" in err
+    # the refusal names the leanest configuration of all, with what it needs (it named the least
+    # memory among the fastest few, which could be far from the leanest)
+    w = load_workload("gpt", batch=16, seq=1024, overrides={"layers": "8", "hidden": "4096"})
+    facts = ModelFacts(capture_workload(w), seq=1024, dtype="fp32")      # the plan command's default dtype
+    cluster = Cluster.from_spec("1x2", hardware="a100")
+    least = min(simulate(facts, cluster, c, batch=16).peak_memory_bytes
+                for c in configurations(facts, devices=2, batch=16, per_node=2))
+    assert "the leanest, dp=" in err and f"needs {least / 1e9:.1f} GB" in err
 
 
 def test_plan_report_and_timeline_are_written(capsys, tmp_path):
