@@ -95,8 +95,10 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
     :class:`~autopar.runtime.pp.PipelineModule` comes back, trained with
     ``loss = pm.step(inputs, target=targets)``; ``loss_fn(output, target)`` runs on the last
     stage, and ``schedule`` (gpipe, 1f1b, interleaved, zb), ``microbatches`` and
-    ``virtual_stages`` are chosen by the simulator unless given. Any ZeRO stage and
-    recomputation compose with it (the data axis works per step: ``runtime/stage_dp.py``).
+    ``virtual_stages`` are chosen by the simulator unless given. Any ZeRO stage, recomputation
+    and ``mixed_precision`` compose with it (the data axis works per step: ``runtime/stage_dp.py``;
+    under mixed precision activations travel between stages in 16 bits and each micro-batch's
+    gradients accumulate in fp32, ``runtime/main_grads.py``).
 
     With an ``ep`` axis (``{"ep": 2}``, ``{"dp": 2, "ep": 2}``, ``{"ep": 2, "tp": 2}``, or inside a
     pipeline) each mixture-of-experts layer's experts are spread over it (each ep rank passes
@@ -104,7 +106,8 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
     over dp x ep, the experts over dp, at the ZeRO stage given); ``calibration`` (inputs)
     measures each expert's load so ``expert_placement="balanced"`` can even it out
     (``"contiguous"``: experts in order; inside a pipeline experts are placed in order);
-    ``capacity_factor`` overrides the MoE layers' own (tokens over capacity drop).
+    ``capacity_factor`` overrides the MoE layers' own (tokens over capacity drop). Mixed
+    precision composes with experts as with the dense data axis.
 
     ``recompute``: ``"none"``, ``"selective"`` (attention cores re-run in backward) or
     ``"full"`` (every layer re-run in backward; forward keeps only each layer's inputs).
@@ -126,10 +129,10 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
     mesh = mesh if plan is None or not isinstance(mesh, int) else plan.mesh     # an int with a plan: the plan's
     pipelined = has_axis(mesh, "pp") or (plan is not None and plan.pp_axis is not None)
     experts = has_axis(mesh, "ep") or (plan is not None and plan.ep_axis is not None)
-    _refuse_unused(("a pipeline", pipelined, dict(mixed_precision=mixed_precision, calibration=calibration,
-                                                 placements=placements, sizes=sizes, bucket_bytes=bucket_bytes)),
-                   ("expert parallelism", experts, dict(mixed_precision=mixed_precision, placements=placements,
-                                                       sizes=sizes, bucket_bytes=bucket_bytes)))
+    _refuse_unused(("a pipeline", pipelined, dict(calibration=calibration, placements=placements, sizes=sizes,
+                                                 bucket_bytes=bucket_bytes)),
+                   ("expert parallelism", experts, dict(placements=placements, sizes=sizes, bucket_bytes=bucket_bytes)))
+    _check_mixed_precision(mixed_precision, plan)
     args = as_args(example_inputs)
     kwargs = {k: v for k, v in (example_kwargs or {}).items() if v is not None}
     check_devices(model, (*args, *kwargs.values()), None)
@@ -142,12 +145,12 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
         return build_pipeline(model, mesh, args, loss_fn=loss_fn, schedule=schedule, microbatches=microbatches,
                               virtual_stages=virtual_stages, hardware=hardware, memory_budget=memory_budget,
                               sync_params=sync_params, zero_stage=zero_stage, plan=plan, recompute=recompute,
-                              example_kwargs=kwargs)
+                              example_kwargs=kwargs, mixed_precision=mixed_precision)
     if experts:
         return build_experts(model, mesh, args, hardware=hardware, memory_budget=memory_budget,
                              sync_params=sync_params, calibration=calibration, placement=expert_placement,
                              dims=dims, capacity_factor=capacity_factor, example_kwargs=kwargs, plan=plan,
-                             zero_stage=zero_stage, recompute=recompute)
+                             zero_stage=zero_stage, recompute=recompute, mixed_precision=mixed_precision)
     return build_dense(model, mesh, args, kwargs, plan=plan, dims=dims, hardware=hardware,
                        memory_budget=memory_budget, sizes=sizes, sync_params=sync_params, zero_stage=zero_stage,
                        overlap=overlap, bucket_bytes=bucket_bytes, mixed_precision=mixed_precision,
@@ -166,6 +169,18 @@ def _refuse_unused(*cases: tuple[str, bool, dict[str, Any]]) -> None:
                                   "(experts inside a pipeline are placed in order)")
 
 
+def _check_mixed_precision(mixed_precision: Any, plan: Plan | None) -> None:
+    """``mixed_precision`` is bf16, fp16 or None, and, with a plan, the plan's (checked before any
+    collective: a build applies the plan's)."""
+    if mixed_precision not in (None, "bf16", "fp16"):
+        raise ConfigError("mixed_precision must be None, 'bf16' or 'fp16'", where="parallelize(mixed_precision=...)",
+                          got=repr(mixed_precision), fix="use 'bf16' (or 'fp16') compute, or None for fp32")
+    if plan is not None and mixed_precision is not None and mixed_precision != plan.mixed_precision:
+        raise ConfigError("mixed_precision= differs from the plan's",
+                          where="parallelize(plan=..., mixed_precision=...)", expected=repr(plan.mixed_precision),
+                          got=repr(mixed_precision), fix="drop mixed_precision= (the plan's is applied), or re-plan with it")
+
+
 def optimizer(module: Any, optimizer_cls: type, params: Any = None, **kwargs: Any):
     """The optimizer for a model from :func:`parallelize`: ``optimizer_cls`` (any elementwise
     ``torch.optim`` optimizer) over this rank's share of the parameters, as the model's
@@ -179,7 +194,7 @@ def optimizer(module: Any, optimizer_cls: type, params: Any = None, **kwargs: An
                              got=type(module).__name__,
                              fix="pm = autopar.parallelize(model, mesh, inputs); autopar.optimizer(pm, ...)")
     check_optimizer_class(optimizer_cls)
-    if isinstance(module, PipelineModule) and not module.dp_runtimes:   # its own stages' parameters
+    if isinstance(module, PipelineModule) and not module.dp_runtimes and not module.mixed:   # its stages' parameters
         params = check_params(module, params)
         return optimizer_cls(params if params is not None else module.parameters(), **kwargs)
     return ShardedOptimizer(module, optimizer_cls, params, **kwargs)

@@ -39,6 +39,7 @@ from autopar.errors import ConfigError, MeshError, PlanFileError
 from autopar.ep import Placement, contiguous, ep_axes, expert_loads, place_experts
 from autopar.passes.meta import MoERegion, graph_info, info
 from autopar.passes.pp_split import OpCosts, op_costs
+from autopar.passes.tp_rewrite import drop_dtype_checks
 from autopar.plans import Plan
 from autopar.pp import info_symbols, named_axes, node_time_fn, pipeline_axes, plan_pipeline
 from autopar.prepare import (capture_model, data_rewrite, device_mesh, input_dims, master_dtype,
@@ -101,12 +102,16 @@ def build_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, loss_fn:
                    virtual_stages: int | None = None, hardware: str | None = None,
                    memory_budget: float | None = None, sync_params: bool = True,
                    zero_stage: int | None = None, plan: Any = None, recompute: str = "none",
-                   example_kwargs: Mapping[str, Any] | None = None):
+                   example_kwargs: Mapping[str, Any] | None = None, mixed_precision: str | None = None):
     """This rank's :class:`~autopar.runtime.pp.PipelineModule` (see :func:`autopar.parallelize`).
     Without ``loss_fn``, a model that computes its own loss (a ``transformers`` model given
-    ``labels``) trains on that loss."""
+    ``labels``) trains on that loss. ``mixed_precision`` (bf16 / fp16, or the plan's): the
+    stages compute in 16 bits, gradients accumulate and are reduced in fp32, the optimizer
+    steps fp32 masters (``runtime/main_grads.py``)."""
 
+    from autopar.passes.autocast import autocast_dtypes
     from autopar.passes.pp_split import shared_params, split_stages
+    from autopar.runtime.main_grads import MainGrads
     from autopar.runtime.pp import PipelineModule, StageModule, stage_inputs_of
     if not dist.is_initialized():
         raise ConfigError("parallelize needs an initialised process group", where="parallelize",
@@ -121,7 +126,7 @@ def build_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, loss_fn:
                             expected=str(plan.mesh), got=str(dict(axes)),
                             fix="pass the mesh the plan was made for, or re-plan for this mesh")
         schedule, microbatches, virtual_stages = plan.schedule, plan.microbatches, plan.virtual_stages
-        zero_stage = plan.zero_stage
+        zero_stage, mixed_precision = plan.zero_stage, plan.mixed_precision
     sizes = dict(axes)
     world = math.prod(sizes.values())
     mesh = device_mesh(mesh, axes)
@@ -184,8 +189,10 @@ def build_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, loss_fn:
         experts = split_experts(gm, tensors, group=mesh.get_group(names.index("ep")), n=ep_n,
                                 rank=mesh.get_local_rank(names.index("ep")))
 
-    # 3. cuts on this graph (or the plan's)
-    costs = op_costs(gm, node_time=node_time_fn(cluster.device, dtype), tp=tp_n)
+    # 3. cuts on this graph (or the plan's); under mixed precision a value crosses in its autocast dtype
+    compute = torch_dtype(mixed_precision) if mixed_precision else None
+    sent = autocast_dtypes(gm, compute, device.type) if compute is not None else {}
+    costs = op_costs(gm, node_time=node_time_fn(cluster.device, dtype), tp=tp_n, wire=sent)
     final = plan_pipeline(lambda mb: costs, devices=p, batch=choice_m, cluster=cluster, axes=axes,
                           schedule=choice_s, microbatches=choice_m, virtual=choice_v, budget=budget)
     starts = plan.stage_starts if plan is not None else final.cuts.start_nodes
@@ -200,8 +207,10 @@ def build_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, loss_fn:
                     ep_axis="ep" if ep_n > 1 else None,
                     zero_stage=(zero_stage or 0) if sizes.get("dp", 1) * ep_n > 1 else 0,
                     stage_starts=tuple(starts), schedule=choice_s, microbatches=choice_m,
-                    virtual_stages=choice_v, shapes={k: list(q.shape) for k, q in model.named_parameters()})
+                    virtual_stages=choice_v, mixed_precision=mixed_precision,
+                    shapes={k: list(q.shape) for k, q in model.named_parameters()})
     the_plan = replace(the_plan, fingerprint=Plan.fingerprint_of(the_plan.shapes))
+    check_runtime_dtypes(model, gm, the_plan)
     shared = shared_params(stages)
 
     # 4. this rank's stages
@@ -223,9 +232,17 @@ def build_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, loss_fn:
         for st in mine:
             st.set_recompute(recompute, layers)
     groups = _shared_groups(mesh, names, shared, p)
-    data = data_axes(mine, mesh, names, sizes, zero_stage or 0, set(experts), groups, device)
+    # 5. mixed precision: fp32 accumulators for the gradients, then 16-bit stage parameters (after the
+    # data axes, so that ZeRO-3 cuts its fp32 pieces, the masters, from the fp32 values)
+    grads = MainGrads(1 / choice_m) if compute is not None else None
+    data = data_axes(mine, mesh, names, sizes, zero_stage or 0, set(experts), groups, device,
+                     compute_dtype=compute, grads=grads)
+    master_init: dict[str, torch.Tensor] = {}
+    for st in mine if compute is not None else ():
+        master_init.update(st.to_compute_dtype(compute, device.type, sent))
     pm = PipelineModule(mine, plan=the_plan, schedule=choice_s, microbatches=choice_m, num_stages=final.stages,
                         loss_fn=loss_fn, pp_group=pp_group, pp_rank=pp_rank, pp_size=p, data=data,
+                        grads=grads, master_init=master_init,
                         shared=groups, device=device, keyword_names=list(kwargs), own_loss=own,
                         examples=[st.io_examples(tp_n, device, (*mb_args, *mb_kwargs.values()) if st.index == 0 else None)
                                   for st in mine])
@@ -240,7 +257,7 @@ def build_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, hardware:
                   memory_budget: float | None = None, sync_params: bool = True,
                   calibration: Any = None, placement: str = "balanced", dims: Any = None,
                   capacity_factor: float | None = None, example_kwargs: Any = None, plan: Any = None,
-                  zero_stage: int | None = None, recompute: str = "none"):
+                  zero_stage: int | None = None, recompute: str = "none", mixed_precision: str | None = None):
     """This rank's model with experts spread over the ``ep`` axis (see :func:`autopar.parallelize`).
     ``capacity_factor`` overrides the MoE layers' own (set on the module of each region the
     graph shows, which must have a ``capacity_factor`` attribute; the model is then captured
@@ -254,7 +271,8 @@ def build_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, hardware:
     :class:`~autopar.errors.MeshError` on every rank at the same point: before any collective
     where the plan and the model's modules show it (mesh, a placement that is not a
     permutation, a layer the model does not have), otherwise right after the capture (split
-    MoE layers, or their expert counts, that differ from the plan's)."""
+    MoE layers, or their expert counts, that differ from the plan's). ``mixed_precision`` (or the
+    plan's) as without experts: 16-bit compute, fp32 masters and reductions."""
     from autopar.runtime.tp_module import ParallelModule
 
     if not dist.is_initialized():
@@ -266,7 +284,7 @@ def build_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, hardware:
             raise ConfigError("capacity_factor= differs from the plan's", where="parallelize(plan=...)",
                               expected=repr(plan.capacity_factor), got=repr(capacity_factor),
                               fix="drop capacity_factor= (the plan's is used), or re-plan with the new factor")
-        capacity_factor = plan.capacity_factor
+        capacity_factor, mixed_precision = plan.capacity_factor, plan.mixed_precision
     sizes = dict(axes)
     mesh = device_mesh(mesh, axes)
     names = list(mesh.mesh_dim_names)
@@ -291,6 +309,8 @@ def build_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, hardware:
     else:
         gm = capture_model(model, args, dims, kwargs)
         placements, nodes = {k: "R" for k in tensors}, {}
+    if mixed_precision:
+        drop_dtype_checks(gm)      # the graph runs under autocast (the tensor rewrite drops them too)
     plans = checked_moe_plans(gm, tensors)
     regions = [p.region for p in plans if p.kind != "dense"]
     planned = _planned_placements(plan, regions, n_ep) if plan is not None else None
@@ -299,7 +319,8 @@ def build_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, hardware:
         log.warning("no MoE layer's experts can be split: the ep axis runs as data parallelism (mesh %s)", dense)
         return build_dense(model, dense, args, kwargs, plan=None, dims=dims, hardware=hardware,
                            memory_budget=memory_budget, sizes=None, sync_params=False, zero_stage=zero_stage,
-                           overlap=True, bucket_bytes=0, mixed_precision=None, recompute=recompute, placements=None)
+                           overlap=True, bucket_bytes=0, mixed_precision=mixed_precision, recompute=recompute,
+                           placements=None)
     if planned is not None:
         placed = planned
     else:
@@ -321,8 +342,9 @@ def build_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, hardware:
     the_plan = Plan(mesh=sizes, tp_axis="tp" if tp_n > 1 else None, params=placements, nodes=nodes,
                     model=type(model).__name__, ep_axis="ep", capacity_factor=capacity_factor,
                     dp_axis="dp" if "dp" in sizes else None, zero_stage=zero if sizes.get("dp", 1) * n_ep > 1 else 0,
-                    expert_placement={f: list(p.perm) for f, p in placed.items()},
+                    expert_placement={f: list(p.perm) for f, p in placed.items()}, mixed_precision=mixed_precision,
                     predicted=predicted, shapes=shapes, fingerprint=Plan.fingerprint_of(shapes))
+    check_runtime_dtypes(model, gm, the_plan)
     device = torch.device(mesh.device_type if mesh.device_type != "cuda" else f"cuda:{torch.cuda.current_device()}")
     cluster = Cluster.from_spec(f"1x{math.prod(sizes.values())}",
                                 hardware=hardware or ("h100" if torch.cuda.is_available() else "cpu"))
@@ -359,7 +381,8 @@ def _graph_data_axes(gm: fx.GraphModule, the_plan: Plan, cluster: Cluster, mesh,
         if n == 1:
             continue
         rt = DPRuntime(stage=the_plan.zero_stage, n=n, rank=rank, group_name=group.group_name, device=device,
-                       master_dtype=master_dtype(gm), prefetch=the_plan.overlap, divisor=n * extra)
+                       master_dtype=master_dtype(gm), prefetch=the_plan.overlap, divisor=n * extra,
+                       compute_dtype=torch_dtype(the_plan.mixed_precision) if the_plan.mixed_precision else None)
         for fqns, shapes, flags in data_rewrite(gm, the_plan, cluster, rid=rt.id, trainable=trainable,
                                                 axis="x".join(a for a in axes if sizes.get(a, 1) > 1), n=n,
                                                 include=keep, scheduled=False, stored=experts):
@@ -438,18 +461,23 @@ def _tolerance(dtype: torch.dtype) -> float:
 
 
 def data_axes(mine: list, mesh, names: list[str], sizes: Mapping[str, int], zero_stage: int, experts: set[str],
-               shared: Mapping[str, Any], device: torch.device) -> list:
+               shared: Mapping[str, Any], device: torch.device, *, compute_dtype: torch.dtype | None = None,
+               grads: Any = None) -> list:
     """The data axes of this rank's stages (runtime/stage_dp.py): each parameter's gradient is
     averaged over the ranks that computed it on other rows of the batch — the dense parameters
     over dp x ep (each ep rank has its own rows), the experts over dp but divided by dp x ep
-    (their owner already received every ep rank's rows through the exchange, runtime/ep.py)."""
+    (their owner already received every ep rank's rows through the exchange, runtime/ep.py).
+    Under mixed precision the whole gradients are the fp32 accumulators ``grads``."""
     from autopar.runtime.ep import average_over_senders
     from autopar.runtime.stage_dp import StageDataAxis
 
     named = [(st.index, dict(st.named_parameters(remove_duplicate=False))) for st in mine]
     ep = sizes.get("ep", 1)
     if experts and sizes.get("dp", 1) == 1:    # no data axis for the experts: divide where they arrive
-        average_over_senders([q for _, ps in named for f, q in ps.items() if f in experts], ep)
+        if grads is not None:                  # mixed precision: in fp32, as they are accumulated
+            grads.divide(experts, ep)
+        else:
+            average_over_senders([q for _, ps in named for f, q in ps.items() if f in experts], ep)
     out = []
     for axes, keep, extra in ((("dp", "ep"), lambda f: f not in experts, 1), (("dp",), lambda f: f in experts, ep)):
         group, n, rank = axes_group(mesh, names, [a for a in axes if sizes.get(a, 1) > 1])
@@ -457,7 +485,8 @@ def data_axes(mine: list, mesh, names: list[str], sizes: Mapping[str, int], zero
             continue
         parts = [(i, {f: q for f, q in ps.items() if keep(f)}) for i, ps in named]
         out.append(StageDataAxis(parts, zero_stage=zero_stage, n=n, rank=rank, group_name=group.group_name,
-                                 device=device, shared=shared, divisor=n * extra))
+                                 device=device, shared=shared, divisor=n * extra, compute_dtype=compute_dtype,
+                                 grads=grads))
     return out
 
 

@@ -575,11 +575,5 @@ def _restore_groups(inner: torch.optim.Optimizer, saved: list[dict]) -> None:
 def _masters_to_params(opt: Any) -> None:
     """After loading fp32 masters, refresh the compute-dtype parameters from them."""
     from autopar.runtime.optim import ShardedOptimizer
-    if not (isinstance(opt, ShardedOptimizer) and opt.mixed):
-        return
-    if opt.stage in (1, 2):
-        opt._gather_params()            # every rank's pieces, all-gathered and cast
-        return
-    named = opt._named()
-    for fqn, m in opt.masters.items():
-        named[fqn].data.copy_(m.detach())
+    if isinstance(opt, ShardedOptimizer) and opt.mixed:
+        opt.refresh_params()            # ZeRO-1/2: every rank's pieces all-gathered; whole masters cast

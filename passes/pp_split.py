@@ -70,7 +70,7 @@ def const_nodes(gm: fx.GraphModule) -> set[fx.Node]:
 
 def op_costs(gm: fx.GraphModule, *, node_time: Callable[[fx.Node], float],
              state_bytes_per_param_byte: float = 4.0, sizes: Mapping[str, int] | None = None,
-             tp: int = 1) -> OpCosts:
+             tp: int = 1, wire: Mapping[str, torch.dtype] | None = None) -> OpCosts:
     """Costs of every op of ``gm`` (static sizes) for :func:`plan_cuts`.
 
     ``node_time(node)``: forward + backward seconds of one op per micro-batch.
@@ -78,6 +78,8 @@ def op_costs(gm: fx.GraphModule, *, node_time: Callable[[fx.Node], float],
     of parameter (4 for fp32 AdamW: the value, its gradient and two moments). ``sizes``: the
     symbolic sizes to price a symbolic graph at (a static graph needs none). ``tp``: the tensor
     axis the graph was rewritten for (a parameter placed ``S(d)`` holds 1/tp of its bytes).
+    ``wire``: the dtype a value crosses a cut in, by node name, where it is not the captured one
+    (mixed precision: :func:`autopar.passes.autocast.autocast_dtypes`).
     """
     at = dict(sizes or {})
     const = const_nodes(gm)
@@ -117,6 +119,8 @@ def op_costs(gm: fx.GraphModule, *, node_time: Callable[[fx.Node], float],
         if last <= born:
             continue
         nbytes = float(evaluate(info(node).out_bytes, at)) if info(node).values else 0.0
+        if wire and node.name in wire and info(node).values and info(node).values[0].dtype.is_floating_point:
+            nbytes *= wire[node.name].itemsize / info(node).values[0].dtype.itemsize
         delta[born + 1] += nbytes
         delta[last + 1] -= nbytes
         if _shape_value(node):   # a size read off an input: every stage can read it off its own input

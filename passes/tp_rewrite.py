@@ -37,6 +37,19 @@ _SHAPE_ARG1 = {aten.view.default, aten.reshape.default, aten._unsafe_view.defaul
 CommTimer = Callable[[str, float], float]
 
 
+def drop_dtype_checks(gm: fx.GraphModule) -> fx.GraphModule:
+    """Erase the capture's ``_assert_tensor_metadata`` checks from a graph that runs under
+    autocast (mixed precision) without the tensor rewrite, which drops them anyway: they pin the
+    dtypes the model was captured in (fp32). Returns ``gm``, recompiled if anything went."""
+    dropped = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten._assert_tensor_metadata.default
+               and not n.users]
+    for node in dropped:
+        gm.graph.erase_node(node)
+    if dropped:
+        gm.recompile()
+    return gm
+
+
 def tp_rewrite(gm: fx.GraphModule, solution: Mapping[str, Strategy], *, n: int, axis: str, group_name: str,
                sizes: Mapping[str, int], comm_time: CommTimer | None = None) -> fx.GraphModule:
     """Rewrite ``gm`` in place for one rank of an ``n``-rank tensor axis (see module docstring)."""

@@ -10,6 +10,12 @@ Per ZeRO stage it steps:
 - ZeRO-2: the same pieces, whose gradients backward already reduce-scattered;
 - ZeRO-3: the module's parameters, which are the flat pieces themselves.
 
+Under mixed precision a parameter the module holds in 16 bits gets an fp32 master here (its
+owned piece under ZeRO-1/2 when a data axis holds it), stepped with the fp32 gradient (the
+reduced one, a pipeline's fp32 accumulator, or the 16-bit one widened where nothing reduces
+it); after the step the 16-bit parameters are refreshed from the masters (all-gathered in 16
+bits under ZeRO-1/2). ZeRO-3's pieces are fp32 already and are stepped themselves.
+
 Optimizer state therefore exists only for owned elements. The update must be elementwise
 (Adam, AdamW, SGD, RMSprop, Adagrad, ...): an optimizer that looks at a parameter's shape
 or whole norm would see pieces, so those are refused. ``state_dict()`` is keyed by the
@@ -84,23 +90,26 @@ class ShardedOptimizer:
         named = dict(module.named_parameters())
         self._fqn_of = {id(p): f for f, p in named.items()}
         self.masters: dict[str, torch.Tensor] = {}
-        self.mixed = self.rt is not None and self.rt.mixed and self.stage != 3
+        master, compute = _dtypes(module, self.rts)
+        self.copies: set[str] = set()     # parameters held in the compute dtype, with an fp32 master apart
         for fqn, p in named.items():
             if not p.requires_grad:
                 continue
             rt = self._rt_of.get(fqn)
-            if self.mixed:        # fp32 masters apart from the compute-dtype parameters
+            if compute is not None and p.dtype == compute:   # fp32 master apart from the 16-bit parameter
                 whole = module._master_init.pop(fqn, None)
-                whole = p.detach().to(self.rt.master_dtype) if whole is None else whole
+                whole = p.detach().to(master) if whole is None else whole
                 if self.stage in (1, 2) and rt is not None:
                     lo, hi = shard_range(p.numel(), rt.n, rt.rank)
                     whole = whole.reshape(-1)[lo:hi]
                 self.masters[fqn] = nn.Parameter(whole.clone())
+                self.copies.add(fqn)
             elif self.stage in (1, 2) and rt is not None:
                 lo, hi = shard_range(p.numel(), rt.n, rt.rank)
                 self.masters[fqn] = nn.Parameter(p.detach().view(-1)[lo:hi])
             else:
                 self.masters[fqn] = p
+        self.mixed = bool(self.copies)
         self._master_fqn = {id(m): f for f, m in self.masters.items()}
         groups = self._groups(params)
         self.inner = optimizer_cls(groups, **kwargs)
@@ -137,6 +146,9 @@ class ShardedOptimizer:
             p.grad = None
         for rt in self.rts:
             rt.sinks.clear()
+        main = getattr(self.module, "main_grads", None)
+        if main is not None:
+            main.clear()
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -145,35 +157,47 @@ class ShardedOptimizer:
                 closure()
         if self.stage == 1:
             self._reduce_scatter_grads()
-        elif self.stage == 2 or self.mixed:
-            named = self._named()
-            for fqn, m in self.masters.items():
-                rt = self._rt_of.get(fqn, self.rt)
-                g = rt.sinks.get(fqn)
-                if g is None and (rt.n == 1 or fqn not in self._rt_of) and named[fqn].grad is not None:
-                    g = named[fqn].grad     # no data axis for this parameter: its own gradient
-                m.grad = g.reshape(-1)[:m.numel()].view(m.shape).to(m.dtype) if g is not None else None
+        named = self._named()
+        for fqn, m in self.masters.items():
+            rt = self._rt_of.get(fqn)
+            if m is named[fqn] or (self.stage == 1 and rt is not None):
+                continue     # autograd, ZeRO-3's scatter or the reduce-scatter above left its gradient on it
+            g = rt.sinks.get(fqn) if rt is not None else None    # reduced in fp32: ZeRO-2, mixed ZeRO-0
+            if g is None:
+                g = self._whole_grad(fqn, named)
+            m.grad = g.reshape(-1)[:m.numel()].view(m.shape).to(m.dtype) if g is not None else None
         out = self.inner.step()
-        if self.stage in (1, 2):
-            self._gather_params()
-        elif self.mixed:
-            named = self._named()
-            for fqn, m in self.masters.items():
-                named[fqn].data.copy_(m.detach())
+        self.refresh_params()
         if self.stage == 1 or self.mixed:      # the fp32 gradients were only needed for this step
             for m in self.masters.values():
                 m.grad = None
         return out
 
+    def refresh_params(self) -> None:
+        """Bring the module's parameters up to the stepped masters: all-gather the pieces (ZeRO-1/2),
+        copy (and round) whole fp32 masters into the 16-bit parameters."""
+        if self.stage in (1, 2):
+            self._gather_params()
+        named = self._named()
+        for fqn in self.copies:
+            if not (self.stage in (1, 2) and fqn in self._rt_of):
+                named[fqn].data.copy_(self.masters[fqn].detach())
+
     def _named(self) -> dict[str, torch.Tensor]:
         return dict(self.module.named_parameters())
+
+    def _whole_grad(self, fqn: str, named: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """This rank's whole gradient of ``fqn``: a pipeline's fp32 accumulator under mixed
+        precision, else what autograd left."""
+        main = getattr(self.module, "main_grads", None)
+        return main.get(fqn) if main is not None else named[fqn].grad
 
     def _reduce_scatter_grads(self) -> None:
         named = self._named()
         pending = []
         for rt in self.rts:
             for b in rt.buckets:
-                grads = [named[f].grad for f in b.fqns]
+                grads = [self._whole_grad(f, named) for f in b.fqns]
                 if all(g is None for g in grads):
                     pending.append((b, None))
                     continue
@@ -248,6 +272,16 @@ class ShardedOptimizer:
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer(ZeRO-{self.stage}, {self.inner!r})"
+
+
+def _dtypes(module: Any, rts: list) -> tuple[torch.dtype, torch.dtype | None]:
+    """(the dtype masters are stepped in, the 16-bit compute dtype or None without mixed precision)."""
+    mixed = next((rt for rt in rts if rt.mixed), None)
+    if mixed is not None:
+        return mixed.master_dtype, mixed.compute_dtype
+    if getattr(module, "mixed", False):     # a pipeline with no data axis
+        return module.master_dtype, module.compute_dtype
+    return torch.float32, None
 
 
 def data_runtimes(module: Any) -> list:

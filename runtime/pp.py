@@ -16,10 +16,19 @@ parameters held by several stages (a tied embedding and head) over the pipeline 
 averages every gradient over the data axis. The loss returned on every rank is the mean of
 the micro-batch losses. ``state_dict()`` holds this rank's parameters under the original keys;
 the union over pipeline ranks is the whole model's.
+
+Under mixed precision (``compute_dtype`` bf16 or fp16) the stages hold 16-bit parameters and
+run forward (and the loss) under autocast; activations and their gradients travel between
+stages in the dtype autocast gives them, which is the 16-bit dtype for what matmuls and the
+residual stream make (fp32 only for what autocast keeps in fp32, such as a norm's statistics
+when a cut falls inside the norm); each micro-batch's 16-bit gradients are added, as they are made,
+into fp32 accumulators (:class:`~autopar.runtime.main_grads.MainGrads`), which the data axis
+reduces in fp32 and the optimizer (:func:`autopar.optimizer`) steps fp32 masters with.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,8 +39,10 @@ from torch.distributed.pipelining import PipelineStage
 from autopar.errors import ConfigError, InputMismatchError
 from autopar.passes.meta import graph_info, info
 from autopar.passes.pp_split import StageGraph
+from autopar.passes.tp_rewrite import drop_dtype_checks
 from autopar.placement import Shard, Spec, parse
 from autopar.runtime.health import note_step
+from autopar.runtime.main_grads import MainGrads
 from autopar.runtime.stage_dp import StageDataAxis
 from autopar.runtime.tp_module import _set
 
@@ -54,6 +65,9 @@ class StageModule(nn.Module):
         self._user_inputs = list(input_names)   # stage 0: the model's input names, in call order
         self.outputs = list(sg.outputs)
         self.is_last = False             # set by PipelineModule
+        self.compute_dtype: torch.dtype | None = None    # mixed precision: the 16-bit dtype (to_compute_dtype)
+        self._device_type = "cpu"
+        self._sent: dict[str, torch.dtype] = {}          # mixed precision: crossing value -> its wire dtype
         self._state: dict[str, torch.Tensor] | None = None
         self._recompute: dict[fx.Node, int] = {}
         ginfo = graph_info(sg.gm)
@@ -85,6 +99,33 @@ class StageModule(nn.Module):
         self._recompute = regions(self.graph_module, mode, list(layers))
         self.recompute = mode
 
+    def to_compute_dtype(self, dtype: torch.dtype, device_type: str,
+                         sent: Mapping[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
+        """Mixed precision: hold the floating-point parameters in ``dtype`` (their identity kept)
+        and run forward under autocast. A floating-point value crossing between stages travels
+        in ``sent[its name]``, the dtype it has under autocast (:mod:`autopar.passes.autocast`;
+        ``dtype`` where not known). Returns the values the parameters had before (the fp32
+        masters start from them; a ZeRO-3 parameter emptied between steps has none)."""
+        self.compute_dtype, self._device_type = dtype, device_type
+        sent = dict(sent or {})
+        self._sent = {name: sent.get(name, dtype) for name in self.outputs}
+        self._sent.update({name: sent.get(name, dtype) for kind, name in self._order if kind == "act"})
+        drop_dtype_checks(self.graph_module)     # they pin the captured fp32 dtypes
+        before = {}
+        for fqn, p in self.named_parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                if p.numel():
+                    before[fqn] = p.data
+                p.data = p.data.to(dtype)
+        self._state = None
+        return before
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Autocast to the compute dtype under mixed precision, else nothing."""
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self._device_type, dtype=self.compute_dtype)
+
     def _apply(self, fn, recurse: bool = True):  # .to() and friends replace the tensors
         self._state = None
         return super()._apply(fn, recurse)
@@ -107,12 +148,16 @@ class StageModule(nn.Module):
         call = [state[key] if kind in ("param", "buffer", "constant") else next(acts) for kind, key in self._order]
         for i in self._mutated:          # a received activation is a leaf the schedule owns: write a copy
             call[i] = call[i].clone()
-        if self._recompute:
-            from autopar.runtime.recompute import run
-            outs = run(self.graph_module, call, self._recompute)
-        else:
-            outs = self.graph_module(*call)
+        with self.autocast():
+            if self._recompute:
+                from autopar.runtime.recompute import run
+                outs = run(self.graph_module, call, self._recompute)
+            else:
+                outs = self.graph_module(*call)
         outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+        if self.compute_dtype is not None and not self.is_last:   # each in the dtype the receiver expects
+            outs = tuple(o.to(self._sent[name]) if isinstance(o, torch.Tensor) and o.is_floating_point() else o
+                         for o, name in zip(outs, self.outputs))
         outs = tuple(o.contiguous() if isinstance(o, torch.Tensor) else o for o in outs)  # sends need it
         if self.is_last:                 # the schedule concatenates the last stage's micro-batch outputs
             outs = tuple(o.reshape(1) if isinstance(o, torch.Tensor) and o.dim() == 0 else o for o in outs)
@@ -124,13 +169,16 @@ class StageModule(nn.Module):
         """Empty tensors shaped like one micro-batch's inputs and outputs of this stage (the
         tensor-axis-local shapes), so the schedule needs no shape-inference pass."""
         phs = {n.name: n for n in self.graph_module.graph.nodes if n.op == "placeholder"}
+        sent = self._sent           # mixed precision: the dtypes activations travel in
         if user_args is not None:
             ins = tuple(torch.empty_like(a, device=device) for a in user_args)
         else:
-            ins = tuple(_example(phs[name], tp_n, device) for kind, name in self._order if kind == "act")
+            ins = tuple(_example(phs[name], tp_n, device, sent.get(name))
+                        for kind, name in self._order if kind == "act")
         out_node = next(n for n in self.graph_module.graph.nodes if n.op == "output")
         outs = out_node.args[0] if isinstance(out_node.args[0], (tuple, list)) else (out_node.args[0],)
-        outs = tuple(_example(n, tp_n, device) for n in outs)
+        outs = tuple(_example(n, tp_n, device, None if self.is_last else sent.get(name))
+                     for n, name in zip(outs, self.outputs))
         if self.is_last:
             outs = tuple(o.reshape(1) if o.dim() == 0 else o for o in outs)
         return ins, outs
@@ -152,7 +200,8 @@ def _mutated_inputs(gm: fx.GraphModule) -> list[int]:
     return sorted(set(out))
 
 
-def _example(node: fx.Node, tp_n: int, device: torch.device) -> torch.Tensor:
+def _example(node: fx.Node, tp_n: int, device: torch.device, sent: torch.dtype | None = None) -> torch.Tensor:
+    """An empty tensor like ``node``'s value on this rank (floating-point ones in ``sent`` if given)."""
     rec = info(node)
     value = rec.values[0]
     shape = [int(d) for d in value.shape]
@@ -163,7 +212,8 @@ def _example(node: fx.Node, tp_n: int, device: torch.device) -> torch.Tensor:
         placement = None
     if isinstance(placement, Shard) and tp_n > 1:
         shape[placement.dim] //= tp_n
-    out = torch.empty(shape, dtype=value.dtype, device=device)
+    dtype = sent if sent is not None and value.dtype.is_floating_point else value.dtype
+    out = torch.empty(shape, dtype=dtype, device=device)
     # the schedule makes received activations require grad as their examples do
     return out.requires_grad_(rec.requires_grad and value.dtype.is_floating_point)
 
@@ -183,7 +233,8 @@ class PipelineModule(nn.Module):
                  data: Sequence[StageDataAxis], shared: dict[str, dist.ProcessGroup],
                  device: torch.device,
                  examples: list[tuple[tuple, tuple]] | None = None, keyword_names: Sequence[str] = (),
-                 own_loss: bool = False) -> None:
+                 own_loss: bool = False, grads: MainGrads | None = None,
+                 master_init: Mapping[str, torch.Tensor] | None = None) -> None:
         super().__init__()
         from torch.distributed import pipelining
 
@@ -199,6 +250,10 @@ class PipelineModule(nn.Module):
         self._num_stages = num_stages
         self._device = device
         self._shared = dict(shared)      # parameter -> the group of pipeline ranks holding a copy
+        # mixed precision: the fp32 gradient accumulators, and the fp32 values the optimizer's masters start from
+        self.main_grads = grads
+        self._master_init = dict(master_init or {})
+        self.compute_dtype = next((st.compute_dtype for st in stages if st.compute_dtype is not None), None)
         pieces = {f: q for d in self._data for f, q in d.pieces.items()}
         for st in stages:
             for fqn, p in st.named_parameters(remove_duplicate=False):
@@ -208,8 +263,9 @@ class PipelineModule(nn.Module):
         for st in stages:
             st.is_last = st.index == num_stages - 1
         examples = examples or [(None, None)] * len(stages)
+        collect = self._collect if grads is not None else None
         self._pipe_stages = [_Stage(st, st.index, num_stages, device, input_args=ins, output_args=outs,
-                                    group=pp_group, on_last_backward=self._stage_done)
+                                    group=pp_group, on_last_backward=self._stage_done, on_backward=collect)
                              for st, (ins, outs) in zip(stages, examples)]
         if pieces:
             self._register_state_dict_hook(_whole_pieces)
@@ -218,6 +274,8 @@ class PipelineModule(nn.Module):
         floats = [p.dtype for st in stages for p in st.parameters() if p.dtype.is_floating_point]
         # every pipeline rank agrees on the loss's dtype (fp32, or fp64 for a float64 model)
         self._loss_dtype = torch.promote_types(torch.float32, floats[0] if floats else torch.float32)
+        if self.compute_dtype is not None:      # the loss runs under autocast, as the stages do
+            loss_fn = _Autocast(loss_fn, next(st for st in stages))
         self._first = any(st.index == 0 for st in stages)
         self._last = any(st.index == num_stages - 1 for st in stages)
         if schedule in MULTI:
@@ -228,6 +286,26 @@ class PipelineModule(nn.Module):
     @property
     def stages(self) -> list[StageModule]:
         return list(self._stages)
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """The dtype the optimizer steps (fp32 under mixed precision)."""
+        return self._loss_dtype
+
+    @property
+    def mixed(self) -> bool:
+        """Mixed precision: 16-bit stage parameters, fp32 gradient accumulators and masters."""
+        return self.main_grads is not None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self.main_grads is not None:
+            self.main_grads.clear()
+
+    def _collect(self, index: int) -> None:
+        """After a backward computation of stage ``index``: its 16-bit gradients into fp32."""
+        st = next(st for st in self._stages if st.index == index)
+        self.main_grads.collect(st.named_parameters())
 
     @property
     def pp_rank(self) -> int:
@@ -309,8 +387,13 @@ class PipelineModule(nn.Module):
         params = {}
         for st in self._stages:
             params.update(st.named_parameters(remove_duplicate=False))
-        for fqn in sorted(self._shared):   # a tied weight: sum its copies' gradients
+        for fqn in sorted(self._shared):   # a tied weight: sum its copies' gradients (fp32 ones if mixed)
             p = params[fqn]
+            if self.main_grads is not None:
+                if self.main_grads.get(fqn) is None:
+                    self.main_grads.set(fqn, torch.zeros(p.shape, dtype=self.main_grads.dtype, device=p.device))
+                dist.all_reduce(self.main_grads.get(fqn), group=self._shared[fqn])
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=self._shared[fqn])
@@ -322,13 +405,34 @@ class PipelineModule(nn.Module):
                           fix="loss = pm.step(inputs, target=targets); then optimizer.step()")
 
 
+class _Autocast:
+    """The loss function, run under the stages' autocast (mixed precision)."""
+
+    def __init__(self, fn: Callable, stage: StageModule) -> None:
+        self.fn, self.stage = fn, stage
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.stage.autocast():
+            return self.fn(*args, **kwargs)
+
+
 class _Stage(PipelineStage):
     """torch's pipeline stage, telling the data axis when the schedule has run this stage's
-    last micro-batch backward (its ``REDUCE_GRAD`` action, after the gradient scaling)."""
+    last micro-batch backward (its ``REDUCE_GRAD`` action, after the gradient scaling), and,
+    under mixed precision, the pipeline after every backward computation (full, input or
+    weight: the zero-bubble schedules leave weight gradients outside autograd's accumulation)."""
 
-    def __init__(self, *args: Any, on_last_backward: Callable[[int], None] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, on_last_backward: Callable[[int], None] | None = None,
+                 on_backward: Callable[[int], None] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._on_last_backward = on_last_backward
+        self._on_backward = on_backward
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        out = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+        if self._on_backward is not None:
+            self._on_backward(self.stage_index)
+        return out
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         super().perform_reduce_grad(grad_scale_factor)

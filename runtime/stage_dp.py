@@ -22,6 +22,11 @@ changes, so the data axis works per step, not per micro-batch:
 Gradients accumulate over micro-batches into whole tensors, under every stage, as the
 schedule's autograd calls leave them; what ZeRO saves inside a pipeline is the optimizer
 state (1-3) and, between steps, gradients (2-3) and parameters (3).
+
+Under mixed precision (``compute_dtype`` 16-bit, the masters fp32) the stages hold 16-bit
+parameters, the whole gradients are the pipeline's fp32 accumulators
+(:class:`~autopar.runtime.main_grads.MainGrads`), every reduction travels in fp32, ZeRO-3's
+pieces are the fp32 masters themselves and its step gathers them in the 16-bit dtype.
 """
 from __future__ import annotations
 
@@ -33,21 +38,27 @@ from torch import nn
 
 from autopar.runtime.collectives import _c10d
 from autopar.runtime.dp import Bucket, DPRuntime, shard_range
+from autopar.runtime.main_grads import MainGrads
 
 
 class StageDataAxis:
     """The data axis of this rank's stages (module docstring). ``stages`` are
     ``(stage index, {state_dict key: the Parameter the stage computes with})``; ``shared``
     names the parameters several pipeline ranks hold; ``divisor`` how many ranks' rows a summed
-    gradient covers (default ``n``; see :class:`~autopar.runtime.dp.DPRuntime`)."""
+    gradient covers (default ``n``; see :class:`~autopar.runtime.dp.DPRuntime`). Under mixed
+    precision ``compute_dtype`` is the 16-bit dtype and ``grads`` the fp32 accumulators the
+    whole gradients live in; the parameters are still in the master dtype when this is built
+    (ZeRO-3 cuts its fp32 pieces from them) and are cast after."""
 
     def __init__(self, stages: Iterable[tuple[int, dict[str, nn.Parameter]]], *, zero_stage: int, n: int, rank: int,
                  group_name: str, device: torch.device, shared: Iterable[str] = (),
-                 divisor: int | None = None) -> None:
+                 divisor: int | None = None, compute_dtype: torch.dtype | None = None,
+                 grads: MainGrads | None = None) -> None:
         stages = list(stages)
         master = next((p.dtype for _, ps in stages for p in ps.values() if p.dtype.is_floating_point), torch.float32)
         self.rt = DPRuntime(stage=zero_stage, n=n, rank=rank, group_name=group_name, device=device,
-                            master_dtype=master, divisor=divisor)
+                            master_dtype=master, compute_dtype=compute_dtype, divisor=divisor)
+        self.main = grads
         self.zero_stage = zero_stage
         self.params: dict[str, nn.Parameter] = {}
         self.pieces: dict[str, nn.Parameter] = {}          # ZeRO-3: what the module registers and steps
@@ -108,18 +119,28 @@ class StageDataAxis:
             got = _c10d.wait_tensor(handle)
             self._land(b, got)
         if self.zero_stage == 3:
-            for p in self.params.values():
-                p.grad = None
+            for fqn, p in self.params.items():
+                self._drop_grad(fqn)
                 p.data = p.data.new_empty(0)
+
+    def grad(self, fqn: str) -> torch.Tensor | None:
+        """The whole gradient of ``fqn`` this step accumulated (fp32 under mixed precision)."""
+        return self.main.get(fqn) if self.main is not None else self.params[fqn].grad
+
+    def _drop_grad(self, fqn: str) -> None:
+        if self.main is not None:
+            self.main.pop(fqn)
+        else:
+            self.params[fqn].grad = None
 
     def _issue(self, b: Bucket) -> None:
         rt = self.rt
-        grads = [self.params[f].grad for f in b.fqns]
+        grads = [self.grad(f) for f in b.fqns]
         if self.zero_stage == 1 or all(g is None for g in grads):
             return
         if self.zero_stage == 0:
-            flat = torch.cat([(g if g is not None else torch.zeros_like(self.params[f])).reshape(-1).to(rt.reduce_dtype)
-                              for f, g in zip(b.fqns, grads)]).div_(rt.divisor)
+            flat = torch.cat([(g if g is not None else torch.zeros(s, dtype=rt.reduce_dtype, device=rt.device))
+                              .reshape(-1).to(rt.reduce_dtype) for s, g in zip(b.shapes, grads)]).div_(rt.divisor)
             self._pending.append((b, _c10d.all_reduce_(flat, "sum", rt.group_name)))
             return
         rows = b.to_rows(grads, rt.reduce_dtype).div_(rt.divisor)
@@ -128,15 +149,14 @@ class StageDataAxis:
     def _land(self, b: Bucket, got: torch.Tensor) -> None:
         if self.zero_stage == 0:
             for i, fqn in enumerate(b.fqns):
-                p = self.params[fqn]
-                if p.grad is not None:
-                    p.grad.copy_(got[b.flat_offsets[i]:b.flat_offsets[i + 1]].view_as(p.grad))
+                g = self.grad(fqn)
+                if g is not None:
+                    g.copy_(got[b.flat_offsets[i]:b.flat_offsets[i + 1]].view_as(g))
             return
         for fqn, piece, ok in zip(b.fqns, b.row_pieces(got), b.trainable):
-            p = self.params[fqn]
-            if not ok or p.grad is None:
+            if not ok or self.grad(fqn) is None:
                 continue
-            p.grad = None                                  # the whole gradient is not kept
+            self._drop_grad(fqn)                           # the whole gradient is not kept
             if self.zero_stage == 2:
                 self.rt.accumulate(fqn, piece)
             else:

@@ -306,9 +306,17 @@ def test_every_error_is_a_config_error_where_it_was_one():
         assert issubclass(cls, AutoparError)
 
 
-@pytest.mark.parametrize("mesh,option", [({"pp": 2}, {"mixed_precision": "bf16"}), ({"pp": 2}, {"calibration": _x()}),
-                                         ({"ep": 2}, {"placements": {"up.weight": "S(0)"}})])
+@pytest.mark.parametrize("mesh,option", [({"pp": 2}, {"bucket_bytes": 1 << 20}), ({"pp": 2}, {"calibration": _x()}),
+                                         ({"ep": 2}, {"placements": {"up.weight": "S(0)"}}),
+                                         ({"pp": 2}, {"mixed_precision": "fp8"})])
 def test_an_option_the_build_would_drop_is_refused(mesh, option):
     with pytest.raises(autopar.ConfigError) as err:
         autopar.parallelize(MLP(), mesh, (_x(),), **option)
     assert next(iter(option)) in str(err.value) and "fix:" in str(err.value)
+
+
+def test_mixed_precision_other_than_the_plans_is_refused():
+    plan = autopar.plan(MLP(), {"dp": 2}, (_x(),), mixed_precision="bf16")
+    with pytest.raises(autopar.ConfigError) as err:
+        autopar.parallelize(MLP(), {"dp": 2}, (_x(),), plan=plan, mixed_precision="fp16")
+    _says(err, "differs from the plan's", "'bf16'", "'fp16'")
