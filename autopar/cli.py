@@ -101,7 +101,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     from autopar.cost.cluster import Cluster
     from autopar.cost.dp_planner import plan_dp
-    from autopar.workload import capture_workload, load_workload, parse_overrides
+    from autopar.workload import capture_for_planning, capture_workload, load_workload, parse_overrides
     if args.save_plan and args.pp != "auto":
         raise ConfigError("--save-plan writes the joint search's plan", where="autopar plan",
                           got=f"--pp {args.pp}", fix="drop --pp (the default, auto, searches every parallelism)")
@@ -115,11 +115,14 @@ def _plan(args: argparse.Namespace) -> int:
                           fix="pass the per-device budget in GB, e.g. --memory-budget 80")
     start = time.perf_counter()
     w = load_workload(args.model, batch=args.batch, seq=args.seq, overrides=parse_overrides(args.set))
+    if args.pp == "auto":   # the joint search reads one block's figures: fewer layers do (workload.py)
+        planned = capture_for_planning(w)
+        _progress(args, f"built and captured {w.name} ({planned.describe()}) in {time.perf_counter() - start:.1f}s; "
+                        f"planning for {cluster.name} …")
+        return _plan_hybrid(args, w, planned, cluster, start)
     gm = capture_workload(w)
     _progress(args, f"built and captured {w.name} ({len(gm.graph.nodes)} nodes) in {time.perf_counter() - start:.1f}s;"
                     f" planning for {cluster.name} …")
-    if args.pp == "auto":
-        return _plan_hybrid(args, w, gm, cluster, start)
     args.pp = _positive_int(args.pp, "--pp")
     if args.pp > 1:
         return _plan_pipeline(args, w, gm, cluster, tp[0] if tp else 1)

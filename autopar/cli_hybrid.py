@@ -17,12 +17,14 @@ from autopar.errors import ConfigError, DoesNotFitError, PlanFileError
 _HYBRID_HELP = "the simulator's figures (cost/hybrid.py)"
 
 
-def _hybrid_facts(args: argparse.Namespace, gm):
+def _hybrid_facts(args: argparse.Namespace, planned):
+    """The simulator's facts of a :class:`~autopar.workload.PlanningCapture` (fewer layers than
+    the model's where it could: ``layers=`` gives the real count)."""
     from autopar.cost.hybrid import ModelFacts
     from autopar.cost.dp_planner import optimizer_floats
     dtype = "fp32" if args.dtype == "fp32" else args.dtype
-    return ModelFacts(gm, seq=args.seq, dtype=dtype, optimizer_floats=optimizer_floats(args.optimizer),
-                      attention=getattr(args, "attention", "flash"))
+    return ModelFacts(planned.gm, seq=args.seq, dtype=dtype, optimizer_floats=optimizer_floats(args.optimizer),
+                      attention=getattr(args, "attention", "flash"), layers=planned.block_copies)
 
 
 def _hybrid_json(w, cluster, args, best, others, planner_s: float, scored: int) -> dict:
@@ -37,12 +39,13 @@ def _budget(args: argparse.Namespace, cluster) -> float:
     return args.memory_budget * 1e9 if args.memory_budget is not None else cluster.device.memory_bytes
 
 
-def _plan_hybrid(args: argparse.Namespace, w, gm, cluster, start: float) -> int:
-    """``autopar plan`` (default): the joint search over every parallelism (cost/hybrid.py)."""
+def _plan_hybrid(args: argparse.Namespace, w, planned, cluster, start: float) -> int:
+    """``autopar plan`` (default): the joint search over every parallelism (cost/hybrid.py), on
+    ``planned``, the workload's :func:`~autopar.workload.capture_for_planning`."""
     from autopar.cost.hybrid import RECOMPUTE
     from autopar.cost.plan_search import leanest, search, smallest_cluster
 
-    facts = _hybrid_facts(args, gm)
+    facts = _hybrid_facts(args, planned)
     space = {}
     if args.tp != "auto":
         space["tp_max"] = _positive_int(args.tp, "--tp")
@@ -169,12 +172,11 @@ def _simulate(args: argparse.Namespace) -> int:
     """``autopar simulate``: score one fixed configuration with the planner's simulator."""
     from autopar.cost.cluster import Cluster
     from autopar.cost.hybrid import Config, simulate
-    from autopar.workload import capture_workload, load_workload, parse_overrides
+    from autopar.workload import capture_for_planning, load_workload, parse_overrides
 
     cluster = Cluster.from_spec(args.cluster, hardware=args.hardware)
     w = load_workload(args.model, batch=args.batch, seq=args.seq, overrides=parse_overrides(args.set))
-    gm = capture_workload(w)
-    facts = _hybrid_facts(args, gm)
+    facts = _hybrid_facts(args, capture_for_planning(w))
     tp, pp = args.tp, args.pp
     dp = args.dp or cluster.world_size // (tp * pp)
     if dp * tp * pp != cluster.world_size:

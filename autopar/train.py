@@ -100,10 +100,11 @@ def choose(name: str, overrides: dict, ranks: int, batch: int, seq: int):
     from autopar.cost.cluster import Cluster
     from autopar.cost.hybrid import ModelFacts, simulate
     from autopar.cost.plan_search import configurations
-    from autopar.workload import capture_workload, load_workload
+    from autopar.workload import capture_for_planning, load_workload
 
     w = load_workload(name, batch=batch, seq=seq, overrides={k: str(v) for k, v in overrides.items()})
-    facts = ModelFacts(capture_workload(w), seq=seq, dtype="fp32")
+    planned = capture_for_planning(w)
+    facts = ModelFacts(planned.gm, seq=seq, dtype="fp32", layers=planned.block_copies)
     cluster = Cluster.from_spec(f"1x{ranks}", hardware="cpu")
     best, scored = None, 0
     for c in configurations(facts, devices=ranks, batch=batch, per_node=ranks, recomputes=("none", "full"),

@@ -48,7 +48,7 @@ from autopar.cost.cluster import Cluster  # noqa: E402
 from autopar.cost.hybrid import Config, ModelFacts, simulate  # noqa: E402
 from autopar.cost.plan_search import search  # noqa: E402
 from autopar.errors import ConfigError  # noqa: E402
-from autopar.workload import capture_workload, load_workload  # noqa: E402
+from autopar.workload import capture_for_planning, load_workload  # noqa: E402
 
 DEFAULT_CSV = Path(__file__).resolve().parent / "anchors" / "megatron_weak_scaling.csv"
 TOLERANCE = 0.15
@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         over = {"hidden": r["hidden"], "layers": r["layers"], "heads": r["heads"], "vocab": "51200",
                 "max_seq": "2048"}
         w = load_workload("gpt", batch=1, seq=2048, overrides=over)
-        facts = ModelFacts(capture_workload(w), seq=2048, dtype="fp16", attention=ATTENTION)
+        planned = capture_for_planning(w)
+        facts = ModelFacts(planned.gm, seq=2048, dtype="fp16", attention=ATTENTION, layers=planned.block_copies)
         gpus, batch = int(r["gpus"]), int(r["global_batch"])
         cluster = Cluster.from_spec(f"{gpus // 8}x8", hardware="a100")
         mega = megatron_config(facts, cluster, r, batch)

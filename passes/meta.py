@@ -135,6 +135,9 @@ class GraphInfo:
     input_names: list[str] = field(default_factory=list)
     module_types: dict[str, str] = field(default_factory=dict)  # fqn -> class name
     block_classes: list[BlockClass] = field(default_factory=list)
+    # class id -> how many copies the real model has, for a graph captured with fewer
+    # (autopar.workload.capture_for_planning); a class not here has its captured count
+    block_copies: dict[int, int] = field(default_factory=dict)
     moe_regions: list[MoERegion] = field(default_factory=list)
     passes_run: list[str] = field(default_factory=list)
     in_spec: Any = None                        # pytree spec of the user's inputs (export's)
@@ -164,6 +167,12 @@ def graph_info(gm: fx.GraphModule) -> GraphInfo:
     if rec is None:
         raise AutoparInternalError("graph has no autopar record: was it made by autopar.capture?")
     return rec
+
+
+def block_copies(gm: fx.GraphModule, cls: BlockClass) -> int:
+    """How many copies of ``cls`` the real model has: its captured members, unless ``gm`` was
+    captured with fewer (``GraphInfo.block_copies``)."""
+    return graph_info(gm).block_copies.get(cls.id, len(cls.members))
 
 
 _DTYPE_BYTES: dict[torch.dtype, int] = {}
