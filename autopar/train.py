@@ -155,6 +155,7 @@ def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: i
     pipeline = dict(loss_fn=_loss, schedule=cfg["schedule"], microbatches=batch // dp // cfg["micro_batch"],
                     virtual_stages=cfg["virtual"] if cfg["schedule"] == "interleaved" else None) if pp > 1 else {}
     pm = autopar.parallelize(model, mesh, local, zero_stage=cfg["zero_stage"], recompute=cfg["recompute"],
+                             mixed_precision=cfg.get("precision"),
                              memory_budget=budget, **pipeline)
     opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
@@ -235,8 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     for i, (got, want, seconds) in enumerate(res[0]["rows"], start=res[0]["first"]):
         worst = max(worst, abs(got - want) / abs(want))
         print(f"{i:>4} {got:>14.6f} {want:>15.6f} {got - want:>11.2e} {seconds * 1e3:>8.1f}")
-    print(f"largest relative difference {worst:.1e}" + ("" if worst < 1e-5 else "  (above 1e-5)"))
-    return 0 if worst < 1e-5 else 1
+    # a 16-bit plan computes in 16 bits beside a float32 reference: its rounding, not a mismatch
+    tol = 5e-2 if cfg.get("precision") else 1e-5
+    print(f"largest relative difference {worst:.1e}" + ("" if worst < tol else f"  (above {tol:g})")
+          + (f" ({cfg['precision']} compute with fp32 masters against a float32 reference)" if cfg.get("precision")
+             else ""))
+    return 0 if worst < tol else 1
 
 
 def runtime_mesh(cfg: dict) -> dict[str, int]:
@@ -296,6 +301,7 @@ def _from_plan(args: argparse.Namespace) -> tuple[str, dict, dict, int]:
                           where="autopar train --set layers", fix=f"use a multiple of {scaled.pp * scaled.virtual}")
     world = scaled.dp * scaled.tp * scaled.pp
     batch = scaled.dp * scaled.micro_batch * m
+    precision = saved.dtype if saved.dtype in ("bf16", "fp16") else None
     step = saved.predicted.get("step_time_s")
     mfu = saved.predicted.get("mfu")
     print(f"plan:   {config_line(c, m)}: {saved.model} on {saved.cluster} {saved.hardware} ({saved.devices} devices)"
@@ -309,8 +315,10 @@ def _from_plan(args: argparse.Namespace) -> tuple[str, dict, dict, int]:
     print(f"  model: {saved.model} made small ({', '.join(f'{k}={v}' for k, v in over.items())}); global batch "
           f"{batch} = {scaled.dp} data replica{'s' * (scaled.dp > 1)} x {m} micro-batches x {scaled.micro_batch}, "
           f"seq {args.seq}")
+    if precision:
+        print(f"  precision: {precision} compute with fp32 master weights, as planned")
     sys.stdout.flush()
-    return saved.model, over, _cfg(scaled), batch
+    return saved.model, over, {**_cfg(scaled), "precision": precision}, batch
 
 
 if __name__ == "__main__":

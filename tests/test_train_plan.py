@@ -13,9 +13,9 @@ from autopar.errors import ConfigError, PlanFileError
 from autopar.train import runtime_mesh, scale_down, small_overrides, _cfg
 
 
-def _saved(c: Config, microbatches: int, model: str = "gpt") -> SavedPlan:
+def _saved(c: Config, microbatches: int, model: str = "gpt", dtype: str = "bf16") -> SavedPlan:
     return SavedPlan(model=model, overrides={}, cluster="8x8", hardware="h100", devices=c.dp * c.tp * c.pp,
-                     batch=c.dp * c.micro_batch * microbatches, seq=1024, dtype="bf16", config=c,
+                     batch=c.dp * c.micro_batch * microbatches, seq=1024, dtype=dtype, config=c,
                      microbatches=microbatches, predicted={"step_time_s": 1.5, "mfu": 0.4})
 
 
@@ -187,8 +187,9 @@ def test_small_model_keeps_the_family():
 
 def test_train_plan_runs_the_scaled_structure_and_matches_single_process(capsys, tmp_path):
     # a 64-device plan with pp, dp and tp: on 4 ranks pp=2 x dp=2, tp left out for want of ranks
+    # (an fp32 plan: it trains in fp32 and must match a float32 process to round-off)
     path = tmp_path / "plan.json"
-    _saved(Config(dp=8, tp=2, pp=4, micro_batch=2, schedule="1f1b"), 4).save(path)
+    _saved(Config(dp=8, tp=2, pp=4, micro_batch=2, schedule="1f1b"), 4, dtype="fp32").save(path)
     code = main(["train", "--plan", str(path), "--ranks", "4", "--steps", "2", "--seq", "16", "--set", "layers=2"])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -198,4 +199,16 @@ def test_train_plan_runs_the_scaled_structure_and_matches_single_process(capsys,
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["0"], ["1"])]
     assert len(rows) == 2
     worst = float(out.split("largest relative difference")[1].split()[0])
-    assert worst < 1e-5
+    assert worst < 1e-5 and "precision:" not in out
+
+
+def test_a_16_bit_plan_trains_in_16_bits(capsys, tmp_path):
+    # the plan's precision is built: bf16 compute with fp32 masters, beside a float32 reference
+    path = tmp_path / "plan.json"
+    _saved(Config(dp=8, tp=1, pp=2, micro_batch=1, schedule="1f1b"), 2, dtype="bf16").save(path)
+    code = main(["train", "--plan", str(path), "--ranks", "4", "--steps", "1", "--seq", "8", "--set", "layers=2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "precision: bf16 compute with fp32 master weights" in out
+    worst = float(out.split("largest relative difference")[1].split()[0])
+    assert 1e-7 < worst < 5e-2        # bf16 rounding shows, and stays rounding
