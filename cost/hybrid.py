@@ -175,6 +175,9 @@ class ModelFacts:
         for i, n in enumerate(nodes):
             m = info(n).block_member
             self.where[n] = "block" if m in self.members else ("pre" if i < first else "post")
+        # values of the part before read by exactly one block (the first): their conversions
+        self._entry = {n for n in nodes if self.where[n] == "pre" and n.op == "call_function"
+                       and len({info(u).block_member for u in n.users if self.where.get(u) == "block"}) == 1}
         self.params: dict[str, float] = {"pre": 0.0, "block": 0.0, "post": 0.0}
         self._param_nodes = [n for n in nodes if n.op == "placeholder" and info(n).kind == "param"]
         self._cache: dict[tuple[int, int, Any], dict[str, _Part]] = {}
@@ -337,8 +340,11 @@ class ModelFacts:
                     if src is None or j >= len(s.inputs) or not src.outputs:
                         continue
                     t = pricer.convert(arg, 0, src.outputs[0], s.inputs[j]) * width
-                    p.comm_fwd += t / 2
-                    p.comm_bwd += t / 2
+                    # the conversion of a value entering the first block happens once, on the
+                    # first stage: charged to the part before (not to every counted copy)
+                    q = parts["pre"] if arg in self._entry else p
+                    q.comm_fwd += t / 2
+                    q.comm_bwd += t / 2
         blk = parts["block"]
         for name in blk.__dataclass_fields__:
             setattr(blk, name, getattr(blk, name) / self.captured_layers)
