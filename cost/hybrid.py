@@ -3,47 +3,31 @@ micro-batches, schedule) scored in seconds and bytes. The search over all of the
 :mod:`autopar.cost.plan_search`.
 
 Facts come from the captured graph once (:class:`ModelFacts`): the repeated block class
-(transformer layers), what runs before the first block (embeddings) and after the last
-(final norm, head), with FLOPs, bytes and saved activations per op as formulas of ``batch``
-and ``seq``. For a tensor degree ``t`` and micro-batch ``b`` the tensor-axis solver runs once
-on the whole graph (it plans one block and reuses it for every copy); every op is then priced
-by the cost model's roofline at the fraction of work its strategy leaves on one rank, and the
-solver's placement conversions are priced where they happen. Per micro-batch that gives the
-forward and backward seconds of one block, of the part before and of the part after.
+(transformer layers), what runs before the first block (embeddings, and layers of another
+class) and after the last (final norm, head), with FLOPs, bytes and saved activations per op
+as formulas of ``batch`` and ``seq``; a graph captured with fewer copies of the block
+(:func:`autopar.workload.capture_for_planning`) gives the same figures with ``layers=``. For
+a tensor degree ``t`` and micro-batch ``b`` the tensor-axis solver lays the graph out at that
+micro-batch size (it plans one block and reuses it for every copy); every op is then priced by
+:func:`autopar.cost.op_cost.node_seconds` (the roofline at the bytes its placement leaves on a
+rank, GEMMs and attention at their shape's efficiency) and the solver's placement conversions
+where they happen. Per micro-batch that gives the forward and backward seconds of one block,
+of the part before and of the part after.
 
 A configuration (:func:`simulate`):
 
-- pipeline stages get ``L / (pp*v)`` blocks each, the first also the part before, the last
-  the part after; recomputation adds each block's forward again to its backward (``full``),
-  or only the attention-score ops (``selective``: softmax / masking / dropout between the two
-  attention matmuls); the schedule simulator (:mod:`autopar.cost.pp_sim`) runs the
-  ``B / (dp*b)`` micro-batches through them with p2p of one block boundary's activation;
-- the data axis, priced on the links the dp axis spans, works as the runtime does, which
-  differs with and without a pipeline:
-
-  - ``pp > 1`` (:mod:`autopar.runtime.stage_dp`): once per step, not per micro-batch. ZeRO-3
-    gathers the stages' whole parameters before the first micro-batch; after the last backward
-    ZeRO-0 all-reduces the gradients and ZeRO-2/3 reduce-scatter them, and ZeRO-1's optimizer
-    reduce-scatters them at its step; ZeRO-1/2 all-gather the updated parameters after it. All
-    of it is exposed (the gather precedes the first stage's first forward, the reductions follow
-    its last backward; nothing overlaps the pipeline's compute);
-  - ``pp == 1`` (the lone stage's runtime, :mod:`autopar.runtime.dp`): the reduction
-    (all-reduce for ZeRO-0/1, reduce-scatter for 2/3) runs during the last micro-batch's
-    backward, which hides what it can; ZeRO-1/2 all-gather the updated parameters once per
-    step; ZeRO-3 gathers every bucket for each micro-batch's forward and again for its
-    backward, prefetched under compute except the first. (The runtime's ZeRO-1 reduce-scatters
-    at the optimizer step instead: the same bytes as the all-reduce priced here, less hidden.)
-- the optimizer step reads and writes the stage's state once (memory-bound);
-- memory per device: parameters, gradients and optimizer state of the stage's (with ``v``
-  virtual stages: the rank's stages') share of parameters, plus the activations of the
-  micro-batches the schedule keeps in flight (a block input per block under ``full``, and one
-  block's whole activations during its recomputation). Optimizer state is divided by dp for
-  ZeRO >= 1 (in 16-bit it includes the fp32 master weights). With ``pp > 1`` the parameters
-  and gradients are whole under every ZeRO stage: gradients accumulate over the micro-batches
-  into whole tensors and are reduced only after the last backward, and ZeRO-3 keeps the
-  gathered whole parameters for the whole step (in 32-bit its flat pieces, the optimizer's
-  masters, add 1/dp more); what ZeRO saves inside a pipeline is optimizer state. With
-  ``pp == 1`` ZeRO-2/3 hold 1/dp of the gradients and ZeRO-3 1/dp of the parameters.
+- pipeline stages get the block counts that minimise the slowest stage, the first also holding
+  the part before and the last the part after (:func:`autopar.cost.step_terms.stage_layers`);
+  recomputation adds each layer's forward again to its backward (``full``: every layer, of
+  every block class), or only the attention cores (``selective``); zero-bubble's split backward
+  costs ``ZB_SPLIT_OVERHEAD`` more; the schedule simulator (:mod:`autopar.cost.pp_sim`) runs the
+  ``B / (dp*b)`` micro-batches through them with p2p of one block boundary's activation at the
+  tensor layout's share; without a pipeline the one stage runs the micro-batches in turn;
+- the data axis, the optimizer step and the memory a device holds are priced as the runtime
+  spends them (:mod:`autopar.cost.step_terms`: gradients reduced in fp32, parameters gathered
+  in the compute dtype; once per step inside a pipeline, per micro-batch without one; ZeRO-1
+  at the optimizer step); memory is each pipeline rank's, from its own stages, with the
+  activations the schedule keeps in flight on it.
 
 Hardware FLOP/s count recomputation; model FLOP/s and MFU do not.
 """
@@ -60,8 +44,9 @@ import torch.fx as fx
 
 from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
-from autopar.cost.compute import op_time
 from autopar.cost.op_cost import node_seconds
+from autopar.cost.step_terms import (DataBytes, device_memory, lone_stage_data_axis, optimizer_time,
+                                     pipeline_data_axis, stage_layers)
 from autopar.errors import ConfigError
 from autopar.passes.meta import evaluate, graph_info, info
 from autopar.passes.sharding import is_decision, tensor_inputs
@@ -460,20 +445,20 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
             for d in range(c.pp)]
     experts = [sum(counts[s] for s in range(d, stages, c.pp)) * expert_block for d in range(c.pp)]
     working = blk.saved if c.recompute == "full" else 0.0     # one block's, while it is recomputed
-    mems = [_memory(facts, c, held[d], result.peak_activation_bytes[d] + working, per_block, numel)
+    mems = [device_memory(facts, c, held[d], result.peak_activation_bytes[d] + working, per_block, numel)
             for d in range(c.pp)]
     worst = max(range(c.pp), key=lambda d: sum(mems[d].values()))
     mem = mems[worst]
     # the data axis and the optimizer: the slowest device's (the one holding the most parameters)
     d_big = max(range(c.pp), key=lambda d: held[d])
     stage_params = held[d_big]
-    bytes_ = _DataBytes.of(facts, stage_params, experts[d_big], per_block, numel["pre"])
+    bytes_ = DataBytes.of(facts, stage_params, experts[d_big], per_block, numel["pre"])
     if c.pp > 1:
-        dp_comm, exposed = _pipeline_data_axis(c, cluster, axes, bytes_)
+        dp_comm, exposed = pipeline_data_axis(c, cluster, axes, bytes_)
     else:
-        dp_comm, exposed = _lone_stage_data_axis(c, cluster, axes, bytes_, m, fwd[0], bwd[0])
+        dp_comm, exposed = lone_stage_data_axis(c, cluster, axes, bytes_, m, fwd[0], bwd[0])
     state_bytes_per_param = (4 + 4 * facts.k) if facts.dtype in ("bf16", "fp16") else 4 * (2 + facts.k)
-    optim = _optimizer_time(stage_params / (c.dp if c.zero_stage >= 1 else 1), state_bytes_per_param, cluster)
+    optim = optimizer_time(stage_params / (c.dp if c.zero_stage >= 1 else 1), state_bytes_per_param, cluster)
     step = pipe + exposed + optim
     peak = sum(mem.values())
     fits = budget is None or peak <= budget
@@ -491,147 +476,6 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
                         "tp_comm_per_block_s": blk.comm_fwd + blk.comm_bwd, "block_fwd_s": blk.fwd,
                         "block_bwd_s": blk.bwd, "stage_fwd_s": fwd, "stage_bwd_s": bwd, "p2p_s": p2p,
                         "stage_layers": list(counts), "device_memory_bytes": mems})
-
-
-def stage_layers(layers: int, stages: int, block: float, pre: float = 0.0, post: float = 0.0) -> list[int]:
-    """Blocks per pipeline stage, contiguous and at least one each, that minimise the slowest
-    stage's time: each block costs ``block``, the first stage also ``pre`` (embeddings) and the
-    last ``post`` (final norm, head). The runtime's cut search (:func:`autopar.passes.pp_split.
-    plan_cuts`) minimises the same bottleneck over the captured ops; restricted to block
-    boundaries it is this. Llama 3 405B's 126 layers on 16 stages come out as Meta laid them
-    (first and last stage one layer lighter) once the head and embedding weigh about a layer."""
-    if stages == 1:
-        return [layers]
-    extra = [pre] + [0.0] * (stages - 2) + [post]
-    block = max(block, 1e-30)
-
-    def capacity(limit: float) -> list[int]:
-        return [max(0, int((limit - e) / block * (1 + 1e-12))) for e in extra]
-
-    # the bottleneck is k blocks plus one stage's extra, for some k: search the smallest that fits
-    candidates = sorted({k * block + e for e in set(extra) for k in range(1, layers + 1)})
-    lo, hi = 0, len(candidates) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        caps = capacity(candidates[mid])
-        if min(caps) >= 1 and sum(caps) >= layers:
-            hi = mid
-        else:
-            lo = mid + 1
-    counts = capacity(candidates[lo])
-    if min(counts) < 1 or sum(counts) < layers:
-        counts = [1] * stages
-        counts[stages // 2] += layers - stages
-        return counts
-    # give back the surplus from the slowest stages, keeping the middle ones the fullest
-    surplus = sum(counts) - layers
-    order = sorted(range(stages), key=lambda s: (-(counts[s] * block + extra[s]), abs(s - (stages - 1) / 2)))
-    while surplus:
-        for s in order:
-            if surplus and counts[s] > 1:
-                counts[s] -= 1
-                surplus -= 1
-        order = sorted(range(stages), key=lambda s: (-(counts[s] * block + extra[s]), abs(s - (stages - 1) / 2)))
-    return counts
-
-
-@dataclass(frozen=True)
-class _DataBytes:
-    """What one rank's data axis moves: gradients are reduced in fp32 (a mixed-precision run
-    keeps and reduces them in fp32, ``runtime/dp.py``), parameters gathered in the compute
-    dtype; ``tail``: the last bucket's share, which no compute hides."""
-
-    grads: float
-    params: float
-    expert_grads: float
-    expert_params: float
-    tail_grads: float
-    tail_params: float
-
-    @staticmethod
-    def of(facts: "ModelFacts", numel: float, expert_numel: float, per_block: float, pre: float) -> "_DataBytes":
-        cw = 2.0 if facts.dtype in ("bf16", "fp16") else 4.0
-        tail = min(numel, max(per_block, pre))
-        return _DataBytes(grads=4.0 * numel, params=cw * numel, expert_grads=4.0 * expert_numel,
-                          expert_params=cw * expert_numel, tail_grads=4.0 * tail, tail_params=cw * tail)
-
-
-def _data_collective(kind: str, nbytes: float, expert_bytes: float, c: Config, cluster: Cluster,
-                     axes: tuple[tuple[str, int], ...]) -> float:
-    """One collective of ``nbytes`` of a stage's gradients or parameters over the data axis. With
-    experts (``ep > 1``) their ``expert_bytes`` go over the ``dp / ep`` ranks holding the same
-    experts, the dense rest over the whole data axis."""
-    if c.dp == 1:
-        return 0.0
-    if c.ep == 1:
-        return collective_time(kind, nbytes, cluster, axes, "dp")
-    ep_axes = (("pp", c.pp), ("dp", c.dp // c.ep), ("ep", c.ep), ("tp", c.tp))
-    return collective_time(kind, nbytes - expert_bytes, cluster, axes, "dp") + \
-        (collective_time(kind, expert_bytes, cluster, ep_axes, "dp") if c.dp > c.ep else 0.0)
-
-
-def _lone_stage_data_axis(c: Config, cluster: Cluster, axes: tuple[tuple[str, int], ...], b: _DataBytes,
-                          m: int, fwd: float, bwd: float) -> tuple[float, float]:
-    """The data axis without a pipeline (``pp == 1``, :mod:`autopar.runtime.dp`), as the runtime
-    runs it for ``m`` micro-batches of ``fwd`` + ``bwd`` seconds each: seconds in all, and
-    exposed. The runtime reduces every backward (there is no skipped synchronisation between
-    micro-batches):
-
-    - ZeRO-0 all-reduces each micro-batch's gradients during its backward;
-    - ZeRO-1 accumulates whole gradients and reduce-scatters them at ``opt.step()``, then
-      all-gathers the updated parameters: both after the last backward, both exposed;
-    - ZeRO-2 reduce-scatters each micro-batch's gradients during its backward and all-gathers
-      the updated parameters after the step (exposed);
-    - ZeRO-3 gathers every bucket for each micro-batch's forward and again for its backward and
-      reduce-scatters during backward, prefetched under compute.
-
-    What overlaps a micro-batch's compute is hidden up to that compute; the last bucket's
-    collective (the first bucket's gather) is exposed whatever the overlap."""
-    if c.dp == 1:
-        return 0.0, 0.0
-
-    def coll(kind: str, nbytes: float, expert: float) -> float:
-        return _data_collective(kind, nbytes, expert, c, cluster, axes)
-
-    def overlapped(total: float, tail: float, compute: float) -> float:
-        return max(total - compute, tail)
-
-    z = c.zero_stage
-    rs = coll("reduce_scatter", b.grads, b.expert_grads)
-    ag = coll("all_gather", b.params, b.expert_params)
-    if z == 0:
-        ar = coll("all_reduce", b.grads, b.expert_grads)
-        tail = coll("all_reduce", b.tail_grads, 0.0)
-        return m * ar, m * overlapped(ar, tail, bwd)
-    if z == 1:
-        return rs + ag, rs + ag
-    if z == 2:
-        tail = coll("reduce_scatter", b.tail_grads, 0.0)
-        return m * rs + ag, m * overlapped(rs, tail, bwd) + ag
-    tail_ag, tail_rs = coll("all_gather", b.tail_params, 0.0), coll("reduce_scatter", b.tail_grads, 0.0)
-    total = m * (2 * ag + rs)
-    exposed = m * (overlapped(ag, tail_ag, fwd) + overlapped(ag + rs, tail_ag + tail_rs, bwd))
-    return total, exposed
-
-
-def _pipeline_data_axis(c: Config, cluster: Cluster, axes: tuple[tuple[str, int], ...],
-                        b: _DataBytes) -> tuple[float, float]:
-    """The data axis of a pipeline rank (``pp > 1``, :mod:`autopar.runtime.stage_dp`): seconds in
-    all, and exposed. It works once per step, not per micro-batch: ZeRO-3 gathers the stages'
-    whole parameters before the first micro-batch; after the last backward ZeRO-0 all-reduces the
-    gradients and ZeRO-2/3 reduce-scatter them, and ZeRO-1's optimizer reduce-scatters them at its
-    step; ZeRO-1/2 all-gather the updated parameters after it. All of it is counted exposed: the
-    gather precedes the first stage's first forward and the reductions follow its last backward
-    (a later pipeline rank could hide its gather under the pipeline's fill, but the step waits
-    for the first)."""
-    if c.dp == 1:
-        return 0.0, 0.0
-    z = c.zero_stage
-    reduce = _data_collective("all_reduce" if z == 0 else "reduce_scatter", b.grads, b.expert_grads, c, cluster,
-                              axes)
-    gather = _data_collective("all_gather", b.params, b.expert_params, c, cluster, axes) if z >= 1 else 0.0
-    dp_comm = reduce + gather      # ZeRO-3's gather before the step, ZeRO-1/2's after it
-    return dp_comm, dp_comm
 
 
 @dataclass(frozen=True)
@@ -688,11 +532,6 @@ def _boundary_bytes(facts: ModelFacts, c: Config) -> float:
     return float(c.micro_batch * facts.seq * facts.hidden * width)
 
 
-def _optimizer_time(numel: float, state_bytes: float, cluster: Cluster) -> float:
-    """An elementwise optimizer reads and writes every state byte once."""
-    return op_time(0.0, 2 * numel * state_bytes, cluster.device, "fp32", launch_overhead=False)
-
-
 def _stage_activations(facts: ModelFacts, c: Config, counts: list[int], blk: _Part, pre: _Part,
                        post: _Part, share: float) -> list[float]:
     """Bytes one micro-batch leaves held on each stage from its forward to its backward: every
@@ -708,42 +547,6 @@ def _stage_activations(facts: ModelFacts, c: Config, counts: list[int], blk: _Pa
         return p.saved - p.layer_saved + p.layers * boundary if c.recompute == "full" else p.saved
     return [counts[s] * per_block + (outer(pre) if s == 0 else 0.0) + (outer(post) if s == stages - 1 else 0.0)
             for s in range(stages)]
-
-
-def _memory(facts: ModelFacts, c: Config, held: float, acts: float, per_block: float,
-            numel: Mapping[str, float]) -> dict[str, float]:
-    """Peak bytes on one device holding ``held`` parameters and ``acts`` bytes of activations at
-    the schedule's peak, by term, as the runtime holds them (``w`` the compute width, ``n`` the
-    data axis, ``k`` the optimizer's fp32 moments per parameter):
-
-    ============  ======================================  =======================================
-    term          without a pipeline (runtime/dp.py)       inside a pipeline (runtime/stage_dp.py)
-    ============  ======================================  =======================================
-    params        w, whole; ZeRO-3: two gathered buckets   w, whole (ZeRO-3 keeps them gathered
-                  (+ 4/n pieces in fp32)                   for the step; + 4/n pieces in fp32)
-    grads         ZeRO-0: 4 (fp32 sums); ZeRO-1: w whole   4, whole (fp32 sums over the
-                  (4/n pieces only inside the step);       micro-batches)
-                  ZeRO-2/3: 4/n
-    optimizer     (4 masters in 16-bit + 4k), /n for ZeRO >= 1 (in 32-bit the masters are the
-                  parameters or their pieces)
-    activations   ``acts``, plus under full recomputation one block's whole activations while
-                  it is recomputed
-    ============  ======================================  =======================================
-    """
-    mixed = facts.dtype in ("bf16", "fp16")
-    n, z, k = c.dp, c.zero_stage, facts.k
-    w = 2.0 if mixed else 4.0
-    optim = ((4 + 4 * k) if mixed else 4 * k) * held / (n if z >= 1 else 1)
-    pieces = 0.0 if mixed or z < 3 else 4 * held / n          # fp32 ZeRO-3: the pieces beside the whole
-    if c.pp > 1:
-        params = w * held + pieces
-        grads = 4.0 * held
-    else:
-        bucket = max(per_block, numel["pre"], numel["post"])
-        params = (w * min(held, 2 * bucket) + pieces) if z == 3 else w * held
-        # ZeRO-1's fp32 pieces exist only inside the optimizer step, after activations are freed
-        grads = {0: 4.0 * held, 1: w * held}.get(z, 4.0 * held / n)
-    return {"params": params, "grads": grads, "optimizer": optim, "activations": acts}
 
 
 __all__ = ["Config", "Score", "ModelFacts", "simulate", "timeline_of", "RECOMPUTE"]

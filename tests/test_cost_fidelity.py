@@ -26,7 +26,8 @@ import torch
 from autopar.cost.cluster import Cluster
 from autopar.cost.compute import gemm_efficiency
 from autopar.cost.hardware import load_hardware
-from autopar.cost.hybrid import Config, ModelFacts, simulate, stage_layers
+from autopar.cost.hybrid import Config, ModelFacts, simulate
+from autopar.cost.step_terms import stage_layers
 from autopar.cost.op_cost import efficiencies, local_bytes, node_seconds
 from autopar.cost.pp_sim import ZB_SPLIT_OVERHEAD
 from autopar.passes.meta import evaluate, info

@@ -1,0 +1,202 @@
+"""The terms of a training step beside the pipeline's compute, as the runtime spends them: how
+the layers are dealt to pipeline stages (:func:`stage_layers`), what the data axis moves and
+hides (:func:`lone_stage_data_axis` without a pipeline, :func:`pipeline_data_axis` inside
+one), the optimizer step (:func:`optimizer_time`) and what a device holds
+(:func:`device_memory`). :mod:`autopar.cost.hybrid` puts them together."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
+
+from autopar.cost.cluster import Cluster
+from autopar.cost.comm import collective_time
+from autopar.cost.compute import op_time
+
+if TYPE_CHECKING:
+    from autopar.cost.hybrid import Config, ModelFacts
+
+
+def stage_layers(layers: int, stages: int, block: float, pre: float = 0.0, post: float = 0.0) -> list[int]:
+    """Blocks per pipeline stage, contiguous and at least one each, that minimise the slowest
+    stage's time: each block costs ``block``, the first stage also ``pre`` (embeddings) and the
+    last ``post`` (final norm, head). The runtime's cut search (:func:`autopar.passes.pp_split.
+    plan_cuts`) minimises the same bottleneck over the captured ops; restricted to block
+    boundaries it is this. Llama 3 405B's 126 layers on 16 stages come out as Meta laid them
+    (first and last stage one layer lighter) once the head and embedding weigh about a layer."""
+    if stages == 1:
+        return [layers]
+    extra = [pre] + [0.0] * (stages - 2) + [post]
+    block = max(block, 1e-30)
+
+    def capacity(limit: float) -> list[int]:
+        return [max(0, int((limit - e) / block * (1 + 1e-12))) for e in extra]
+
+    # the bottleneck is k blocks plus one stage's extra, for some k: search the smallest that fits
+    candidates = sorted({k * block + e for e in set(extra) for k in range(1, layers + 1)})
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        caps = capacity(candidates[mid])
+        if min(caps) >= 1 and sum(caps) >= layers:
+            hi = mid
+        else:
+            lo = mid + 1
+    counts = capacity(candidates[lo])
+    if min(counts) < 1 or sum(counts) < layers:
+        counts = [1] * stages
+        counts[stages // 2] += layers - stages
+        return counts
+    # give back the surplus from the slowest stages, keeping the middle ones the fullest
+    surplus = sum(counts) - layers
+    order = sorted(range(stages), key=lambda s: (-(counts[s] * block + extra[s]), abs(s - (stages - 1) / 2)))
+    while surplus:
+        for s in order:
+            if surplus and counts[s] > 1:
+                counts[s] -= 1
+                surplus -= 1
+        order = sorted(range(stages), key=lambda s: (-(counts[s] * block + extra[s]), abs(s - (stages - 1) / 2)))
+    return counts
+
+
+@dataclass(frozen=True)
+class DataBytes:
+    """What one rank's data axis moves: gradients are reduced in fp32 (a mixed-precision run
+    keeps and reduces them in fp32, ``runtime/dp.py``), parameters gathered in the compute
+    dtype; ``tail``: the last bucket's share, which no compute hides."""
+
+    grads: float
+    params: float
+    expert_grads: float
+    expert_params: float
+    tail_grads: float
+    tail_params: float
+
+    @staticmethod
+    def of(facts: "ModelFacts", numel: float, expert_numel: float, per_block: float, pre: float) -> "DataBytes":
+        cw = 2.0 if facts.dtype in ("bf16", "fp16") else 4.0
+        tail = min(numel, max(per_block, pre))
+        return DataBytes(grads=4.0 * numel, params=cw * numel, expert_grads=4.0 * expert_numel,
+                          expert_params=cw * expert_numel, tail_grads=4.0 * tail, tail_params=cw * tail)
+
+
+def data_collective(kind: str, nbytes: float, expert_bytes: float, c: Config, cluster: Cluster,
+                     axes: tuple[tuple[str, int], ...]) -> float:
+    """One collective of ``nbytes`` of a stage's gradients or parameters over the data axis. With
+    experts (``ep > 1``) their ``expert_bytes`` go over the ``dp / ep`` ranks holding the same
+    experts, the dense rest over the whole data axis."""
+    if c.dp == 1:
+        return 0.0
+    if c.ep == 1:
+        return collective_time(kind, nbytes, cluster, axes, "dp")
+    ep_axes = (("pp", c.pp), ("dp", c.dp // c.ep), ("ep", c.ep), ("tp", c.tp))
+    return collective_time(kind, nbytes - expert_bytes, cluster, axes, "dp") + \
+        (collective_time(kind, expert_bytes, cluster, ep_axes, "dp") if c.dp > c.ep else 0.0)
+
+
+def lone_stage_data_axis(c: Config, cluster: Cluster, axes: tuple[tuple[str, int], ...], b: DataBytes,
+                          m: int, fwd: float, bwd: float) -> tuple[float, float]:
+    """The data axis without a pipeline (``pp == 1``, :mod:`autopar.runtime.dp`), as the runtime
+    runs it for ``m`` micro-batches of ``fwd`` + ``bwd`` seconds each: seconds in all, and
+    exposed. The runtime reduces every backward (there is no skipped synchronisation between
+    micro-batches):
+
+    - ZeRO-0 all-reduces each micro-batch's gradients during its backward;
+    - ZeRO-1 accumulates whole gradients and reduce-scatters them at ``opt.step()``, then
+      all-gathers the updated parameters: both after the last backward, both exposed;
+    - ZeRO-2 reduce-scatters each micro-batch's gradients during its backward and all-gathers
+      the updated parameters after the step (exposed);
+    - ZeRO-3 gathers every bucket for each micro-batch's forward and again for its backward and
+      reduce-scatters during backward, prefetched under compute.
+
+    What overlaps a micro-batch's compute is hidden up to that compute; the last bucket's
+    collective (the first bucket's gather) is exposed whatever the overlap."""
+    if c.dp == 1:
+        return 0.0, 0.0
+
+    def coll(kind: str, nbytes: float, expert: float) -> float:
+        return data_collective(kind, nbytes, expert, c, cluster, axes)
+
+    def overlapped(total: float, tail: float, compute: float) -> float:
+        return max(total - compute, tail)
+
+    z = c.zero_stage
+    rs = coll("reduce_scatter", b.grads, b.expert_grads)
+    ag = coll("all_gather", b.params, b.expert_params)
+    if z == 0:
+        ar = coll("all_reduce", b.grads, b.expert_grads)
+        tail = coll("all_reduce", b.tail_grads, 0.0)
+        return m * ar, m * overlapped(ar, tail, bwd)
+    if z == 1:
+        return rs + ag, rs + ag
+    if z == 2:
+        tail = coll("reduce_scatter", b.tail_grads, 0.0)
+        return m * rs + ag, m * overlapped(rs, tail, bwd) + ag
+    tail_ag, tail_rs = coll("all_gather", b.tail_params, 0.0), coll("reduce_scatter", b.tail_grads, 0.0)
+    total = m * (2 * ag + rs)
+    exposed = m * (overlapped(ag, tail_ag, fwd) + overlapped(ag + rs, tail_ag + tail_rs, bwd))
+    return total, exposed
+
+
+def pipeline_data_axis(c: Config, cluster: Cluster, axes: tuple[tuple[str, int], ...],
+                        b: DataBytes) -> tuple[float, float]:
+    """The data axis of a pipeline rank (``pp > 1``, :mod:`autopar.runtime.stage_dp`): seconds in
+    all, and exposed. It works once per step, not per micro-batch: ZeRO-3 gathers the stages'
+    whole parameters before the first micro-batch; after the last backward ZeRO-0 all-reduces the
+    gradients and ZeRO-2/3 reduce-scatter them, and ZeRO-1's optimizer reduce-scatters them at its
+    step; ZeRO-1/2 all-gather the updated parameters after it. All of it is counted exposed: the
+    gather precedes the first stage's first forward and the reductions follow its last backward
+    (a later pipeline rank could hide its gather under the pipeline's fill, but the step waits
+    for the first)."""
+    if c.dp == 1:
+        return 0.0, 0.0
+    z = c.zero_stage
+    reduce = data_collective("all_reduce" if z == 0 else "reduce_scatter", b.grads, b.expert_grads, c, cluster,
+                              axes)
+    gather = data_collective("all_gather", b.params, b.expert_params, c, cluster, axes) if z >= 1 else 0.0
+    dp_comm = reduce + gather      # ZeRO-3's gather before the step, ZeRO-1/2's after it
+    return dp_comm, dp_comm
+
+
+def optimizer_time(numel: float, state_bytes: float, cluster: Cluster) -> float:
+    """An elementwise optimizer reads and writes every state byte once."""
+    return op_time(0.0, 2 * numel * state_bytes, cluster.device, "fp32", launch_overhead=False)
+
+
+def device_memory(facts: ModelFacts, c: Config, held: float, acts: float, per_block: float,
+            numel: Mapping[str, float]) -> dict[str, float]:
+    """Peak bytes on one device holding ``held`` parameters and ``acts`` bytes of activations at
+    the schedule's peak, by term, as the runtime holds them (``w`` the compute width, ``n`` the
+    data axis, ``k`` the optimizer's fp32 moments per parameter):
+
+    ============  ======================================  =======================================
+    term          without a pipeline (runtime/dp.py)       inside a pipeline (runtime/stage_dp.py)
+    ============  ======================================  =======================================
+    params        w, whole; ZeRO-3: two gathered buckets   w, whole (ZeRO-3 keeps them gathered
+                  (+ 4/n pieces in fp32)                   for the step; + 4/n pieces in fp32)
+    grads         ZeRO-0: 4 (fp32 sums); ZeRO-1: w whole   4, whole (fp32 sums over the
+                  (4/n pieces only inside the step);       micro-batches)
+                  ZeRO-2/3: 4/n
+    optimizer     (4 masters in 16-bit + 4k), /n for ZeRO >= 1 (in 32-bit the masters are the
+                  parameters or their pieces)
+    activations   ``acts``, plus under full recomputation one block's whole activations while
+                  it is recomputed
+    ============  ======================================  =======================================
+    """
+    mixed = facts.dtype in ("bf16", "fp16")
+    n, z, k = c.dp, c.zero_stage, facts.k
+    w = 2.0 if mixed else 4.0
+    optim = ((4 + 4 * k) if mixed else 4 * k) * held / (n if z >= 1 else 1)
+    pieces = 0.0 if mixed or z < 3 else 4 * held / n          # fp32 ZeRO-3: the pieces beside the whole
+    if c.pp > 1:
+        params = w * held + pieces
+        grads = 4.0 * held
+    else:
+        bucket = max(per_block, numel["pre"], numel["post"])
+        params = (w * min(held, 2 * bucket) + pieces) if z == 3 else w * held
+        # ZeRO-1's fp32 pieces exist only inside the optimizer step, after activations are freed
+        grads = {0: 4.0 * held, 1: w * held}.get(z, 4.0 * held / n)
+    return {"params": params, "grads": grads, "optimizer": optim, "activations": acts}
+
+
+__all__ = ["stage_layers", "DataBytes", "data_collective", "lone_stage_data_axis", "pipeline_data_axis",
+           "optimizer_time", "device_memory"]
