@@ -26,7 +26,7 @@ import functools
 import logging
 import math
 from dataclasses import replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -36,8 +36,10 @@ from torch import nn
 from autopar.checks import check_fits, check_runtime_dtypes
 from autopar.cost.cluster import Cluster
 from autopar.errors import ConfigError, MeshError, PlanFileError
-from autopar.ep import Placement, contiguous, ep_axes, expert_loads, place_experts
-from autopar.passes.meta import MoERegion, graph_info, info
+from autopar.ep import contiguous, ep_axes, place_experts
+from autopar.expert_steps import (calibrated_loads, checked_moe_plans, exchange_experts, expert_side,
+                                  planned_placements, set_capacity, split_experts)
+from autopar.passes.meta import graph_info, info
 from autopar.passes.pp_split import OpCosts, op_costs
 from autopar.passes.tp_rewrite import drop_dtype_checks
 from autopar.plans import Plan
@@ -292,7 +294,7 @@ def build_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, hardware:
     kwargs = dict(example_kwargs or {})
     tensors = model_tensors(model, sync=sync_params)
     if capacity_factor is not None:
-        _set_capacity(model, capture_model(model, args, (), kwargs), capacity_factor)
+        set_capacity(model, capture_model(model, args, (), kwargs), capacity_factor)
     n_ep = sizes["ep"]
     ep_rank = mesh.get_local_rank(names.index("ep"))
     tp_n = sizes.get("tp", 1)
@@ -313,7 +315,7 @@ def build_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, hardware:
         drop_dtype_checks(gm)      # the graph runs under autocast (the tensor rewrite drops them too)
     plans = checked_moe_plans(gm, tensors)
     regions = [p.region for p in plans if p.kind != "dense"]
-    planned = _planned_placements(plan, regions, n_ep) if plan is not None else None
+    planned = planned_placements(plan, regions, n_ep) if plan is not None else None
     if not regions:   # nothing to split: the expert axis is one more data axis
         dense = {"dp": sizes.get("dp", 1) * n_ep, **({"tp": tp_n} if tp_n > 1 else {})}
         log.warning("no MoE layer's experts can be split: the ep axis runs as data parallelism (mesh %s)", dense)
@@ -324,7 +326,7 @@ def build_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, hardware:
     if planned is not None:
         placed = planned
     else:
-        loads = _calibrated_loads(model, calibration, tensors) \
+        loads = calibrated_loads(model, calibration, tensors) \
             if calibration is not None and placement == "balanced" else {}
         placed = {r.fqn: place_experts(r.num_experts, n_ep, loads.get(r.fqn)) if placement == "balanced" else
                   contiguous(r.num_experts, n_ep, loads.get(r.fqn)) for r in regions}
@@ -390,74 +392,6 @@ def _graph_data_axes(gm: fx.GraphModule, the_plan: Plan, cluster: Cluster, mesh,
         out.append(rt)
     schedule(gm, overlap=the_plan.overlap)
     return out
-
-
-def expert_side(node: fx.Node) -> bool:
-    """Expert-side nodes of an MoE region (dispatch, experts, combine) and the expert weights."""
-    rec = info(node)
-    if rec.moe_role in ("dispatch", "expert", "combine"):
-        return True
-    return rec.kind == "param" and any(rec.target_fqn in r.expert_params
-                                       for r in graph_info(node.graph.owning_module).moe_regions)
-
-
-def split_experts(gm: fx.GraphModule, tensors: dict[str, torch.Tensor], *, group: Any, n: int,
-                  rank: int) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Every MoE layer of ``gm`` that can be split, its experts in order (``E/n`` per rank) on
-    the expert axis: :func:`exchange_experts` with contiguous placements."""
-    plans = checked_moe_plans(gm, tensors)
-    perms = {q.region.fqn: contiguous(q.region.num_experts, n).perm for q in plans if q.kind != "dense"}
-    return exchange_experts(gm, tensors, plans, perms, group=group, n=n, rank=rank)[1]
-
-
-def exchange_experts(gm: fx.GraphModule, tensors: dict[str, torch.Tensor], plans: list, perms: Mapping[str, Any], *,
-                     group: Any, n: int, rank: int) -> tuple[dict, dict[str, tuple[str, tuple[int, ...]]]]:
-    """Rewrite the MoE layers ``plans`` split for the expert exchange over ``group`` (experts in
-    the owner order ``perms[layer]``), keep this rank's experts' rows in ``tensors``, and
-    return the exchange runtimes by layer and, per expert parameter, how it is stored
-    (``rows`` of a stacked tensor, or ``whole`` owned modules) with the experts this rank owns."""
-    from autopar.passes.ep_rewrite import ep_rewrite
-    from autopar.runtime.ep import EPRuntime
-
-    rts = {f: EPRuntime(n=n, rank=rank, group=group, perm=tuple(perm)) for f, perm in perms.items()}
-    stored = ep_rewrite(gm, plans, rts)
-    region_of = {f: q.region.fqn for q in plans if q.kind != "dense" for f in q.region.expert_params}
-    for fqn, how in stored.items():
-        if how == "rows":
-            owned = torch.tensor(rts[region_of[fqn]].owned())
-            tensors[fqn] = tensors[fqn].detach().index_select(0, owned).clone()
-    return rts, {fqn: (how, tuple(rts[region_of[fqn]].owned())) for fqn, how in stored.items()}
-
-
-def checked_moe_plans(gm: fx.GraphModule, tensors: Mapping[str, torch.Tensor]) -> list:
-    """How each MoE region is split (:func:`autopar.passes.ep_rewrite.plan_regions`), each
-    dropless one first checked against its own graph on random routing; a region that is
-    not split runs dense, with a one-line warning saying why."""
-    from autopar.passes.ep_dropless import Unsupported, check_dropless
-    from autopar.passes.ep_rewrite import plan_regions
-
-    plans = plan_regions(gm)
-    for p in plans:
-        if p.kind == "dropless":
-            tol = _tolerance(info(p.layer.x).values[0].dtype)
-            try:
-                err = check_dropless(gm, p.layer, tensors)
-            except (Unsupported, RuntimeError, IndexError, KeyError, TypeError, ValueError) as exc:
-                p.kind, p.reason = "dense", f"its experts could not be run alone ({type(exc).__name__}: {exc})"
-                continue
-            if not err <= tol:
-                p.kind, p.reason = "dense", (f"its graph does not compute sum_j w[t,j] * expert_ids[t,j](x[t]) "
-                                             f"(relative error {err:.1e} on random routing)")
-        if p.kind == "dense":
-            log.warning("MoE layer %s runs dense on every ep rank (its experts are not split): %s",
-                        p.region.fqn or "<root>", p.reason)
-    return plans
-
-
-def _tolerance(dtype: torch.dtype) -> float:
-    """How far a dropless layer may differ from its own graph on random routing (rounding
-    only: a misread layer is off by O(1))."""
-    return min(0.1, 100 * torch.finfo(dtype).eps ** 0.5) if dtype.is_floating_point else 0.1
 
 
 def data_axes(mine: list, mesh, names: list[str], sizes: Mapping[str, int], zero_stage: int, experts: set[str],
@@ -554,7 +488,7 @@ def _checked_plan_axes(plan: Any, mesh: Any, model: nn.Module) -> tuple[tuple[st
     the same axes and sizes, that each placement in the plan is a permutation splitting
     evenly over the expert axis and that each layer it places is a module of ``model``: all
     of it without running anything, so every rank refuses a bad plan before any collective
-    (:func:`_planned_placements` checks the layers against the captured graph later)."""
+    (:func:`planned_placements` checks the layers against the captured graph later)."""
 
     got = dict(named_axes(mesh, "e.g. {'dp': 2, 'ep': 2}"))
     if got != plan.mesh:
@@ -584,46 +518,4 @@ def _checked_plan_axes(plan: Any, mesh: Any, model: nn.Module) -> tuple[tuple[st
                                 fix="re-plan for this model: parallelize without plan=, then save pm.plan") from None
     return axes
 
-
-def _planned_placements(plan: Any, regions: Sequence[MoERegion], n_ep: int) -> dict[str, Placement]:
-    """The plan's placement of each MoE layer whose experts are split, after checking that
-    those layers (and their expert counts) are the plan's. Loads are not in a plan: uniform."""
-    want = {r.fqn: r.num_experts for r in regions}
-    have = {f: len(p) for f, p in plan.expert_placement.items()}
-    if want != have:
-        raise PlanFileError("the plan's mixture-of-experts layers are not this model's", where="plan.expert_placement",
-                            expected=f"experts per split layer {want}", got=f"the plan places {have}",
-                            fix="re-plan for this model: parallelize without plan=, then save pm.plan")
-    return {f: Placement(perm=tuple(int(e) for e in plan.expert_placement[f]), ranks=n_ep, loads=(1.0,) * n)
-            for f, n in want.items()}
-
-
-def _calibrated_loads(model: nn.Module, calibration: Any, tensors: Mapping[str, torch.Tensor]) -> dict[str, list]:
-    """Tokens per expert of each region on the calibration batch, summed over every rank's
-    batch so that every rank places the experts alike."""
-
-    cal = tuple(calibration) if isinstance(calibration, (tuple, list)) else (calibration,)
-    loads = expert_loads(capture_model(model, cal, ()), cal, tensors)
-    for f in sorted(loads):
-        t = torch.tensor(loads[f], dtype=torch.float64)
-        dist.all_reduce(t)
-        loads[f] = t.tolist()
-    return loads
-
-
-def _set_capacity(model: nn.Module, gm: fx.GraphModule, factor: float) -> None:
-    if not factor > 0:
-        raise ConfigError("capacity_factor must be positive", where="capacity_factor", got=repr(factor),
-                          fix="e.g. capacity_factor=1.25 (1.0: each expert takes its fair share of rows)")
-    regions = graph_info(gm).moe_regions
-    if not regions:
-        raise ConfigError("capacity_factor was given but the model has no mixture-of-experts layer",
-                          where="capacity_factor", fix="drop capacity_factor")
-    for r in regions:
-        mod = model.get_submodule(r.fqn) if r.fqn else model
-        if not hasattr(mod, "capacity_factor"):
-            raise ConfigError(f"the MoE layer {r.fqn or '<root>'} has no capacity_factor attribute to set",
-                              where=r.fqn or "<root>", expected="a module attribute capacity_factor",
-                              got=type(mod).__name__, fix="set the capacity in the model itself")
-        mod.capacity_factor = float(factor)
 
