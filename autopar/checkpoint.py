@@ -16,18 +16,19 @@ checks that the boxes tile every tensor exactly. Loading asks, per rank, for the
 *new* plan holds, so a checkpoint written under dp x ZeRO-3 loads under tp, pp, ep or a
 single process with no process group, and the other way round.
 
-Layout of ``path``: one directory per save (``step-<n>`` or ``ckpt-<time>``) and a file
-``LATEST`` naming the newest complete one, replaced atomically only after every rank has
-finished writing. A save that dies part-way leaves ``LATEST`` pointing at the previous one.
+Layout of ``path``: one directory per save (``step-<n>`` or ``ckpt-<time>``, each with a
+``MANIFEST.json`` of its files' sizes and sha256s) and a file ``LATEST`` naming the newest
+complete one, replaced atomically only after every rank has finished writing, and never
+moved back to a lower step. A save that dies part-way leaves ``LATEST`` pointing at the
+previous one. :mod:`autopar.ckpt_integrity` keeps reading safe (no code runs, every file
+checked) and saves serialised (one lock per ``path``).
 """
 from __future__ import annotations
 
-import contextlib
-import io
+import json
 import math
 import os
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,12 +37,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar import ckpt_integrity as integrity
+from autopar.ckpt_integrity import latest
 from autopar.errors import AutoparInternalError, CheckpointError
 
 __all__ = ["save", "load", "latest"]
 
 FORMAT = 1
-_LATEST = "LATEST"
 
 
 # -- boxes -----------------------------------------------------------------------------------
@@ -298,25 +300,35 @@ def save(model: nn.Module, optimizer: Any, path: str | os.PathLike, *, step: int
          extra: dict | None = None) -> Path:
     """Write ``model``'s and ``optimizer``'s whole state under ``path`` (every rank calls it).
 
-    Returns the new checkpoint directory; ``path/LATEST`` names it once every rank is done.
-    ``extra`` (picklable, e.g. a data-loader position) is stored alongside."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-
-    root = Path(path)
-    distributed = dist.is_initialized()
+    Returns the new checkpoint directory; ``path/LATEST`` names it once every rank is done,
+    unless ``LATEST`` already names a higher step: ``LATEST`` only moves forward, so a lower
+    step is written, with a warning, and loads by passing its directory. ``extra`` (e.g. a
+    data-loader position) must be JSON-serialisable; :func:`load` returns it as JSON reads it
+    back (tuples as lists, keys as strings). Beside the shards goes ``MANIFEST.json``, their
+    sizes and sha256s, checked by :func:`load`. One save per ``path`` at a time: a second,
+    concurrent one raises :class:`CheckpointError` naming the owner of ``path/.autopar-save.lock``."""
+    root, distributed = Path(path), dist.is_initialized()
+    extra_json = integrity.collectively(lambda: integrity.extra_to_json(extra), distributed)
     name = f"step-{step:08d}" if step is not None else f"ckpt-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**9:09d}"
     if distributed:
         box = [name]
         dist.broadcast_object_list(box, src=0)
         name = box[0]
     target = root / name
-    if (root / _LATEST).exists() and latest(root) == target:
-        raise CheckpointError(f"{target} is the current checkpoint; saving over it would risk losing it",
-                              where="autopar.save", fix="pass a new step=, or no step= for a time-stamped name")
+    with integrity.save_lock(root, distributed, lambda: integrity.prepare(root, target)):
+        tensors, items, objects = _write_items(model, optimizer)
+        objects["autopar/meta"] = {"format": FORMAT, "step": step, "extra_json": extra_json,
+                                   "shapes": {k: list(v) for k, v in _shapes(model).items()},
+                                   "plan": getattr(getattr(model, "plan", None), "mesh", None),
+                                   "world": dist.get_world_size() if distributed else 1}
+        integrity.write(root, target, tensors, items, objects, distributed)
+    return target
 
+
+def _write_items(model: nn.Module, optimizer: Any) -> tuple[dict, list, dict[str, Any]]:
+    """The pieces of tensors this rank writes, their write items, and the objects beside them."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
     tensors: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
     items: list[WriteItem] = []
     objects: dict[str, Any] = {}
@@ -340,94 +352,33 @@ def save(model: nn.Module, optimizer: Any, path: str | os.PathLike, *, step: int
         for key, lay, m in entries:
             for state_name, v in inner.state.get(m, {}).items():
                 skey = f"optim/{key}/{state_name}"
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    add(skey, lay, v)
-                elif isinstance(v, torch.Tensor):
-                    add(skey, _whole(()), v)
+                if isinstance(v, torch.Tensor):
+                    add(skey, lay if v.dim() > 0 else _whole(()), v)
                 else:
                     objects[skey] = v
         objects["optim/param_groups"] = _groups_of(inner, entries)
-    objects["autopar/meta"] = {"format": FORMAT, "step": step, "extra": extra,
-                               "shapes": {k: list(v) for k, v in _shapes(model).items()},
-                               "plan": getattr(getattr(model, "plan", None), "mesh", None),
-                               "world": dist.get_world_size() if distributed else 1}
-    for key in objects:
-        items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
-
-    class Planner(DefaultSavePlanner):
-        def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
-            self.state_dict, self.is_coordinator = {}, is_coordinator
-
-        def create_local_plan(self):
-            from torch.distributed.checkpoint.planner import SavePlan
-            self.plan = SavePlan(list(items))
-            return self.plan
-
-        def resolve_data(self, write_item):
-            if write_item.type == WriteItemType.BYTE_IO:
-                buf = io.BytesIO()
-                torch.save(objects[write_item.index.fqn], buf)
-                buf.seek(0)
-                return buf
-            view = tensors[(write_item.index.fqn, tuple(write_item.index.offset))]
-            return view.contiguous().clone() if view.numel() != view.untyped_storage().nbytes() // max(
-                view.element_size(), 1) else view.contiguous()
-
-    root.mkdir(parents=True, exist_ok=True)
-    try:
-        with _quiet():
-            dcp.save({}, storage_writer=dcp.FileSystemWriter(str(target)),
-                     planner=Planner(flatten_state_dict=False, flatten_sharded_tensors=False),
-                     no_dist=not distributed)
-    except ValueError as e:
-        raise AutoparInternalError(f"checkpoint pieces do not tile the whole tensors: {e}") from e
-    if distributed:
-        dist.barrier()
-    if not distributed or dist.get_rank() == 0:
-        _switch(root, target)
-    if distributed:
-        dist.barrier()
-    return target
-
-
-def _switch(root: Path, target: Path) -> None:
-    """Point ``LATEST`` at ``target`` atomically (older checkpoints stay; delete them at will)."""
-    tmp = root / f".{_LATEST}.{os.getpid()}"
-    tmp.write_text(target.name + "\n")
-    os.replace(tmp, root / _LATEST)
-
-
-def latest(path: str | os.PathLike) -> Path:
-    """The newest complete checkpoint under ``path``."""
-    root = Path(path)
-    marker = root / _LATEST
-    if not marker.exists():
-        if (root / ".metadata").exists():     # a checkpoint directory itself
-            return root
-        raise CheckpointError(f"no checkpoint at {root}", where="autopar.load",
-                              expected=f"{root}/{_LATEST} naming a complete checkpoint",
-                              got="nothing" if not root.exists() else f"{sorted(p.name for p in root.iterdir())[:5]}",
-                              fix="pass the directory autopar.save wrote to")
-    target = root / marker.read_text().strip()
-    if not (target / ".metadata").exists():
-        raise CheckpointError(f"{marker} names {target.name}, which is incomplete", where="autopar.load",
-                              fix="restore the directory or point LATEST at an older step-* directory")
-    return target
+    return tensors, items, objects
 
 
 # -- load ------------------------------------------------------------------------------------
 def load(model: nn.Module, optimizer: Any, path: str | os.PathLike) -> dict:
     """Read the newest checkpoint under ``path`` into ``model`` and ``optimizer`` (every rank
     calls it, with the model and optimizer of its current plan, whatever plan saved it).
-    Returns ``{"step": ..., "extra": ...}`` as given to :func:`save`."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
-    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+    Returns ``{"step": ..., "extra": ..., "path": ...}``, step and extra as given to :func:`save`.
+
+    Nothing read runs code: ``.metadata`` is unpickled against an allow-list of plain data
+    and stored objects with ``weights_only=True``. Every file is first checked against the
+    directory's ``MANIFEST.json`` (size and sha256; the ranks split the files between them);
+    a checkpoint without one (older autopar) loads unverified, with a warning. Anything
+    wrong raises the same :class:`CheckpointError` on every rank, naming the file."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     distributed = dist.is_initialized()
-    target = latest(path)
-    md = dcp.FileSystemReader(str(target)).read_metadata().state_dict_metadata
+    target = integrity.collectively(lambda: integrity.latest(path), distributed)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    manifest = integrity.collectively(lambda: integrity.verify(target, rank, world), distributed)
+    reader = integrity.SafeReader(target, manifest)
+    md = integrity.collectively(lambda: reader.read_metadata().state_dict_metadata, distributed)
 
     dests: dict[tuple[str, tuple[int, ...]], list[torch.Tensor]] = {}
     wanted: dict[str, Layout] = {}
@@ -480,64 +431,19 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike) -> dict:
             if key not in md:
                 problems.append(f"{key} is missing")
         _agree(problems, target, distributed)
-        objects: dict[str, Any] = {}
-
-        class Planner(LoadPlanner):
-            def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
-                self.metadata = metadata
-
-            def create_local_plan(self):
-                reads: list[ReadItem] = []
-                for (key, offsets), views in dests.items():
-                    chunk = ChunkStorageMetadata(torch.Size(offsets), views[0].shape)
-                    reads += create_read_items_for_chunk_list(key, md[key], [chunk])
-                for key in objects_wanted:
-                    reads.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(key),
-                                          dest_offsets=torch.Size((0,)), storage_index=MetadataIndex(key),
-                                          storage_offsets=torch.Size((0,)), lengths=torch.Size((0,))))
-                return LoadPlan(reads)
-
-            def create_global_plan(self, global_plan):
-                return global_plan
-
-            def finish_plan(self, central_plan):
-                return central_plan
-
-            def load_bytes(self, read_item, value) -> None:
-                objects[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
-
-            def resolve_tensor(self, read_item):
-                views = dests[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
-                out = views[0]
-                for d, (o, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-                    out = out.narrow(d, o, n)
-                return out
-
-            def commit_tensor(self, read_item, tensor) -> None:
-                views = dests[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
-                for other in views[1:]:
-                    part = other
-                    for d, (o, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-                        part = part.narrow(d, o, n)
-                    part.copy_(tensor)
-
-        with _quiet():
-            dcp.load({}, storage_reader=dcp.FileSystemReader(str(target)), planner=Planner(), no_dist=not distributed)
+        objects = integrity.read(reader, target, md, dests, objects_wanted, distributed)
         for state, sname, key in after:
             state[sname] = objects[key]
         if optimizer is not None:
             _restore_groups(inner, objects["optim/param_groups"])
             _masters_to_params(optimizer)
     meta = objects["autopar/meta"]
-    return {"step": meta.get("step"), "extra": meta.get("extra"), "path": target}
-
-
-@contextlib.contextmanager
-def _quiet():
-    """torch warns that a checkpoint without a process group is a single-process one: it is."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+    try:
+        extra = json.loads(meta["extra_json"]) if "extra_json" in meta else meta.get("extra")   # older: "extra"
+    except (TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"autopar/meta in {target} is unreadable", where="autopar.load", got=str(e),
+                              fix="restore the checkpoint from a copy, or load an older one") from None
+    return {"step": meta.get("step"), "extra": extra, "path": target}
 
 
 def _is_buffer(model: nn.Module, key: str) -> bool:
