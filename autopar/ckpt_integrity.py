@@ -19,9 +19,9 @@
 - **One save at a time per checkpoint root.** ``<root>/.autopar-save.lock`` is created
   with ``O_CREAT | O_EXCL`` holding the owner's host, pid and start time; a second saver
   gets a :class:`CheckpointError` naming the owner. Only rank 0 takes it, and every rank
-  learns the outcome (:func:`collectively`), so all ranks raise together. A lock left by a
-  killed save is never broken automatically (its owner may be alive on another host): the
-  error says when the pid is gone from this host, and to delete the file.
+  learns the outcome (:func:`collectively`), so all ranks raise together. A lock left on this
+  host by a process that is gone (a save killed part-way) is broken with a warning; one from
+  another host never is (its owner may be alive): the error names it, and says to delete it.
 - **``LATEST`` only moves forward**, and is read strictly (one plain directory name).
 
 Every I/O failure becomes a :class:`CheckpointError` saying what, where and how to fix it
@@ -317,15 +317,34 @@ def _owner(lock: Path) -> tuple[str, dict[str, Any]]:
     return text, info
 
 
-def acquire(root: Path) -> str:
-    """Create ``root``'s save lock (atomically); return its token. Raises when another holds it."""
+def _stale_here(info: dict[str, Any]) -> bool:
+    """Was the lock taken on this host by a process that is no longer running?"""
+    if not info or str(info.get("host")) != socket.gethostname():
+        return False
+    try:
+        os.kill(int(info["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return False
+
+
+def acquire(root: Path, *, _retry: bool = True) -> str:
+    """Create ``root``'s save lock (atomically); return its token. Raises when another holds it.
+    A lock left on this host by a process that is gone (a save killed part-way) is broken, with
+    a warning; one from another host is never broken (its owner may be alive)."""
     lock = root / LOCK
     token = uuid.uuid4().hex
     try:
         root.mkdir(parents=True, exist_ok=True)
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
-        owner, _ = _owner(lock)
+        owner, info = _owner(lock)
+        if _retry and _stale_here(info) and _owner(lock)[1].get("token") == info.get("token"):
+            warnings.warn(f"autopar.save: breaking the stale lock {lock} ({owner})", stacklevel=3)
+            lock.unlink(missing_ok=True)
+            return acquire(root, _retry=False)
         raise CheckpointError(f"another save to {root} is in progress", where="autopar.save",
                               got=f"{lock} held by {owner}",
                               fix=f"let that save finish, or save to another directory; if that process is gone "

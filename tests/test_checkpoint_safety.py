@@ -209,13 +209,18 @@ def test_a_held_lock_refuses_a_second_saver(saved):
     assert _same(loaded, second) and not (root / integrity.LOCK).exists()
 
 
-def test_a_stale_lock_is_named_as_such(saved):
+def test_a_stale_lock_from_this_host_is_broken_and_one_from_another_is_named(saved):
     root, _, _ = saved
-    (root / integrity.LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": 2**30,
-                                                   "time": "2024-01-01 00:00:00", "token": "x"}))
-    with pytest.raises(CheckpointError, match="lock is stale") as err:
+    lock = root / integrity.LOCK
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": 2**30,      # a save killed part-way
+                                "time": "2024-01-01 00:00:00", "token": "x"}))
+    with pytest.warns(UserWarning, match="breaking the stale lock"):
         autopar.save(*_model(1), root, step=2)
-    assert str(root / integrity.LOCK) in str(err.value)
+    assert (root / "LATEST").read_text().strip() == "step-00000002" and not lock.exists()
+    lock.write_text(json.dumps({"host": "another-host", "pid": 2**30, "time": "2024-01-01 00:00:00", "token": "y"}))
+    with pytest.raises(CheckpointError, match="another save .* is in progress") as err:
+        autopar.save(*_model(1), root, step=3)
+    assert str(lock) in str(err.value) and "another-host" in str(err.value)
 
 
 def _race_saver(root: str, seed: int, barrier, results) -> None:
