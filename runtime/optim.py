@@ -20,6 +20,12 @@ Optimizer state therefore exists only for owned elements. The update must be ele
 (Adam, AdamW, SGD, RMSprop, Adagrad, ...): an optimizer that looks at a parameter's shape
 or whole norm would see pieces, so those are refused. ``state_dict()`` is keyed by the
 original parameter names and holds whole (tensor-axis-local) state tensors.
+
+Under fp16 a :class:`~autopar.runtime.loss_scale.LossScaler` (``self.scaler``; None for bf16
+and fp32) scales backward; ``step()`` unscales the masters' fp32 gradients once they are in
+place, and skips the step on every rank when any rank found an inf or nan
+(:mod:`autopar.runtime.loss_scale`). Its state rides in the parameter groups, so
+``state_dict()`` and autopar's checkpoints carry it.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from torch import nn
 from autopar.errors import OptimizerError
 from autopar.runtime.collectives import _c10d
 from autopar.runtime.dp import shard_range
+from autopar.runtime.loss_scale import LossScale, make_scaler
 
 _NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam", "Muon")
 
@@ -78,9 +85,12 @@ def check_params(module: nn.Module, params: Iterable | None) -> Any:
 class ShardedOptimizer:
     """See the module docstring. Build with :func:`autopar.optimizer`. A model may have several
     data axes (with experts: the dense parameters on ``dp x ep``, the experts on ``dp``), one
-    runtime each, all at the same ZeRO stage; each parameter is stepped as its own axis says."""
+    runtime each, all at the same ZeRO stage; each parameter is stepped as its own axis says.
+    ``loss_scale`` configures fp16 loss scaling (default ``LossScale()``; refused for other
+    precisions)."""
 
-    def __init__(self, module: Any, optimizer_cls: type, params: Iterable | None = None, **kwargs: Any) -> None:
+    def __init__(self, module: Any, optimizer_cls: type, params: Iterable | None = None, *,
+                 loss_scale: LossScale | None = None, **kwargs: Any) -> None:
         check_optimizer_class(optimizer_cls)
         self.module = module
         self.rts = [rt for rt in data_runtimes(module) if rt is not None]
@@ -113,6 +123,7 @@ class ShardedOptimizer:
         self._master_fqn = {id(m): f for f, m in self.masters.items()}
         groups = self._groups(params)
         self.inner = optimizer_cls(groups, **kwargs)
+        self.scaler = make_scaler(module, compute, loss_scale, lambda: self.inner.param_groups)
 
     def _groups(self, params: Iterable | None) -> list[dict]:
         if params is None:
@@ -166,12 +177,25 @@ class ShardedOptimizer:
             if g is None:
                 g = self._whole_grad(fqn, named)
             m.grad = g.reshape(-1)[:m.numel()].view(m.shape).to(m.dtype) if g is not None else None
-        out = self.inner.step()
-        self.refresh_params()
+        out = None
+        if self._unscaled_finite():
+            out = self.inner.step()
+            self.refresh_params()
         if self.stage == 1 or self.mixed:      # the fp32 gradients were only needed for this step
             for m in self.masters.values():
                 m.grad = None
         return out
+
+    def _unscaled_finite(self) -> bool:
+        """fp16: unscale the masters' gradients; False (the step is skipped, on every rank) when
+        some rank has an inf or nan. Always True without a scaler."""
+        if self.scaler is None:
+            return True
+        grads = [m.grad for m in self.masters.values() if m.grad is not None]
+        device = next((m.device for m in self.masters.values()), self.rt.device if self.rt else torch.device("cpu"))
+        finite = self.scaler.unscale_(grads, device)
+        self.scaler.update(finite)
+        return finite
 
     def refresh_params(self) -> None:
         """Bring the module's parameters up to the stepped masters: all-gather the pieces (ZeRO-1/2),
