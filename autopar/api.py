@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.agreement import check_agreement
 from autopar.build import build_dense, build_experts, build_pipeline
 from autopar.checks import check_devices, check_fits
 from autopar.errors import ConfigError, InputMismatchError, OptimizerError
@@ -59,6 +60,9 @@ def _records_model(fn):
                    for name, p in model.named_parameters(remove_duplicate=False)}
         pm = fn(model, *args, **kwargs)
         pm.global_shapes, pm.param_aliases = shapes, aliases
+        for top in (pm, *getattr(pm, "stages", ())):   # the graphs run in the mode they were captured in
+            for m in top.modules():
+                m.training = model.training
         return pm
     return wrapped
 
@@ -141,6 +145,15 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
                           fix="call torch.distributed.init_process_group (torchrun sets the environment) first")
     check_devices(model, (*args, *kwargs.values()),
                   "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
+    # before any other collective: every rank called with the same model, mesh and options
+    check_agreement(model, mesh, dict(plan=plan, dims=dims, hardware=hardware, memory_budget=memory_budget,
+                                      sizes=sizes, sync_params=sync_params, zero_stage=zero_stage, overlap=overlap,
+                                      bucket_bytes=bucket_bytes, mixed_precision=mixed_precision, loss_fn=loss_fn,
+                                      schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
+                                      expert_placement=expert_placement, capacity_factor=capacity_factor,
+                                      recompute=recompute, placements=placements,
+                                      inputs=[(k, _input_form(v)) for k, v in
+                                              [*enumerate(args), *sorted(kwargs.items())]]))
     if pipelined:
         return build_pipeline(model, mesh, args, loss_fn=loss_fn, schedule=schedule, microbatches=microbatches,
                               virtual_stages=virtual_stages, hardware=hardware, memory_budget=memory_budget,
@@ -155,6 +168,14 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
                        memory_budget=memory_budget, sizes=sizes, sync_params=sync_params, zero_stage=zero_stage,
                        overlap=overlap, bucket_bytes=bucket_bytes, mixed_precision=mixed_precision,
                        recompute=recompute, placements=placements)
+
+
+def _input_form(value: Any) -> Any:
+    """What must agree about one example input across ranks: its kind, dtype and every dim but
+    the first (each data-axis rank passes its own share of the batch)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype), tuple(value.shape[1:]))
+    return type(value).__name__
 
 
 def _refuse_unused(*cases: tuple[str, bool, dict[str, Any]]) -> None:
@@ -181,10 +202,14 @@ def _check_mixed_precision(mixed_precision: Any, plan: Plan | None) -> None:
                           got=repr(mixed_precision), fix="drop mixed_precision= (the plan's is applied), or re-plan with it")
 
 
-def optimizer(module: Any, optimizer_cls: type, params: Any = None, **kwargs: Any):
+def optimizer(module: Any, optimizer_cls: type, params: Any = None, *, loss_scale: Any = None, **kwargs: Any):
     """The optimizer for a model from :func:`parallelize`: ``optimizer_cls`` (any elementwise
     ``torch.optim`` optimizer) over this rank's share of the parameters, as the model's
-    ZeRO stage says. ``params`` optionally gives parameter groups of ``module``'s parameters."""
+    ZeRO stage says. ``params`` optionally gives parameter groups of ``module``'s parameters.
+    Under ``mixed_precision="fp16"`` it scales the loss dynamically (skipping, on every rank, a
+    step with an inf/nan gradient); ``loss_scale`` (a :class:`~autopar.runtime.loss_scale.LossScale`)
+    tunes that, and is refused for other precisions (``runtime/loss_scale.py``)."""
+    from autopar.runtime.loss_scale import refuse_loss_scale
     from autopar.runtime.optim import ShardedOptimizer, check_optimizer_class, check_params
     from autopar.runtime.pp import PipelineModule
     from autopar.runtime.tp_module import ParallelModule
@@ -196,5 +221,6 @@ def optimizer(module: Any, optimizer_cls: type, params: Any = None, **kwargs: An
     check_optimizer_class(optimizer_cls)
     if isinstance(module, PipelineModule) and not module.dp_runtimes and not module.mixed:   # its stages' parameters
         params = check_params(module, params)
+        refuse_loss_scale(loss_scale)      # fp32 stages: nothing to scale
         return optimizer_cls(params if params is not None else module.parameters(), **kwargs)
-    return ShardedOptimizer(module, optimizer_cls, params, **kwargs)
+    return ShardedOptimizer(module, optimizer_cls, params, loss_scale=loss_scale, **kwargs)

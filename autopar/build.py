@@ -44,6 +44,7 @@ from autopar.passes.pp_split import OpCosts, op_costs
 from autopar.passes.tp_rewrite import drop_dtype_checks
 from autopar.plans import Plan
 from autopar.pp import info_symbols, named_axes, node_time_fn, pipeline_axes, plan_pipeline
+from autopar.runtime.sync_bn import sync_batch_norms
 from autopar.prepare import (capture_model, data_rewrite, device_mesh, input_dims, master_dtype,
                              mesh_axes, model_tensors, planned_graph, torch_dtype)
 
@@ -71,7 +72,7 @@ def build_dense(model: nn.Module, mesh: Any, args: tuple, kwargs: dict, *, plan:
                                  memory_budget=memory_budget, sizes=sizes, after="rewrite",
                                  group_name=tp_group.group_name if tp_group is not None else "tp",
                                  zero_stage=zero_stage, overlap=overlap, bucket_bytes=bucket_bytes,
-                                 mixed_precision=mixed_precision, placements=placements)
+                                 mixed_precision=mixed_precision, placements=placements, modes=True)
     if plan is None:
         check_fits(gm, the_plan, memory_budget, {**graph_info(gm).example_sizes, **dict(sizes or {})})
     check_runtime_dtypes(model, gm, the_plan)
@@ -89,6 +90,7 @@ def build_dense(model: nn.Module, mesh: Any, args: tuple, kwargs: dict, *, plan:
         cluster = Cluster.from_spec(f"1x{world}", hardware=hardware or ("h100" if torch.cuda.is_available() else "cpu"))
         for fqns, shapes, flags in data_rewrite(gm, the_plan, cluster, rid=rt.id, trainable=trainable):
             rt.add_bucket(fqns, shapes, flags)
+        sync_batch_norms(gm, rt.group_name)     # training statistics over the global batch
     elif compute != master:   # mixed precision without a data axis: fp32 masters, nothing to reduce
         rt = DPRuntime(stage=0, n=1, rank=0, group_name="", device=device, master_dtype=master, compute_dtype=compute)
     used = {info(n).target_fqn for n in gm.graph.nodes if n.op == "placeholder" and info(n).target_fqn}
@@ -179,10 +181,10 @@ def build_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, loss_fn:
                                                   stage_starts=(), schedule=None, expert_placement={})
         gm, tp_plan = planned_graph(model, {"tp": tp_n}, mb_args, example_kwargs=mb_kwargs, dims=(), after="rewrite",
                                     hardware=hardware, group_name=tp_group.group_name, memory_budget=memory_budget,
-                                    plan=given, pinned=expert_side if ep_n > 1 else None)
+                                    plan=given, pinned=expert_side if ep_n > 1 else None, modes=True)
         placements = dict(tp_plan.params)
     else:
-        gm, placements = capture_model(model, mb_args, (), mb_kwargs), {}
+        gm, placements = capture_model(model, mb_args, (), mb_kwargs, modes=True), {}
     own = loss_fn is None
     loss_fn = loss_fn or own_loss(gm)
     tensors = model_tensors(model, sync=sync_params)
@@ -252,6 +254,7 @@ def build_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, loss_fn:
     pm.expert_storage = {f: how for f, (how, _) in experts.items()}    # fqn -> "rows" | "whole"
     pm.expert_owned = {f: owned for f, (_, owned) in experts.items()}  # fqn -> the experts this rank holds
     pm.pipeline_plan = final       # the simulator's view: stage times, step time, bubble
+    pm.mode_blocked = dict(graph_info(gm).mode_blocked)     # train/eval modes the stages cannot run in
     return pm
 
 
@@ -306,10 +309,10 @@ def build_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, hardware:
         gm, tp_plan = planned_graph(model, {"tp": tp_n}, args, example_kwargs=kwargs, dims=dims, after="rewrite",
                                     hardware=hardware,
                                     group_name=tp_group.group_name, memory_budget=memory_budget,
-                                    pinned=expert_side, plan=given)
+                                    pinned=expert_side, plan=given, modes=True)
         placements, nodes = dict(tp_plan.params), dict(tp_plan.nodes)
     else:
-        gm = capture_model(model, args, dims, kwargs)
+        gm = capture_model(model, args, dims, kwargs, modes=True)
         placements, nodes = {k: "R" for k in tensors}, {}
     if mixed_precision:
         drop_dtype_checks(gm)      # the graph runs under autocast (the tensor rewrite drops them too)

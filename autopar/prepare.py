@@ -90,15 +90,34 @@ def tp_axes(axes: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
 
 
 def capture_model(model: nn.Module, example_inputs: Any, dims: Any,
-             kwargs: Mapping[str, Any] | None = None) -> fx.GraphModule:
+             kwargs: Mapping[str, Any] | None = None, *, modes: bool = False) -> fx.GraphModule:
+    """Capture and analyse ``model``; with ``modes`` also record what differs in its other
+    train/eval mode (:mod:`autopar.modes`), for a build whose module can be switched."""
+    if modes and not model.training and not any(m.training for m in model.modules()):
+        # an eval-mode model is captured in train mode (its graph then has what training adds,
+        # e.g. BatchNorm's counters) and switched to eval: both modes stay available
+        from autopar.modes import apply_mode, modes_of
+        with modes_of(model, True):
+            gm = capture_model(model, example_inputs, dims, kwargs, modes=True)
+        apply_mode([gm], False)
+        return gm
     args = as_args(example_inputs)
+    labels = dims
     if dims is None:
         try:
-            return analyze(capture(model, args, kwargs=kwargs, dims=default_dims(args, kwargs)))
+            labels = default_dims(args, kwargs)
+            gm = analyze(capture(model, args, kwargs=kwargs, dims=labels))
         except CaptureError as exc:
             log.info("capture with symbolic batch/seq failed (%s); capturing with fixed sizes", exc)
-            return analyze(capture(model, args, kwargs=kwargs))
-    return analyze(capture(model, args, kwargs=kwargs, dims=dims or None))
+            labels = None
+            gm = analyze(capture(model, args, kwargs=kwargs))
+    else:
+        labels = dims or None
+        gm = analyze(capture(model, args, kwargs=kwargs, dims=labels))
+    if modes:
+        from autopar.modes import record_modes
+        record_modes(gm, model, lambda: capture(model, args, kwargs=kwargs, dims=labels))
+    return gm
 
 
 def solve_tensor_axis(gm: fx.GraphModule, axes: tuple[tuple[str, int], ...], *, hardware: str | None,
@@ -185,14 +204,15 @@ def planned_graph(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
                   sizes: Mapping[str, int] | None = None, rewrite: bool = False, after: str | None = None,
                   group_name: str = "tp", zero_stage: int | None = None, overlap: bool = True,
                   bucket_bytes: int = 0, mixed_precision: str | None = None,
-                  pinned: Any = None, placements: Mapping[str, str] | None = None) -> tuple[fx.GraphModule, Plan]:
+                  pinned: Any = None, placements: Mapping[str, str] | None = None,
+                  modes: bool = False) -> tuple[fx.GraphModule, Plan]:
     """Capture, plan (or take ``plan``) and annotate every node with its placement; ``after``
     = ``"rewrite"`` (or ``rewrite=True``) also produces the per-rank graph and ``"schedule"``
     additionally inserts the data-axis collectives and schedules them (what ``autopar dump
     --after`` shows)."""
     after = after or ("rewrite" if rewrite else "plan")
     axes = mesh_axes(mesh)
-    gm = capture_model(model, example_inputs, dims, example_kwargs)
+    gm = capture_model(model, example_inputs, dims, example_kwargs, modes=modes)
     sol, cluster = solve_tensor_axis(gm, axes if plan is None else (), hardware=hardware, memory_budget=memory_budget,
                           sizes=sizes, dtype=None, pinned=pinned, placements=placements)
     if plan is None:

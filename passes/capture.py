@@ -527,6 +527,10 @@ def _fix_hint(exc: Exception) -> str:
     if "data-dependent" in msg or "GuardOnDataDependent" in type(exc).__name__ or ".item()" in msg:
         return ("the forward branches on or sizes by tensor values; rewrite it with shape-static "
                 "ops (torch.where, masks, fixed capacities) so the graph does not depend on data")
+    if "leaf Variable that requires grad is being used in an in-place operation" in msg:
+        return ("forward changes a parameter in place, which autograd cannot differentiate: compute a new "
+                "tensor instead (w = w * 0.5, not w.mul_(0.5)), or change the parameter outside forward under "
+                "torch.no_grad()")
     if "Constraints violated" in msg or "specializ" in msg:
         return ("the model fixes a size that was marked symbolic; capture without dims=, or remove "
                 "the code that pins that size")

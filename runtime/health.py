@@ -11,7 +11,8 @@ nothing about who failed. Here:
   else :data:`DEFAULT_TIMEOUT_S` (300 s). It bounds only the wait for a rank that never
   joins (a stalled one); a rank that raises or dies is noticed at once, whatever it is.
 * **Records.** A :class:`Monitor` per rank keeps records in the default group's store, under
-  ``autopar/``: ``hb/<rank>``, the heartbeat (every ``beat_s`` = 1 s and at every step: the
+  ``autopar/``: ``hb/<rank>``, the heartbeat (every ``beat_s`` = 1 s, and at every step on
+  worlds of up to 64 ranks, at most once a beat on larger ones: the
   step, pid, node and the line the main thread is on); ``end/<rank>``, how the rank ended
   (``raised``, ``peer``, ``timeout``, ``stalled``, ``exited``); ``news``, the first failure;
   ``abort/<rank>``, the others' order to a rank they timed out waiting for.
@@ -59,6 +60,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -82,6 +84,7 @@ __all__ = ["DEFAULT_TIMEOUT_S", "EXIT_PEER_FAILED", "EXIT_STALLED", "TIMEOUT_ENV
 
 _STORE_OP_S = 2.0   # the longest one store call of the monitor waits
 _step = 0                                   # this rank's step (note_step)
+PER_STEP_BEATS_UP_TO = 64                   # larger worlds beat at most once per beat_s (Monitor.beat)
 _monitor: Monitor | None = None             # this process's monitor (start)
 _previous_hook: Callable[..., Any] | None = None   # sys.excepthook before start() chained onto it
 _exit_code: int | None = None               # set when this rank ends on its own uncaught exception
@@ -96,7 +99,7 @@ def note_step() -> None:
     global _step, _auto_started
     _step += 1
     if _monitor is not None:
-        _monitor.beat()
+        _monitor.beat(on_step=True)
     elif not _auto_started:
         _auto_started = True
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -136,6 +139,7 @@ class Monitor:
         self._down = False
         self._ended: str | None = None         # the kind of this rank's end record, once written
         self._beats = 0
+        self._last_write = -math.inf           # monotonic time of the last heartbeat written
         self._news: dict | None = None         # the first failure any rank recorded, once seen
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"autopar-heartbeat-{rank}", daemon=True)
@@ -195,10 +199,17 @@ class Monitor:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(self.beat_s + _STORE_OP_S)
 
-    def beat(self) -> bool:
-        """Write this rank's heartbeat now (note_step calls it, so a rank's last step is exact)."""
+    def beat(self, *, on_step: bool = False) -> bool:
+        """Write this rank's heartbeat now. :func:`note_step` calls it at every step, so a rank's
+        last step is exact, on worlds of up to :data:`PER_STEP_BEATS_UP_TO` ranks; on larger
+        ones a step writes only if the last write is a beat old (every rank writes to one store:
+        at most ``world / beat_s`` writes a second, whatever the step rate)."""
         if self._halt.is_set():
             return False
+        now = time.monotonic()
+        if on_step and self.world > PER_STEP_BEATS_UP_TO and now - self._last_write < self.beat_s:
+            return True
+        self._last_write = now
         self._beats += 1
         ok = self._set(f"hb/{self.rank}", {"beat": self._beats, "step": _step, "pid": os.getpid(),
                                            "node": self._node, "where": main_thread_at()})

@@ -92,6 +92,12 @@ class StageModule(nn.Module):
     def graph_module(self) -> fx.GraphModule:
         return self._graph[0]
 
+    def train(self, mode: bool = True) -> "StageModule":
+        """Switch the stage's graph to ``mode`` (autopar/modes.py), then the module."""
+        from autopar.modes import apply_mode
+        apply_mode([self.graph_module], mode)
+        return super().train(mode)
+
     def set_recompute(self, mode: str, layers: Sequence[str] = ()) -> None:
         """Checkpoint this stage's share of ``layers`` (``full``) or its attention cores
         (``selective``); see runtime/recompute.py."""
@@ -239,6 +245,7 @@ class PipelineModule(nn.Module):
         from torch.distributed import pipelining
 
         self.plan = plan
+        self.mode_blocked: dict[bool, str] = {}    # train/eval modes the stages cannot run in (autopar/modes.py)
         self.schedule_name = schedule
         self.microbatches = microbatches
         self._stages = stages            # not submodules: the parameters are registered below
@@ -254,6 +261,7 @@ class PipelineModule(nn.Module):
         self.main_grads = grads
         self._master_init = dict(master_init or {})
         self.compute_dtype = next((st.compute_dtype for st in stages if st.compute_dtype is not None), None)
+        self.loss_scaler = None          # fp16: set by the optimizer (runtime/loss_scale.py), read by _Autocast
         pieces = {f: q for d in self._data for f, q in d.pieces.items()}
         for st in stages:
             for fqn, p in st.named_parameters(remove_duplicate=False):
@@ -275,7 +283,7 @@ class PipelineModule(nn.Module):
         # every pipeline rank agrees on the loss's dtype (fp32, or fp64 for a float64 model)
         self._loss_dtype = torch.promote_types(torch.float32, floats[0] if floats else torch.float32)
         if self.compute_dtype is not None:      # the loss runs under autocast, as the stages do
-            loss_fn = _Autocast(loss_fn, next(st for st in stages))
+            loss_fn = _Autocast(loss_fn, next(st for st in stages), self)
         self._first = any(st.index == 0 for st in stages)
         self._last = any(st.index == num_stages - 1 for st in stages)
         if schedule in MULTI:
@@ -296,6 +304,15 @@ class PipelineModule(nn.Module):
     def mixed(self) -> bool:
         """Mixed precision: 16-bit stage parameters, fp32 gradient accumulators and masters."""
         return self.main_grads is not None
+
+    def train(self, mode: bool = True) -> "PipelineModule":
+        """Switch this rank's stages (not submodules) and the module to ``mode``, as on the
+        original model; a mode the capture could not express raises (autopar/modes.py)."""
+        from autopar.modes import check_mode
+        check_mode(self.mode_blocked, mode, "PipelineModule.train")
+        for st in self._stages:
+            st.train(mode)
+        return super().train(mode)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -344,6 +361,11 @@ class PipelineModule(nn.Module):
         Keyword inputs (``pm.step(**batch)``) go where the model takes them; a model that
         computes its own loss (given ``labels``) needs no ``target``."""
         note_step()
+        if not torch.is_grad_enabled():
+            raise ConfigError("a pipeline step runs forward and backward: it cannot run under torch.no_grad()",
+                              where="PipelineModule.step",
+                              fix="call pm.step outside no_grad (after pm.eval() it runs in eval mode; "
+                                  "call pm.zero_grad() after an evaluation step)")
         if target is None and not self._own_loss:
             raise ConfigError("a pipeline step needs the target", where="PipelineModule.step",
                               fix="call pm.step(inputs, target=targets) on every rank")
@@ -406,14 +428,17 @@ class PipelineModule(nn.Module):
 
 
 class _Autocast:
-    """The loss function, run under the stages' autocast (mixed precision)."""
+    """The loss function, run under the stages' autocast (mixed precision); under fp16 its result
+    goes through the pipeline's loss scaler, so backward starts from the scale."""
 
-    def __init__(self, fn: Callable, stage: StageModule) -> None:
-        self.fn, self.stage = fn, stage
+    def __init__(self, fn: Callable, stage: StageModule, pipeline: "PipelineModule") -> None:
+        self.fn, self.stage, self.pipeline = fn, stage, pipeline
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self.stage.autocast():
-            return self.fn(*args, **kwargs)
+            loss = self.fn(*args, **kwargs)
+        scaler = self.pipeline.loss_scaler
+        return loss if scaler is None else scaler.scale_outputs(loss)
 
 
 class _Stage(PipelineStage):

@@ -56,6 +56,8 @@ class ParallelModule(nn.Module):
         self._dps = [dp] if isinstance(dp, DPRuntime) else list(dp or ())
         self._rt_of = {fqn: rt for rt in self._dps for fqn in rt.where}
         self._master_init: dict[str, torch.Tensor] = {}
+        # how long state_dict() under ZeRO-3 waits for the other data-axis ranks before raising
+        self.collective_wait_s = 60.0
         ginfo = graph_info(gm)
         first = self._dps[0] if self._dps else None
         for fqn, full in tensors.items():
@@ -90,6 +92,14 @@ class ParallelModule(nn.Module):
     @property
     def graph_module(self) -> fx.GraphModule:
         return self._graph[0]
+
+    def train(self, mode: bool = True) -> "ParallelModule":
+        """Switch the graph to ``mode`` as the original model would (dropout, BatchNorm, any
+        op whose arguments depend on ``self.training``; autopar/modes.py), then the module."""
+        from autopar.modes import apply_mode, check_mode
+        check_mode(graph_info(self.graph_module).mode_blocked, mode, "ParallelModule.train")
+        apply_mode([self.graph_module], mode)
+        return super().train(mode)
 
     @property
     def dp_runtime(self) -> DPRuntime | None:
@@ -156,6 +166,9 @@ class ParallelModule(nn.Module):
                 stack.enter_context(torch.autocast(self._dps[0].device.type, dtype=self._dps[0].compute_dtype))
             outs = self._run(gm, call)
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        weight = self._row_weight(flat)
+        if weight is not None:
+            outs = [_weighted(o, weight) for o in outs]
         user = []
         for (kind, target), value in zip(ginfo.output_targets, outs):
             if kind == "BUFFER_MUTATION" and target in state:
@@ -164,6 +177,26 @@ class ParallelModule(nn.Module):
             else:
                 user.append(value)
         return pytree.tree_unflatten(user, ginfo.out_spec) if ginfo.out_spec is not None else tuple(user)
+
+    def _row_weight(self, flat: list) -> torch.Tensor | None:
+        """Uneven shares of the batch: the data axis averages gradients over ranks, which is the
+        mean over rows only when every rank has as many. Each rank's gradients are weighted by
+        ``rows * ranks / total rows`` (applied to the gradients reaching its outputs), so the
+        average is the global batch's mean, as one process computes it. None when even."""
+        rt = max(self._dps, key=lambda r: r.n, default=None)
+        if rt is None or rt.n == 1 or not torch.is_grad_enabled():
+            return None
+        where = self._dims.get("batch")
+        if where is not None and where[0] < len(flat) and isinstance(flat[where[0]], torch.Tensor):
+            rows = flat[where[0]].shape[where[1]]
+        else:
+            rows = next((t.shape[0] for t in flat if isinstance(t, torch.Tensor) and t.dim()), 1)
+        counts = torch.tensor([float(rows)], dtype=torch.float64, device=rt.device)
+        counts = _c10d.wait_tensor(_c10d.all_reduce_(counts, "sum", rt.group_name))
+        weight = counts.reciprocal() * (rows * rt.n)
+        if weight.device.type == "cpu" and weight.item() == 1.0:
+            return None          # even shares (the usual case): nothing to weight
+        return weight
 
     def _flatten(self, ginfo: Any, args: tuple, kwargs: dict) -> list:
         """The call's leaves in the order the graph takes them: keyword inputs in the captured
@@ -262,6 +295,10 @@ class ParallelModule(nn.Module):
 
 
 def _to_dtensors(module: ParallelModule, state_dict: dict, prefix: str, local_metadata: Any) -> dict:
+    from autopar.agreement import rendezvous
+    for rt in module._dps:       # ZeRO-3 gathers below: a rank calling alone must not hang
+        if rt.stage == 3 and rt.n > 1:
+            rendezvous(rt.group_name, f"{type(module).__name__}.state_dict() under ZeRO-3", module.collective_wait_s)
     for key in list(state_dict):
         fqn = module._aliases.get(key[len(prefix):], key[len(prefix):])
         rt = module._rt_of.get(fqn)
@@ -312,6 +349,18 @@ def _get(root: nn.Module, fqn: str) -> torch.Tensor:
     for part in path:
         mod = getattr(mod, part)
     return getattr(mod, leaf)
+
+
+def _weighted(value: Any, weight: torch.Tensor) -> Any:
+    """``value`` unchanged forward, its gradient times ``weight`` backward (floating tensors
+    that need a gradient; anything else as it is)."""
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        value = value.view_as(value)   # its own node: only the user's use of the output is weighted
+        value.register_hook(lambda g: g * weight.to(g.dtype))
+        return value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_weighted(v, weight) for v in value)
+    return value
 
 
 def _set(root: nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool = False, persistent: bool = True) -> None:

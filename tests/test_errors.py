@@ -320,3 +320,20 @@ def test_mixed_precision_other_than_the_plans_is_refused():
     with pytest.raises(autopar.ConfigError) as err:
         autopar.parallelize(MLP(), {"dp": 2}, (_x(),), plan=plan, mixed_precision="fp16")
     _says(err, "differs from the plan's", "'bf16'", "'fp16'")
+
+
+class _ChangesItsWeight(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.fc.weight.mul_(0.5)
+        return self.fc(x)
+
+
+def test_an_in_place_change_of_a_parameter_in_forward_is_named_with_its_line() -> None:
+    with pytest.raises(CaptureError) as err:
+        autopar.capture(_ChangesItsWeight(), (torch.randn(2, 4),))
+    msg = str(err.value)
+    assert "self.fc.weight.mul_(0.5)" in msg and "changes a parameter in place" in msg

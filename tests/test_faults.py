@@ -230,3 +230,28 @@ def test_timeout_knob(monkeypatch) -> None:
         health.resolve_timeout()
     with pytest.raises(ConfigError):
         health.resolve_timeout(-1)
+
+
+class _CountingStore:
+    def __init__(self) -> None:
+        self.sets = 0
+        self.data: dict = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.sets += 1
+        self.data[key] = value
+
+    def check(self, keys: list) -> bool:
+        return all(k in self.data for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.data[key].encode()
+
+
+@pytest.mark.parametrize("world, writes", [(8, 500), (4096, 1)])
+def test_heartbeats_at_large_worlds_are_rate_limited(world: int, writes: int) -> None:
+    store = _CountingStore()
+    mon = health.Monitor(store, 1, world, timeout_s=None, beat_s=60.0, store_host=1)
+    for _ in range(500):          # 500 steps within one beat
+        mon.beat(on_step=True)
+    assert store.sets == writes

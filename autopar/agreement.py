@@ -1,0 +1,128 @@
+"""Ranks agree before they build: :func:`check_agreement`.
+
+Every rank must call :func:`autopar.parallelize` with the same model structure, mesh and
+options. A rank that does not (another model size, another ``zero_stage``) would otherwise
+meet the others in mismatched collectives: a broadcast of differently shaped tensors that
+silently fills part of a parameter, a gloo abort, or a wait until the group's timeout.
+
+So, before any other collective, each rank all-gathers a short digest of each field (the
+model's parameter and buffer names, shapes and dtypes and its train/eval mode; the mesh; each
+option) over the default group, and every rank compares every other rank's digests with rank
+0's. A disagreement raises the same :class:`~autopar.errors.ConfigError` on every rank, naming
+the first disagreeing rank and the fields; a rank that does not arrive within ``timeout_s``
+raises a :class:`~autopar.errors.PeerFailureError` on the ranks that did.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar.errors import ConfigError, PeerFailureError
+
+__all__ = ["check_agreement", "fingerprint", "rendezvous"]
+
+TIMEOUT_S = 10.0
+
+
+def _digest(value: Any) -> int:
+    """A 63-bit digest of ``repr(value)`` (fits an int64 tensor element)."""
+    return int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:8], "little") >> 1
+
+
+def _structure(model: nn.Module) -> tuple:
+    """What must be the same on every rank: names, shapes and dtypes of the parameters and
+    buffers (not their values: ``sync_params`` takes rank 0's), which are trainable, the mode."""
+    params = tuple((k, tuple(p.shape), str(p.dtype), p.requires_grad)
+                   for k, p in model.named_parameters(remove_duplicate=False))
+    buffers = tuple((k, tuple(b.shape), str(b.dtype)) for k, b in model.named_buffers())
+    return type(model).__qualname__, params, buffers, model.training
+
+
+def _plain(value: Any) -> Any:
+    """A repr-stable form of an option (a function by its qualified name, a plan by its JSON)."""
+    if callable(value) and not isinstance(value, nn.Module):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"
+    if hasattr(value, "to_json"):
+        return value.to_json()
+    if isinstance(value, Mapping):
+        return sorted((str(k), _plain(v)) for k, v in value.items())
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), str(value.dtype))
+    return value
+
+
+def fingerprint(model: nn.Module, mesh: Any, options: Mapping[str, Any]) -> dict[str, int]:
+    """Field name -> digest, in a fixed order: ``model``, ``mesh``, then the options by name."""
+    mesh_form = (tuple(mesh.mesh_dim_names or ()), tuple(mesh.shape)) if hasattr(mesh, "mesh_dim_names") \
+        else _plain(mesh)
+    fields = {"model": _digest(_structure(model)), "mesh": _digest(mesh_form)}
+    for name in sorted(options):
+        fields[name] = _digest(_plain(options[name]))
+    return fields
+
+
+def check_agreement(model: nn.Module, mesh: Any, options: Mapping[str, Any], *,
+                    timeout_s: float = TIMEOUT_S) -> None:
+    """Raise on every rank if the ranks' ``parallelize`` calls differ (module docstring)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    fields = fingerprint(model, mesh, options)
+    names = list(fields)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    # the field count first travels inside the vector, so ranks with different option sets
+    # still exchange equally long vectors
+    width = 64
+    mine = torch.zeros(width + 1, dtype=torch.int64)
+    mine[0] = len(names)
+    mine[1:1 + min(len(names), width)] = torch.tensor([fields[k] for k in names][:width], dtype=torch.int64)
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    work = dist.all_gather(gathered, mine, async_op=True)
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:     # gloo raises a RuntimeError on timeout, NCCL a DistBackendError
+        raise PeerFailureError(f"not every rank reached autopar.parallelize within {timeout_s:g} s",
+                               where=f"parallelize, rank {rank}",
+                               got=str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__,
+                               fix="call autopar.parallelize on every rank of the process group, with the same "
+                                   "model and options; look at the other ranks' errors") from None
+    ref = gathered[0]
+    for r in range(1, world):
+        other = gathered[r]
+        if torch.equal(other, ref):
+            continue
+        if other[0] != ref[0]:
+            differ = ["options (a different set of them)"]
+        else:
+            differ = [names[i] for i in range(min(len(names), width)) if other[1 + i] != ref[1 + i]]
+        raise ConfigError(f"rank {r} called autopar.parallelize differently from rank 0: {', '.join(differ)}",
+                          where=f"parallelize (checked on rank {rank})",
+                          expected="the same model structure (names, shapes, dtypes, mode), mesh and options "
+                                   "on every rank",
+                          fix=f"make rank {r} build the same model and pass the same "
+                              f"{'/'.join(differ)} as rank 0 (seed differences in weights are fine: rank 0's are "
+                              f"broadcast)")
+
+
+def rendezvous(group_name: str, what: str, timeout_s: float) -> None:
+    """Wait at most ``timeout_s`` for every rank of ``group_name`` to reach this point, before a
+    collective only some ranks might call (``what`` says which); raise a PeerFailureError naming
+    it instead of hanging. After a timeout the group holds an unmatched collective: the process
+    must stop."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    flag = torch.ones(1)
+    work = dist.all_reduce(flag, group=group, async_op=True)
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:   # gloo: RuntimeError on timeout; NCCL: DistBackendError
+        raise PeerFailureError(f"{what} is collective, and not every rank called it within {timeout_s:g} s",
+                               where=what, got=str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__,
+                               fix=f"call {what} on every rank of the data axis at the same point (e.g. after "
+                                   f"opt.step()), or use autopar.save, which every rank calls; this process "
+                                   f"group cannot be used after this error") from None

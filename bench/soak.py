@@ -1,0 +1,155 @@
+"""Soak: training that is killed, stalled and broken at random, and resumes from its checkpoints.
+
+Command:  python bench/soak.py [--minutes 5] [--steps 40] [--seed 0] [--json]   (not in CI)
+
+A driver runs a data-parallel MLP (float64, ZeRO-1, SGD with momentum) on gloo ranks. Each
+segment starts ``world`` ranks (4, 2 or 1, drawn at random: the rank count may change between
+segments), resumes from the checkpoint directory's ``LATEST`` if there is one, and trains,
+saving every ``--every`` steps. Unless the segment is the last one the driver also draws a
+fault: one rank, at one step, raises, is killed (SIGKILL) or stalls (the others' collective
+timeout stops it). The driver waits for the segment's ranks to end, counts the fault it
+injected and how the ranks reported it, and starts the next segment. Steps computed after the
+last checkpoint before a fault are lost (computed again).
+
+The batch of step ``s`` is the same whatever the rank count (a generator seeded with ``s``;
+each rank takes its rows), so the final parameters must equal those of one uninterrupted
+process on the same batches: the driver checks that (relative difference; float64 leaves
+only the data axis's summation order) and that every fault was reported with the rank that
+caused it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+WIDTH, ROWS, LR = 32, 16, 0.05
+TIMEOUT_S = 3.0             # every collective's timeout: how long a stall takes to be noticed
+
+
+def _batch(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(ROWS, WIDTH, generator=g, dtype=torch.float64)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(WIDTH, 64), torch.nn.Tanh(), torch.nn.Linear(64, WIDTH)).double()
+
+
+def _segment(rank: int, world: int, ckpt: str, steps: int, every: int, fault: tuple | None) -> dict:
+    """One run of ``world`` ranks: resume, train to ``steps`` (or the fault), save every ``every``."""
+    import autopar
+    from autopar.checkpoint import latest
+
+    model = _model()
+    rows = ROWS // world
+    pm = autopar.parallelize(model, {"dp": world}, (_batch(0)[:rows],), zero_stage=1)
+    opt = autopar.optimizer(pm, torch.optim.SGD, lr=LR, momentum=0.9)
+    start = 0
+    try:
+        latest(ckpt)
+        start = autopar.load(pm, opt, ckpt)["step"]
+    except autopar.CheckpointError:
+        pass                      # no checkpoint yet: from the start
+    for step in range(start + 1, steps + 1):
+        x = _batch(step)[rank * rows:(rank + 1) * rows]
+        loss = pm(x).pow(2).mean()
+        if fault is not None and fault[1] == rank and fault[2] == step:
+            if fault[0] == "raise":
+                raise RuntimeError(f"injected fault at step {step}")
+            if fault[0] == "kill":
+                os.kill(os.getpid(), 9)
+            time.sleep(120)       # stall: the others time out waiting in the backward's reduction
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step % every == 0 or step == steps:
+            autopar.save(pm, opt, ckpt, step=step)
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in pm.state_dict().items()}
+    return {"start": start, "end": steps, "state": state if rank == 0 else None}
+
+
+def _reference(steps: int) -> dict:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    for step in range(1, steps + 1):
+        model(_batch(step)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from autopar.runtime.launch import run_ranks_outcomes
+
+    ap = argparse.ArgumentParser(prog="soak", description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=5.0, help="inject faults until this much time has passed")
+    ap.add_argument("--steps", type=int, default=40, help="training steps of one run")
+    ap.add_argument("--every", type=int, default=3, help="checkpoint every this many steps")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    rng = random.Random(args.seed)
+    deadline = time.monotonic() + 60 * args.minutes
+    injected = {"raise": 0, "kill": 0, "stall": 0}
+    reported, recoveries, lost, runs, worlds = 0, 0, 0, 0, []
+    rows: list[str] = []
+    final = None
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="autopar-soak-") as tmp:
+        ckpt = str(Path(tmp) / "ckpt")
+        saved = 0                  # the step LATEST names
+        while final is None:
+            faulty = time.monotonic() < deadline and saved < args.steps - 1
+            world = rng.choice([4, 2] if faulty else [4, 2, 1])
+            fault = None
+            if faulty:
+                fault = (rng.choice(["raise", "kill", "stall"]), rng.randrange(world),
+                         rng.randint(saved + 1, args.steps))
+            outs = run_ranks_outcomes(_segment, world, ckpt, args.steps, args.every, fault, timeout_s=180,
+                                      collective_timeout_s=TIMEOUT_S)
+            runs += 1
+            worlds.append(world)
+            if all(o.kind == "ok" for o in outs):
+                final = outs[0].result["state"]
+                rows.append(f"| {runs} | {world} | step {saved} | none | - | finished at step {args.steps} |")
+                break
+            if fault is None:
+                raise SystemExit(f"a segment without a fault failed: {[o.message for o in outs]}")
+            kind, bad, at = fault
+            injected[kind] += 1
+            # every other rank names the faulty one (a stall: the others time out and stop it)
+            blamed = all(o.rank == bad or f"rank {bad}" in o.message for o in outs)
+            reported += blamed
+            now = max(saved, (at - 1) // args.every * args.every)     # steps before the fault completed
+            lost += (at - 1) - now
+            rows.append(f"| {runs} | {world} | step {saved} | {kind}, rank {bad}, step {at} | "
+                        f"{'named' if blamed else 'NOT NAMED'} | {', '.join(sorted({o.kind for o in outs}))}; "
+                        f"resumes at step {now} |")
+            saved = now
+            recoveries += 1
+        ref = _reference(args.steps)
+        diff = max(((final[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-30)).item() for k in ref)
+    wall = time.monotonic() - t0
+    print("| run | ranks | resumed from | fault | reported | how the ranks ended |\n|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    total = sum(injected.values())
+    print(f"\nfaults injected: {total} ({', '.join(f'{k} {v}' for k, v in injected.items())}); named by every "
+          f"survivor: {reported}/{total}; recoveries: {recoveries}; steps lost: {lost}; rank counts {worlds}; "
+          f"final parameters vs one uninterrupted process: max relative difference {diff:.2e}; wall {wall:.0f} s")
+    if args.json:
+        print(json.dumps({"bench": "soak", "injected": injected, "reported": reported, "recoveries": recoveries,
+                          "steps_lost": lost, "worlds": worlds, "max_rel_diff": diff, "wall_s": wall}))
+    return 0 if diff < 1e-9 and reported == total else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
