@@ -41,6 +41,7 @@ from autopar.passes.meta import graph_info, info
 from autopar.passes.pp_split import StageGraph
 from autopar.passes.tp_rewrite import drop_dtype_checks
 from autopar.placement import Shard, Spec, parse
+from autopar.runtime.dp import row_weight
 from autopar.runtime.health import note_step
 from autopar.runtime.main_grads import MainGrads
 from autopar.runtime.stage_dp import StageDataAxis
@@ -282,8 +283,10 @@ class PipelineModule(nn.Module):
         floats = [p.dtype for st in stages for p in st.parameters() if p.dtype.is_floating_point]
         # every pipeline rank agrees on the loss's dtype (fp32, or fp64 for a float64 model)
         self._loss_dtype = torch.promote_types(torch.float32, floats[0] if floats else torch.float32)
-        if self.compute_dtype is not None:      # the loss runs under autocast, as the stages do
-            loss_fn = _Autocast(loss_fn, next(st for st in stages), self)
+        # the loss runs under autocast, as the stages do (mixed precision), weighted by this data
+        # rank's rows (uneven shares) and scaled (fp16)
+        self._row_weight: torch.Tensor | None = None
+        loss_fn = _Autocast(loss_fn, next(st for st in stages), self)
         self._first = any(st.index == 0 for st in stages)
         self._last = any(st.index == num_stages - 1 for st in stages)
         if schedule in MULTI:
@@ -381,6 +384,10 @@ class PipelineModule(nn.Module):
         if self._last and target is None:   # the model's own loss: the schedule still splits a target
             rows = next(t.shape[0] for t in inputs if isinstance(t, torch.Tensor)) if inputs else self.microbatches
             tgt = torch.zeros(rows, device=self._device)
+        widest = max((d.rt for d in self._data), key=lambda rt: rt.n, default=None)
+        if widest is not None and widest.n > 1:      # uneven shares of the batch over the data axis
+            rows = next((t.shape[0] for t in (*inputs, target) if isinstance(t, torch.Tensor)), 1)
+            self._row_weight = row_weight(rows, widest)
         for data in self._data:
             data.begin_step()
         self._schedule.step(*args, target=tgt, losses=losses)
@@ -428,8 +435,10 @@ class PipelineModule(nn.Module):
 
 
 class _Autocast:
-    """The loss function, run under the stages' autocast (mixed precision); under fp16 its result
-    goes through the pipeline's loss scaler, so backward starts from the scale."""
+    """The loss function, run under the stages' autocast (mixed precision); its gradient is
+    weighted by this data rank's share of the rows (uneven shares, ``runtime/dp.py:row_weight``);
+    under fp16 its result goes through the pipeline's loss scaler, so backward starts from the
+    scale."""
 
     def __init__(self, fn: Callable, stage: StageModule, pipeline: "PipelineModule") -> None:
         self.fn, self.stage, self.pipeline = fn, stage, pipeline
@@ -437,6 +446,9 @@ class _Autocast:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self.stage.autocast():
             loss = self.fn(*args, **kwargs)
+        weight = self.pipeline._row_weight
+        if weight is not None and isinstance(loss, torch.Tensor) and loss.requires_grad:
+            loss.register_hook(lambda g: g * weight.to(g.dtype))
         scaler = self.pipeline.loss_scaler
         return loss if scaler is None else scaler.scale_outputs(loss)
 

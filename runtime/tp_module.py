@@ -28,7 +28,7 @@ from torch.distributed.tensor import Shard as DShard
 from torch.utils import _pytree as pytree
 
 from autopar.errors import InputMismatchError
-from autopar.runtime.dp import DPRuntime, shard_range
+from autopar.runtime.dp import DPRuntime, row_weight, shard_range
 from autopar.runtime.health import note_step
 from autopar.passes.meta import evaluate, graph_info, info
 from autopar.placement import Shard, parse
@@ -191,12 +191,7 @@ class ParallelModule(nn.Module):
             rows = flat[where[0]].shape[where[1]]
         else:
             rows = next((t.shape[0] for t in flat if isinstance(t, torch.Tensor) and t.dim()), 1)
-        counts = torch.tensor([float(rows)], dtype=torch.float64, device=rt.device)
-        counts = _c10d.wait_tensor(_c10d.all_reduce_(counts, "sum", rt.group_name))
-        weight = counts.reciprocal() * (rows * rt.n)
-        if weight.device.type == "cpu" and weight.item() == 1.0:
-            return None          # even shares (the usual case): nothing to weight
-        return weight
+        return row_weight(rows, rt)
 
     def _flatten(self, ginfo: Any, args: tuple, kwargs: dict) -> list:
         """The call's leaves in the order the graph takes them: keyword inputs in the captured

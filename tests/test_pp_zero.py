@@ -31,7 +31,7 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def _case(mesh: dict, *, schedule: str, virtual: int | None = None, zero: int = 0, recompute: str = "none",
           name: str = "llama", layers: int = 2, dtype: torch.dtype = torch.float32, micro: int = 2,
-          batch: int = 4, seq: int = 8, reapply: bool = False) -> dict:
+          batch: int = 4, seq: int = 8, reapply: bool = False, uneven: bool = False) -> dict:
     dp, tp = mesh.get("dp", 1) * mesh.get("ep", 1), mesh.get("tp", 1)   # each dp and ep rank: its own rows
     torch.manual_seed(0)
     over = {k: v for k, v in {**SMALL, "layers": layers}.items() if name != "gpt" or k != "kv_heads"}
@@ -44,6 +44,12 @@ def _case(mesh: dict, *, schedule: str, virtual: int | None = None, zero: int = 
     target = torch.randint(0, SMALL["vocab"], (batch * dp, seq))
     share = (dist.get_rank() // tp) % dp
     local, local_t = tuple(a.chunk(dp)[share] for a in args), target.chunk(dp)[share]
+    weight = 1.0
+    if uneven:     # the data axis's shares of the batch: 6 rows and 2 (dp=2), weighted by rows
+        rows = [batch * dp - 2, 2]
+        lo = sum(rows[:share])
+        local, local_t = tuple(a[lo:lo + rows[share]] for a in args), target[lo:lo + rows[share]]
+        weight = rows[share] * dp / (batch * dp)
     # below the replicated state, the solver splits this tiny model's weights (with experts, which
     # stay whole on the tensor axis, the pipeline's stages must still fit: a looser bound)
     budget = (0.9 if "ep" in mesh else 0.75) * 16 * sum(p.numel() for p in model.parameters()) if tp > 1 else None
@@ -77,8 +83,9 @@ def _case(mesh: dict, *, schedule: str, virtual: int | None = None, zero: int = 
         ref_opt.zero_grad()
         loss = pm.step(*local, target=local_t).detach().clone()
         first_loss = loss.item() if first_loss is None else first_loss
+        loss *= weight
         dist.all_reduce(loss)
-        loss /= dist.get_world_size()          # the mean of the dp shares' losses is the batch's
+        loss /= dist.get_world_size()          # the (row-weighted) mean of the dp shares' losses is the batch's
         loss_err = max(loss_err, abs(loss.item() - want.item()) / abs(want.item()))
         # with experts and no dp axis, an expert has one holder: nothing to shard it over
         alone = set(pm.expert_storage) if mesh.get("dp", 1) == 1 else set()
@@ -135,6 +142,7 @@ FOUR = [(PP2_DP2, {"schedule": s, "virtual": v, "zero": z, "layers": 4 if v else
 FOUR += [
     (PP2_DP2, {"schedule": "1f1b", "zero": 3, "dtype": torch.float64}),
     (PP2_DP2, {"schedule": "zb", "zero": 2, "recompute": "full", "dtype": torch.float64}),
+    (PP2_DP2, {"schedule": "1f1b", "zero": 1, "dtype": torch.float64, "uneven": True}),
     (PP2_DP2, {"schedule": "zb", "recompute": "full", "micro": 4, "layers": 4}),
     (PP2_DP2, {"schedule": "zb", "recompute": "selective", "micro": 4, "name": "gpt"}),
     ({"pp": 2, "ep": 2}, {"schedule": "1f1b", "name": "moe", "dtype": torch.float64}),
