@@ -7,6 +7,8 @@ import logging
 import sys
 import time
 
+from autopar import cli_checks as checks
+from autopar.cli_checks import count
 from autopar.cli_hybrid import _plan_hybrid, _positive_int, _progress, _simulate
 from autopar.errors import AutoparError, ConfigError, DoesNotFitError, UnsupportedError
 
@@ -15,6 +17,7 @@ def _dump(args: argparse.Namespace) -> int:
     from autopar.dump import render
     from autopar.workload import capture_workload, load_workload, parse_overrides
     mesh = parse_mesh(args.mesh) if args.mesh else None
+    checks.output_file(args.out, "--out")
     if args.after and mesh is None:
         raise ConfigError(f"--after {args.after} needs --mesh", where="autopar dump",
                           expected="--mesh AXIS=SIZE with --after", got=f"--after {args.after} without --mesh",
@@ -47,8 +50,7 @@ def _dump(args: argparse.Namespace) -> int:
                   f"{','.join(f'{k}={v}' for k, v in mesh.items())} in {time.perf_counter() - start:.1f}s")
     text = render(gm, w.sizes, args.format, model=w.name, nodes=not args.summary, parallel=parallel)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        checks.write_text(args.out, text + "\n", "--out")
         _progress(args, f"wrote {args.out}")
     else:
         sys.stdout.write(text + "\n")
@@ -79,6 +81,11 @@ def _split_view(args: argparse.Namespace, w, mesh: dict[str, int]):
     return gm, parallel
 
 
+def _microbatches(flag: str):
+    return count(flag, high=checks.MAX_EVENT_MICROBATCHES,
+                 why="the pipeline's event simulation runs every micro-batch; published pipelines run a few hundred")
+
+
 def parse_mesh(spec: str) -> dict[str, int]:
     """``"tp=4"`` or ``"name=size[,name=size]"`` -> ``{"tp": 4}`` (the API checks what is supported)."""
     mesh: dict[str, int] = {}
@@ -99,20 +106,19 @@ def _plan(args: argparse.Namespace) -> int:
     """Pick dp x tp and the ZeRO stage for a model on a (possibly imaginary) cluster."""
     import json
 
-    from autopar.cost.cluster import Cluster
     from autopar.cost.dp_planner import plan_dp
     from autopar.workload import capture_for_planning, capture_workload, load_workload, parse_overrides
     if args.save_plan and args.pp != "auto":
         raise ConfigError("--save-plan writes the joint search's plan", where="autopar plan",
                           got=f"--pp {args.pp}", fix="drop --pp (the default, auto, searches every parallelism)")
-    cluster = Cluster.from_spec(args.cluster, hardware=args.hardware)
+    for flag, path in (("--report", args.report), ("--save-plan", args.save_plan), ("--timeline", args.timeline)):
+        checks.output_file(path, flag)
+    cluster = checks.cluster(args.cluster, args.hardware)
     mixed = None if args.dtype == "fp32" else args.dtype
     stages = (0, 1, 2, 3) if args.zero == "auto" else (int(args.zero),)
     tp = None if args.tp == "auto" else (_positive_int(args.tp, "--tp"),)
+    pp = None if args.pp == "auto" else _positive_int(args.pp, "--pp")
     budget = None if args.memory_budget is None else args.memory_budget * 1e9
-    if budget is not None and budget <= 0:
-        raise ConfigError("--memory-budget must be positive", where="--memory-budget", got=str(args.memory_budget),
-                          fix="pass the per-device budget in GB, e.g. --memory-budget 80")
     start = time.perf_counter()
     w = load_workload(args.model, batch=args.batch, seq=args.seq, overrides=parse_overrides(args.set))
     if args.pp == "auto":   # the joint search reads one block's figures: fewer layers do (workload.py)
@@ -123,7 +129,7 @@ def _plan(args: argparse.Namespace) -> int:
     gm = capture_workload(w)
     _progress(args, f"built and captured {w.name} ({len(gm.graph.nodes)} nodes) in {time.perf_counter() - start:.1f}s;"
                     f" planning for {cluster.name} …")
-    args.pp = _positive_int(args.pp, "--pp")
+    args.pp = pp
     if args.pp > 1:
         return _plan_pipeline(args, w, gm, cluster, tp[0] if tp else 1)
     if args.timeline:
@@ -222,8 +228,9 @@ def _plan_pipeline(args: argparse.Namespace, w, gm, cluster, tp: int) -> int:
         sim = simulate_plan(costs, best.cuts, schedule=best.schedule, devices=best.devices, virtual=best.virtual,
                             microbatches=best.microbatches,
                             p2p_time=lambda b: collective_time("send_recv", b, cluster, tuple(mesh.items()), "pp"))
-        write_timeline(sim, args.timeline, title=f"{w.name} on {cluster.name}: pp={args.pp} {best.schedule}, "
-                                                 f"{best.microbatches} micro-batches, bubble {sim.bubble_fraction:.3f}")
+        title = (f"{w.name} on {cluster.name}: pp={args.pp} {best.schedule}, {best.microbatches} micro-batches, "
+                 f"bubble {sim.bubble_fraction:.3f}")
+        checks.writing("--timeline", args.timeline, lambda: write_timeline(sim, args.timeline, title=title))
         _progress(args, f"wrote {args.timeline}")
     if args.json:
         data = {"model": w.name, "cluster": cluster.name, "devices": devices, "batch": args.batch, "seq": args.seq,
@@ -313,8 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("dump", help="print the annotated graph of a model")
     d.add_argument("--model", required=True, help=_MODEL_HELP)
     d.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model config field")
-    d.add_argument("--batch", type=int, default=1, help="global batch size to evaluate at (default 1)")
-    d.add_argument("--seq", type=int, default=128, help="sequence length to evaluate at (default 128)")
+    d.add_argument("--batch", type=count("--batch"), default=1, help="global batch size to evaluate at (default 1)")
+    d.add_argument("--seq", type=count("--seq"), default=128, help="sequence length to evaluate at (default 128)")
     d.add_argument("--format", choices=["text", "json", "dot"], default="text")
     d.add_argument("--summary", action="store_true", help="totals and modules only, no per-node lines")
     d.add_argument("--device", default="meta", help="where to build the model (default meta: allocates nothing)")
@@ -325,12 +332,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with a dp axis: this ZeRO stage (default: the lowest that fits the device memory)")
     d.add_argument("--no-overlap", action="store_true",
                    help="with --after schedule: leave every issue next to its wait (no overlap)")
-    d.add_argument("--bucket-bytes", type=int, default=0,
+    d.add_argument("--bucket-bytes", type=count("--bucket-bytes", low=0), default=0,
                    help="gradient/gather bucket size in bytes (default: from the cost model)")
     d.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb"],
                    help="with a pp axis: the pipeline schedule (default: the simulator's choice)")
-    d.add_argument("--microbatches", type=int, help="with a pp axis: micro-batches per step (default: chosen)")
-    d.add_argument("--virtual-stages", type=int, help="with a pp axis: stages per device (interleaved)")
+    d.add_argument("--microbatches", type=_microbatches("--microbatches"),
+                   help="with a pp axis: micro-batches per step (default: chosen)")
+    d.add_argument("--virtual-stages", type=count("--virtual-stages"),
+                   help="with a pp axis: stages per device (interleaved)")
     d.add_argument("--after", choices=["plan", "rewrite", "schedule", "split"],
                    help="with --mesh: show the graph after planning (default), the per-rank graph after "
                         "the rewrite (tensor-axis collectives with their predicted cost), or after the "
@@ -348,14 +357,16 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model config field")
     pl.add_argument("--cluster", required=True, metavar="NODESxGPUS", help="e.g. 1x8 or 4x8")
     pl.add_argument("--hardware", default="h100", help="a100, h100, cpu or a profile from `autopar calibrate`")
-    pl.add_argument("--batch", type=int, required=True, help="global batch size (split over the data axis)")
-    pl.add_argument("--seq", type=int, required=True, help="sequence length")
+    pl.add_argument("--batch", type=count("--batch"), required=True,
+                    help="global batch size (split over the data axis)")
+    pl.add_argument("--seq", type=count("--seq"), required=True, help="sequence length")
     pl.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                     help="fp32, or bf16/fp16 mixed precision (16-bit compute, fp32 master weights)")
-    pl.add_argument("--memory-budget", type=float, metavar="GB",
+    pl.add_argument("--memory-budget", type=checks.gigabytes("--memory-budget"), metavar="GB",
                     help="bytes per device in decimal GB (default: the device's memory)")
     pl.add_argument("--zero", choices=["auto", "0", "1", "2", "3"], default="auto", help="ZeRO stage (default auto)")
-    pl.add_argument("--tp", default="auto", help="tensor-parallel degree, or auto (powers of two within a node)")
+    pl.add_argument("--tp", default="auto", help="tensor-parallel degree, exactly (it must divide the devices), "
+                    "or auto (default: powers of two within a node)")
     pl.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd-momentum, ...")
     pl.add_argument("--pp", default="auto",
                     help="auto (default): search dp x tp x pp, ZeRO, recomputation, micro-batches and schedule "
@@ -365,11 +376,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --pp auto: write the chosen configuration as JSON, for `autopar train --plan`")
     pl.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb"],
                     help="with --pp: the pipeline schedule (default: the simulator's choice)")
-    pl.add_argument("--microbatches", type=int, help="with --pp: micro-batches per step (default: chosen)")
-    pl.add_argument("--virtual-stages", type=int, help="with --pp: stages per device (interleaved)")
+    pl.add_argument("--microbatches", type=_microbatches("--microbatches"),
+                    help="with --pp: micro-batches per step (default: chosen)")
+    pl.add_argument("--virtual-stages", type=count("--virtual-stages"), help="with --pp: stages per device (interleaved)")
     pl.add_argument("--timeline", metavar="OUT.svg", help="with --pp: draw the simulated schedule to this SVG file")
     pl.add_argument("--json", action="store_true", help="print one JSON object")
-    pl.add_argument("--top", type=int, default=5, metavar="K", help="alternatives to show (default 5)")
+    pl.add_argument("--top", type=count("--top", low=0, high=1000, why="a page of alternatives"), default=5,
+                    metavar="K", help="alternatives to show (default 5)")
     pl.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     pl.set_defaults(fn=_plan)
 
@@ -378,18 +391,18 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model config field")
     sm.add_argument("--cluster", required=True, metavar="NODESxGPUS")
     sm.add_argument("--hardware", default="h100")
-    sm.add_argument("--batch", type=int, required=True, help="global batch size")
-    sm.add_argument("--seq", type=int, required=True)
+    sm.add_argument("--batch", type=count("--batch"), required=True, help="global batch size")
+    sm.add_argument("--seq", type=count("--seq"), required=True)
     sm.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
     sm.add_argument("--optimizer", default="adamw")
-    sm.add_argument("--memory-budget", type=float, metavar="GB")
-    sm.add_argument("--tp", type=int, default=1)
-    sm.add_argument("--pp", type=int, default=1)
-    sm.add_argument("--dp", type=int, help="default: devices / (tp * pp)")
+    sm.add_argument("--memory-budget", type=checks.gigabytes("--memory-budget"), metavar="GB")
+    sm.add_argument("--tp", type=count("--tp", high=checks.MAX_DEVICES), default=1)
+    sm.add_argument("--pp", type=count("--pp", high=checks.MAX_DEVICES), default=1)
+    sm.add_argument("--dp", type=count("--dp", high=checks.MAX_DEVICES), help="default: devices / (tp * pp)")
     sm.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
-    sm.add_argument("--micro-batch-size", type=int, default=1)
+    sm.add_argument("--micro-batch-size", type=count("--micro-batch-size"), default=1)
     sm.add_argument("--schedule", choices=["1f1b", "interleaved", "gpipe", "zb"], default="1f1b")
-    sm.add_argument("--virtual-stages", type=int, default=1)
+    sm.add_argument("--virtual-stages", type=count("--virtual-stages"), default=1)
     sm.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
     sm.add_argument("--attention", choices=["flash", "materialized"], default="flash",
                     help="price attention as a flash kernel, or with the [s, s] scores written out")
@@ -419,10 +432,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["calibrate"]:  # its own flags, parsed by autopar.cost.calibrate
         from autopar.cost import calibrate
         return calibrate.main(argv[1:])
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="[autopar] %(name)s: %(message)s")
     try:
+        args = build_parser().parse_args(argv)     # a flag's type check raises a ConfigError
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                            format="[autopar] %(name)s: %(message)s")
         return args.fn(args)
     except AutoparError as exc:
         print(f"autopar: error: {exc}", file=sys.stderr)

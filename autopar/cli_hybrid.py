@@ -47,10 +47,11 @@ def _plan_hybrid(args: argparse.Namespace, w, planned, cluster, start: float) ->
 
     facts = _hybrid_facts(args, planned)
     space = {}
-    if args.tp != "auto":
-        space["tp_max"] = _positive_int(args.tp, "--tp")
+    if args.tp != "auto":      # exactly this degree (as with --pp 1 and --pp N)
+        space["tp_exact"] = _positive_int(args.tp, "--tp")
     if args.zero != "auto":
         space["zero_stages"] = (int(args.zero),)
+    _check_layouts(args, facts, cluster, space.get("tp_exact"))
     t0 = time.perf_counter()
     _progress(args, f"searching dp x tp x pp x ZeRO x recompute x micro-batch x schedule for {cluster.world_size} "
                     f"devices …")
@@ -80,6 +81,30 @@ def _plan_hybrid(args: argparse.Namespace, w, planned, cluster, start: float) ->
         return 0
     sys.stdout.write(_hybrid_text(args, w.name, cluster, best, others, planner_s, scored) + "\n")
     return 0
+
+
+def _check_layouts(args: argparse.Namespace, facts, cluster, tp: int | None) -> None:
+    """Refuse, before searching, a cluster and batch no layout can use: devices = dp x tp x pp
+    with tp a power of two within a node (or ``--tp`` exactly), pp up to the layer count, and
+    dp dividing the global batch (every data replica gets whole samples)."""
+    from autopar.cost.plan_search import configurations
+    devices, per_node, layers = cluster.world_size, cluster.devices_per_node, facts.layers
+    if tp is not None and devices % tp:
+        raise ConfigError(f"--tp {tp} does not divide the {devices} devices of --cluster {args.cluster}",
+                          where="--tp", expected=f"--tp is the exact tensor-parallel degree: a divisor of {devices}",
+                          got=f"--tp {tp}", fix="pick a tp dividing the device count, or --tp auto")
+    if next(iter(configurations(facts, devices=devices, batch=args.batch, per_node=per_node,
+                                tp_exact=tp)), None) is not None:
+        return
+    tps = [tp] if tp is not None else [t for t in (1, 2, 4, 8, 16) if t <= per_node and devices % t == 0]
+    dp = min(devices // (t * p) for t in tps for p in range(1, layers + 1) if devices % (t * p) == 0)
+    most = max(t for t in tps) * layers * args.batch
+    raise ConfigError(f"no layout uses all {devices} devices for a global batch of {args.batch}",
+                      where="autopar plan", expected=f"devices = dp x tp x pp with tp in {tps}, pp at most the "
+                      f"model's {layers} layers, and dp dividing the batch (whole samples per data replica)",
+                      got=f"--cluster {args.cluster}: dp would be at least {dp}, --batch {args.batch}",
+                      fix=f"use a global batch that is a multiple of {dp} (e.g. --batch {dp * max(1, args.batch // dp)})"
+                          f", or a cluster of at most {most} devices that the batch divides")
 
 
 def _hybrid_text(args, name: str, cluster, best, others, planner_s: float, scored: int) -> str:
@@ -113,13 +138,15 @@ def _hybrid_text(args, name: str, cluster, best, others, planner_s: float, score
 
 def _hybrid_extras(args, facts, cluster, best, others) -> None:
     """--timeline: the chosen plan's simulated schedule as SVG."""
+    from autopar.cli_checks import writing
+    _drawable(best.microbatches, "--timeline" if args.timeline else "--report")
     if args.timeline:
         from autopar.cost.hybrid import timeline_of
         from autopar.cost.timeline import write_timeline
         sim = timeline_of(facts, cluster, best.config, batch=args.batch)
         c = best.config
-        write_timeline(sim, args.timeline, title=f"{facts.layers} layers, dp={c.dp} tp={c.tp} pp={c.pp}, "
-                                                 f"{c.schedule}, {best.microbatches} micro-batches")
+        title = f"{facts.layers} layers, dp={c.dp} tp={c.tp} pp={c.pp}, {c.schedule}, {best.microbatches} micro-batches"
+        writing("--timeline", args.timeline, lambda: write_timeline(sim, args.timeline, title=title))
         _progress(args, f"wrote {args.timeline}")
     if args.report:
         from autopar.cost.hybrid import timeline_of
@@ -133,12 +160,22 @@ def _hybrid_extras(args, facts, cluster, best, others) -> None:
                    "memory_bytes": best.peak_memory_bytes} for s in range(c.pp * c.virtual)] if c.pp > 1 else []
         plan = {"model": facts.gm.__class__.__name__, **_hybrid_json(_Named(args.model), cluster, args, best, others,
                                                                     0.0, 0)}
-        write_report(args.report, title=f"autopar plan: {args.model} on {cluster.name}", plan=plan,
-                     alternatives=[o.as_dict() | {"reason": o.reason} for o in others], timeline_svg=svg,
-                     block_rows=_block_rows(facts, cluster, c), stages=stages,
-                     notes=[f"{_HYBRID_HELP}; attention priced as {facts.attention}",
-                            "alternatives are the best variant of each other layout"])
+        rows = _block_rows(facts, cluster, c)
+        writing("--report", args.report, lambda: write_report(
+            args.report, title=f"autopar plan: {args.model} on {cluster.name}", plan=plan,
+            alternatives=[o.as_dict() | {"reason": o.reason} for o in others], timeline_svg=svg, block_rows=rows,
+            stages=stages, notes=[f"{_HYBRID_HELP}; attention priced as {facts.attention}",
+                                  "alternatives are the best variant of each other layout"]))
         _progress(args, f"wrote {args.report}")
+
+
+def _drawable(microbatches: int, flag: str) -> None:
+    """Refuse to draw a schedule of more micro-batches than the event simulation runs."""
+    from autopar.cli_checks import MAX_EVENT_MICROBATCHES
+    if microbatches > MAX_EVENT_MICROBATCHES:
+        raise ConfigError(f"{flag} draws every micro-batch; this plan has {microbatches} per step", where=flag,
+                          expected=f"at most {MAX_EVENT_MICROBATCHES} micro-batches to draw",
+                          got=f"{microbatches} micro-batches", fix=f"drop {flag}, or plan a smaller --batch")
 
 
 class _Named:
@@ -170,11 +207,12 @@ def _block_rows(facts, cluster, c) -> list[dict]:
 
 def _simulate(args: argparse.Namespace) -> int:
     """``autopar simulate``: score one fixed configuration with the planner's simulator."""
-    from autopar.cost.cluster import Cluster
+    from autopar import cli_checks
     from autopar.cost.hybrid import Config, simulate
     from autopar.workload import capture_for_planning, load_workload, parse_overrides
 
-    cluster = Cluster.from_spec(args.cluster, hardware=args.hardware)
+    cli_checks.output_file(args.timeline, "--timeline")
+    cluster = cli_checks.cluster(args.cluster, args.hardware)
     w = load_workload(args.model, batch=args.batch, seq=args.seq, overrides=parse_overrides(args.set))
     facts = _hybrid_facts(args, capture_for_planning(w))
     tp, pp = args.tp, args.pp
@@ -192,16 +230,20 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.timeline:
         from autopar.cost.hybrid import timeline_of
         from autopar.cost.timeline import write_timeline
-        write_timeline(timeline_of(facts, cluster, c, batch=args.batch), args.timeline)
+        _drawable(score.microbatches, "--timeline")
+        sim = timeline_of(facts, cluster, c, batch=args.batch)
+        cli_checks.writing("--timeline", args.timeline, lambda: write_timeline(sim, args.timeline))
     sys.stdout.write(json.dumps(data, indent=1) + "\n")
     return 0
 
 
 def _positive_int(text: str, flag: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise ConfigError(f"{flag} takes 'auto' or a positive integer", where=flag, got=text,
+    """``--tp`` / ``--pp`` of ``autopar plan``: a positive integer (``auto`` is handled before)."""
+    from autopar.cli_checks import MAX_DEVICES, bounded_int
+    if not text.strip().isdigit():
+        raise ConfigError(f"{flag} takes 'auto' or a positive integer", where=flag, got=repr(text)[:60],
                           fix=f"e.g. {flag} 4")
-    return int(text)
+    return bounded_int(text, flag, high=MAX_DEVICES, why="a degree of at most the largest --cluster")
 
 
 def _progress(args: argparse.Namespace, msg: str) -> None:
@@ -218,6 +260,10 @@ _READABLE_PLAN_FILES = (1,)
 _SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb")
 _PREDICTED = ("step_time_s", "mfu", "tflops_per_device", "peak_memory_bytes")
 _PLAN_FILE_FIX = "write the file with `autopar plan ... --save-plan FILE` (or correct that field)"
+_PLAN_FILE_FIELDS = ("format", "version", "model", "overrides", "cluster", "hardware", "devices", "batch", "seq",
+                     "dtype", "config", "microbatches", "predicted")
+_MAX_INT = 2**31 - 1    # counts and sizes: a tensor dimension or NCCL element count past int32 is no plan
+_INF = float("inf")
 
 
 def config_line(c, microbatches: int) -> str:
@@ -283,20 +329,15 @@ class SavedPlan:
     @classmethod
     def load(cls, path: str | Path) -> "SavedPlan":
         """Read and check a file ``autopar plan --save-plan`` wrote."""
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise PlanFileError(f"cannot read the plan file: {exc}", where=f"plan file {path}",
-                                fix="pass the path of a file written by `autopar plan ... --save-plan FILE`") from exc
+        from autopar import strict_json
+        text = strict_json.read_text(path, where=f"plan file {path}",
+                                     fix="pass the path of a file written by `autopar plan ... --save-plan FILE`")
         return cls.from_json(text, where=f"plan file {path}")
 
     @classmethod
     def from_json(cls, text: str, *, where: str = "plan file") -> "SavedPlan":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PlanFileError(f"the plan file is not valid JSON: {exc}", where=where, fix=_PLAN_FILE_FIX) from exc
-        return cls.from_dict(data, where=where)
+        from autopar import strict_json
+        return cls.from_dict(strict_json.parse(text, where=where, fix=_PLAN_FILE_FIX), where=where)
 
     @classmethod
     def from_dict(cls, data: Any, *, where: str = "plan file") -> "SavedPlan":
@@ -315,6 +356,8 @@ class SavedPlan:
                                 expected=repr(PLAN_FILE_FORMAT), got=repr(data.get("format")),
                                 fix="that is a parallelize plan (Plan.save): pass it to autopar.parallelize(plan=...)"
                                 if other else _PLAN_FILE_FIX)
+        from autopar.strict_json import reject_unknown
+        reject_unknown(data, _PLAN_FILE_FIELDS, where=where, fix=_PLAN_FILE_FIX)
         version = _checked(data, "version", "int", where)
         if version not in _READABLE_PLAN_FILES:
             raise PlanFileError("the plan file has an unknown version", where=f"{where}, field version",
@@ -322,11 +365,12 @@ class SavedPlan:
                                 fix="re-plan with this autopar version (autopar plan ... --save-plan FILE)")
         overrides = _checked(data, "overrides", "dict", where)
         for k, v in overrides.items():
-            if not isinstance(v, (str, int, float)) or isinstance(v, bool):
+            if not isinstance(v, (str, int, float)) or isinstance(v, bool) or v != v or v in (_INF, -_INF):
                 raise PlanFileError("a model override is not a string or a number", where=f"{where}, field overrides",
                                     expected="KEY: VALUE as --set KEY=VALUE gave it", got=f"{k}: {v!r}",
                                     fix=_PLAN_FILE_FIX)
         raw = _checked(data, "config", "dict", where)
+        reject_unknown(raw, [f.name for f in fields(Config)], where=where, fix=_PLAN_FILE_FIX, prefix="config.")
         hints = typing.get_type_hints(Config)
         kw = {}
         for f in fields(Config):
@@ -334,9 +378,11 @@ class SavedPlan:
             kw[f.name] = _checked(raw, f.name, kind, where, prefix="config.",
                                   low=0 if f.name == "zero_stage" else 1)
         _choice(kw, "zero_stage", (0, 1, 2, 3), where)
+        _choice({"dtype": data.get("dtype")}, "dtype", ("fp32", "bf16", "fp16"), where, prefix="")
         _choice(kw, "schedule", _SCHEDULES, where)
         _choice(kw, "recompute", RECOMPUTE, where)
         predicted = _checked(data, "predicted", "dict", where) if "predicted" in data else {}
+        reject_unknown(predicted, _PREDICTED, where=where, fix=_PLAN_FILE_FIX, prefix="predicted.")
         for k in _PREDICTED:
             if k in predicted and predicted[k] is not None:
                 _checked(predicted, k, "number", where, prefix="predicted.")
@@ -369,23 +415,24 @@ def _checked(data: dict, key: str, kind: str, where: str, *, prefix: str = "", l
     """``data[key]`` if it is there and of ``kind`` (an int must be an int, not a bool or a float;
     ints are at least ``low``, strings non-empty); a PlanFileError naming the field otherwise."""
     at = f"{where}, field {prefix}{key}"
-    expected = {"int": f"an integer >= {low}", "str": "a non-empty string", "dict": "a JSON object",
-                "number": "a number"}[kind]
+    expected = {"int": f"an integer {low}..{_MAX_INT}", "str": "a non-empty string", "dict": "a JSON object",
+                "number": "a finite number"}[kind]
     if key not in data:
         raise PlanFileError(f"the plan file has no {prefix}{key} field", where=at, expected=expected,
                             got="nothing", fix=_PLAN_FILE_FIX)
     v = data[key]
-    ok = {"int": lambda: type(v) is int and v >= low, "str": lambda: isinstance(v, str) and bool(v),
+    ok = {"int": lambda: type(v) is int and low <= v <= _MAX_INT, "str": lambda: isinstance(v, str) and bool(v),
           "dict": lambda: isinstance(v, dict),
-          "number": lambda: isinstance(v, (int, float)) and not isinstance(v, bool)}[kind]()
+          "number": lambda: isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < _INF}[kind]()
     if not ok:
         raise PlanFileError(f"the plan file's {prefix}{key} is not {expected}", where=at, expected=expected,
-                            got=f"{v!r} ({type(v).__name__})", fix=_PLAN_FILE_FIX)
+                            got=f"{repr(v)[:80]} ({type(v).__name__})", fix=_PLAN_FILE_FIX)
     return v
 
 
-def _choice(kw: dict, key: str, allowed: tuple, where: str) -> None:
+def _choice(kw: dict, key: str, allowed: tuple, where: str, prefix: str = "config.") -> None:
     """A PlanFileError unless ``kw[key]`` is one of ``allowed``."""
     if kw[key] not in allowed:
-        raise PlanFileError(f"the plan file's config.{key} is not one autopar knows",
-                            where=f"{where}, field config.{key}", expected=" | ".join(map(str, allowed)), got=repr(kw[key]), fix=_PLAN_FILE_FIX)
+        raise PlanFileError(f"the plan file's {prefix}{key} is not one autopar knows",
+                            where=f"{where}, field {prefix}{key}", expected=" | ".join(map(str, allowed)),
+                            got=repr(kw[key])[:80], fix=_PLAN_FILE_FIX)

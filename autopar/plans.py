@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autopar import strict_json
 from autopar.errors import ConfigError, PlanFileError
 from autopar.passes.sharding import Strategy
 from autopar.placement import Spec
@@ -108,42 +109,23 @@ class Plan:
         return json.dumps(data, indent=1, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PlanFileError(f"plan is not valid JSON: {exc}", where="plan",
-                                fix="pass a file written by Plan.save") from exc
-        if not isinstance(data, dict) or data.get("version") not in _READABLE:
-            raise PlanFileError("plan has an unknown version", where="plan",
+    def from_json(cls, text: str, *, where: str = "plan") -> "Plan":
+        """Read :meth:`to_json`'s text strictly: every field of its type and range (a bool is not
+        an int, numbers are finite), no unknown field (the nearest valid name is suggested);
+        anything else is a :class:`~autopar.errors.PlanFileError` naming the field."""
+        data = strict_json.parse(text, where=where, fix=_FIX)
+        if not isinstance(data, dict) or type(data.get("version")) is not int or data["version"] not in _READABLE:
+            raise PlanFileError("plan has an unknown version", where=where,
                                 expected=f"version {', '.join(map(str, _READABLE))}",
-                                got=repr(data.get("version") if isinstance(data, dict) else data),
+                                got=repr(data.get("version") if isinstance(data, dict) else data)[:80],
                                 fix="re-plan with this autopar version (autopar.plan(...).save(path))")
         try:
-            return cls._from_dict(data)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise PlanFileError(f"plan is missing or mistypes a field: {type(exc).__name__}: {exc}", where="plan",
-                                fix="pass a file written by Plan.save") from exc
-        except ConfigError as exc:    # a field out of range (Plan.__post_init__)
-            raise PlanFileError(f"plan has an invalid field: {exc.what}", where="plan", got=exc.got,
+            return cls(**_fields(data, where))
+        except ConfigError as exc:
+            if isinstance(exc, PlanFileError):
+                raise
+            raise PlanFileError(f"plan has an invalid field: {exc.what}", where=where, got=exc.got,
                                 fix="pass a file written by Plan.save, or re-plan") from exc
-
-    @classmethod
-    def _from_dict(cls, data: dict) -> "Plan":
-        nodes = {k: NodeStrategy(**{**v, "inputs": tuple(v["inputs"]), "outputs": tuple(v["outputs"])})
-                 for k, v in data["nodes"].items()}
-        return cls(mesh=dict(data["mesh"]), tp_axis=data["tp_axis"], params=dict(data["params"]), nodes=nodes,
-                   predicted=dict(data.get("predicted", {})), model=data.get("model", ""),
-                   dp_axis=data.get("dp_axis"), zero_stage=int(data.get("zero_stage", 0)),
-                   bucket_bytes=int(data.get("bucket_bytes", 0)), overlap=bool(data.get("overlap", True)),
-                   mixed_precision=data.get("mixed_precision"), pp_axis=data.get("pp_axis"),
-                   stage_starts=tuple(data.get("stage_starts", ())), schedule=data.get("schedule"),
-                   microbatches=int(data.get("microbatches", 1)),
-                   virtual_stages=int(data.get("virtual_stages", 1)), ep_axis=data.get("ep_axis"),
-                   expert_placement={k: list(v) for k, v in data.get("expert_placement", {}).items()},
-                   capacity_factor=data.get("capacity_factor"),
-                   shapes={k: list(v) for k, v in data.get("shapes", {}).items()},
-                   fingerprint=str(data.get("fingerprint", "")))
 
     def check_model(self, model: Any) -> None:
         """Raise a :class:`PlanFileError` naming the first parameters whose names or shapes differ from
@@ -173,18 +155,15 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path, model: Any = None) -> "Plan":
         """Read a plan file; with ``model``, check it is for that model before anything runs."""
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise PlanFileError(f"cannot read the plan file: {exc}", where=str(path),
-                                fix="pass the path of a file written by Plan.save") from exc
-        try:
-            plan = cls.from_json(text)
-            if model is not None:
+        where = f"plan file {path}"
+        text = strict_json.read_text(path, where=where, fix="pass the path of a file written by Plan.save")
+        plan = cls.from_json(text, where=where)
+        if model is not None:
+            try:
                 plan.check_model(model)
-        except PlanFileError as exc:      # say which file
-            raise PlanFileError(exc.what, where=f"plan file {path}", expected=exc.expected, got=exc.got,
-                                fix=exc.fix) from exc.__cause__
+            except PlanFileError as exc:      # say which file
+                raise PlanFileError(exc.what, where=where, expected=exc.expected, got=exc.got,
+                                    fix=exc.fix) from exc.__cause__
         return plan
 
     def strategies(self) -> dict[str, Strategy]:
@@ -195,3 +174,74 @@ class Plan:
         return {"mesh": self.mesh, "tp_axis": self.tp_axis, "dp_axis": self.dp_axis, "zero_stage": self.zero_stage,
                 "mixed_precision": self.mixed_precision, "sharded_params": len(sharded),
                 "replicated_params": len(self.params) - len(sharded), **self.predicted}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a plan file field by field (Plan.from_json).
+
+_FIX = "pass a file written by Plan.save (or correct that field)"
+_REQUIRED = ("mesh", "tp_axis", "params", "nodes")
+_NODE_FIELDS = ("name", "inputs", "outputs", "work", "local_op")
+_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+_MAX_COUNT = 2**31 - 1      # mesh sizes, micro-batches, bucket bytes: int32 counts (NCCL's, torch's)
+
+
+def _fields(data: dict, where: str) -> dict[str, Any]:
+    """Plan's keyword arguments from a plan file's object, every field checked (a PlanFileError
+    naming the first bad one); absent optional fields take their defaults (older versions)."""
+    from dataclasses import fields
+    names = [f.name for f in fields(Plan)]
+    strict_json.reject_unknown(data, names, where=where, fix=_FIX)
+    for key in _REQUIRED:
+        if key not in data:
+            raise PlanFileError(f"the plan is missing or mistypes a field: {key} is missing", where=f"{where}, "
+                                f"field {key}", expected=f"the fields {', '.join(_REQUIRED)} at least", fix=_FIX)
+    sj, at = strict_json, {"where": where, "fix": _FIX}
+    out: dict[str, Any] = {"version": data["version"]}
+    out["mesh"] = {str(k): sj.integer(v, f"mesh.{k}", low=1, high=_MAX_COUNT, **at)
+                   for k, v in sj.mapping(data["mesh"], "mesh", **at).items()}
+    for key in ("tp_axis", "dp_axis", "pp_axis", "ep_axis", "mixed_precision", "schedule", "capacity_factor"):
+        out[key] = data.get(key)
+    for key in ("tp_axis", "dp_axis", "pp_axis", "ep_axis"):
+        sj.text(out[key], key, optional=True, **at)
+    sj.choice(out["mixed_precision"], "mixed_precision", (None, "bf16", "fp16"), **at)
+    sj.choice(out["schedule"], "schedule", (None, *_SCHEDULES), **at)
+    if out["capacity_factor"] is not None:
+        sj.number(out["capacity_factor"], "capacity_factor", above=True, **at)
+    out["params"] = {k: sj.text(v, f"params.{k}", **at) for k, v in sj.mapping(data["params"], "params", **at).items()}
+    out["nodes"] = {k: _node(k, v, where) for k, v in sj.mapping(data["nodes"], "nodes", **at).items()}
+    out["predicted"] = dict(sj.mapping(data.get("predicted", {}), "predicted", **at))
+    out["model"] = sj.text(data.get("model", ""), "model", **at)
+    out["fingerprint"] = sj.text(data.get("fingerprint", ""), "fingerprint", **at)
+    out["zero_stage"] = sj.integer(data.get("zero_stage", 0), "zero_stage", low=0, high=3, **at)
+    out["bucket_bytes"] = sj.integer(data.get("bucket_bytes", 0), "bucket_bytes", high=_MAX_COUNT, **at)
+    out["overlap"] = sj.flag(data.get("overlap", True), "overlap", **at)
+    out["microbatches"] = sj.integer(data.get("microbatches", 1), "microbatches", low=1, high=_MAX_COUNT, **at)
+    out["virtual_stages"] = sj.integer(data.get("virtual_stages", 1), "virtual_stages", low=1, high=_MAX_COUNT, **at)
+    out["stage_starts"] = tuple(sj.text(x, "stage_starts[]", **at)
+                                for x in sj.array(data.get("stage_starts", []), "stage_starts", **at))
+    out["expert_placement"] = {k: [sj.integer(x, f"expert_placement.{k}[]", high=_MAX_COUNT, **at)
+                                   for x in sj.array(v, f"expert_placement.{k}", **at)]
+                               for k, v in sj.mapping(data.get("expert_placement", {}), "expert_placement",
+                                                      **at).items()}
+    out["shapes"] = {k: [sj.integer(x, f"shapes.{k}[]", **at) for x in sj.array(v, f"shapes.{k}", **at)]
+                     for k, v in sj.mapping(data.get("shapes", {}), "shapes", **at).items()}
+    return out
+
+
+def _node(name: str, v: Any, where: str) -> NodeStrategy:
+    """One entry of a plan file's ``nodes``, every field checked."""
+    sj, at, key = strict_json, {"where": where, "fix": _FIX}, f"nodes.{name}"
+    sj.reject_unknown(sj.mapping(v, key, **at), _NODE_FIELDS, prefix=f"{key}.", **at)
+    for field_ in ("name", "inputs", "outputs"):
+        if field_ not in v:
+            raise PlanFileError(f"the plan is missing or mistypes a field: {key}.{field_} is missing",
+                                where=f"{where}, field {key}.{field_}", expected=f"the fields {', '.join(_NODE_FIELDS)}",
+                                fix=_FIX)
+    return NodeStrategy(name=sj.text(v["name"], f"{key}.name", **at),
+                        inputs=tuple(sj.text(x, f"{key}.inputs[]", **at)
+                                     for x in sj.array(v["inputs"], f"{key}.inputs", **at)),
+                        outputs=tuple(sj.text(x, f"{key}.outputs[]", **at)
+                                      for x in sj.array(v["outputs"], f"{key}.outputs", **at)),
+                        work=float(sj.number(v.get("work", 1.0), f"{key}.work", **at)),
+                        local_op=sj.text(v.get("local_op"), f"{key}.local_op", optional=True, **at))

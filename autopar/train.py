@@ -32,6 +32,8 @@ import torch
 from autopar.errors import ConfigError, DoesNotFitError
 
 SCALE_ORDER = ("pp", "dp", "tp")        # the axes scale_down gives ranks to, first to last
+# Argument limits: ``autopar train`` checks a plan on this machine's CPU, beside a single-process copy.
+MAX_RANKS, MAX_STEPS, MAX_BATCH, MAX_SEQ = 64, 100_000, 4096, 4096
 SMALL = {"hidden": 64, "heads": 4, "vocab": 256, "kv_heads": 2, "ffn": 256}   # the small model's sizes
 
 
@@ -202,6 +204,7 @@ def _capacity_routed(model: torch.nn.Module) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from autopar.cli_checks import count
     from autopar.runtime.launch import run_ranks
 
     ap = argparse.ArgumentParser(prog="autopar train", description=__doc__.splitlines()[0])
@@ -212,11 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="without --plan: zoo name (default gpt)")
     ap.add_argument("--set", action="append", metavar="KEY=VALUE", default=[],
                     help="model overrides, applied last (default layers=4 hidden=64 heads=4 vocab=256 max_seq=SEQ)")
-    ap.add_argument("--ranks", type=int, default=4, help="local CPU ranks (default 4; with --plan, at most this many)")
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--batch", type=int, help="without --plan: global batch (default 8; with --plan it is the "
+    ap.add_argument("--ranks", type=count("--ranks", high=MAX_RANKS, why="one local CPU process per rank"), default=4,
+                    help="local CPU ranks (default 4; with --plan, at most this many)")
+    ap.add_argument("--steps", type=count("--steps", high=MAX_STEPS, why="a check run, not a training job"), default=5)
+    ap.add_argument("--batch", type=count("--batch", high=MAX_BATCH, why="one CPU process trains the whole batch"),
+                    help="without --plan: global batch (default 8; with --plan it is the "
                     "data replicas x micro-batch x micro-batches per step)")
-    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--seq", type=count("--seq", high=MAX_SEQ, why="the CPU run's attention holds seq x seq scores"),
+                    default=32)
     ap.add_argument("--save", metavar="DIR", help="checkpoint the model, optimizer and reference after the steps")
     ap.add_argument("--resume", metavar="DIR", help="start from the checkpoint in DIR, whatever plan and rank "
                     "count wrote it")

@@ -3,12 +3,14 @@ capture it: whole (:func:`capture_workload`), or with fewer layers for the plann
 (:func:`capture_for_planning`)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import inspect
 import logging
 import math
 import sys
+import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,21 +83,25 @@ def _user_workload(spec: str, *, batch: int, seq: int) -> Workload:
     if not path.is_file():
         raise ConfigError(f"model file {path_str!r} not found", where=spec,
                           fix="pass --model path/to/file.py:factory with an existing file")
-    mod_spec = importlib.util.spec_from_file_location(f"autopar_user_{path.stem}", path)
-    module = importlib.util.module_from_spec(mod_spec)
-    sys.modules[mod_spec.name] = module
-    mod_spec.loader.exec_module(module)
+    module = _import_user_file(path, spec)
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise ConfigError(f"{path_str} has no callable {factory_name!r}", where=spec,
                           fix=f"define def {factory_name}(batch, seq): return model, example_inputs")
-    params = inspect.signature(factory).parameters
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):        # a builtin or C callable: pass nothing
+        params = {}
     kwargs = {k: v for k, v in (("batch", batch), ("seq", seq)) if k in params}
-    made = factory(**kwargs)
-    model, args, dims = (made, None, None) if isinstance(made, nn.Module) else (tuple(made) + (None,))[:3]
+    with _user_code(spec, path, f"calling {factory_name}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"):
+        made = factory(**kwargs)
+    model, args, dims = _unpacked(made, spec, factory_name)
     if args is None:
         raise ConfigError(f"{factory_name} returned only a model; autopar needs example inputs to capture it",
                           where=spec, fix=f"return (model, example_inputs) from {factory_name}")
+    if dims is not None and (not isinstance(dims, (tuple, list)) or not all(isinstance(d, dict) for d in dims)):
+        raise ConfigError(f"{factory_name}'s dims are not one {{dim: name}} dict per input", where=spec,
+                          got=repr(dims)[:80], fix='e.g. ({0: "batch", 1: "seq"},) for one [batch, seq] input')
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     sizes: dict[str, int] = {}
     if dims:
@@ -103,6 +109,59 @@ def _user_workload(spec: str, *, batch: int, seq: int) -> Workload:
         sizes = {k: v for k, v in (("batch", batch), ("seq", seq)) if k in used}
     return Workload(name=spec, model=model, args=args, dims=tuple(dims) if dims else None,
                     sizes=sizes, max_sizes={})
+
+
+def _import_user_file(path: Path, spec: str) -> Any:
+    """Run the user's model file as a module; its errors (a syntax error, an exception, even
+    ``sys.exit``) become ConfigErrors naming the file and line."""
+    mod_spec = importlib.util.spec_from_file_location(f"autopar_user_{path.stem}", path)
+    if mod_spec is None or mod_spec.loader is None:
+        raise ConfigError(f"cannot load {path} as Python", where=spec, fix="pass a .py file: --model file.py:factory")
+    module = importlib.util.module_from_spec(mod_spec)
+    sys.modules[mod_spec.name] = module
+    try:
+        with _user_code(spec, path, "importing it"):
+            mod_spec.loader.exec_module(module)
+    except ConfigError:
+        sys.modules.pop(mod_spec.name, None)
+        raise
+    return module
+
+
+@contextlib.contextmanager
+def _user_code(spec: str, path: Path, doing: str):
+    """Turn whatever the user's code raises while ``doing`` into a ConfigError at its line
+    (KeyboardInterrupt excepted: Ctrl-C still stops autopar)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise
+    except SyntaxError as exc:
+        raise ConfigError(f"the model file has a syntax error: {exc.msg}", where=f"{exc.filename}:{exc.lineno}",
+                          got=(exc.text or "").strip()[:120] or None,
+                          fix="fix the syntax error (python -m py_compile FILE shows it)") from exc
+    except (Exception, SystemExit) as exc:   # noqa: BLE001 - the user's code: any failure is theirs
+        line = next((f"{f.filename}:{f.lineno}" for f in reversed(traceback.extract_tb(exc.__traceback__))
+                     if Path(f.filename).resolve() == path.resolve()), str(path))
+        what = (f"the model file called sys.exit({exc.code!r}) while {doing}" if isinstance(exc, SystemExit)
+                else f"the model file raised {type(exc).__name__} while {doing}: {exc}")
+        raise ConfigError(what[:500], where=f"{spec} ({line})",
+                          fix="make the factory return (model, example_inputs) without exiting or raising"
+                          if isinstance(exc, SystemExit) else f"fix the error at {line}") from exc
+
+
+def _unpacked(made: Any, spec: str, factory_name: str) -> tuple[nn.Module, Any, Any]:
+    """``(model, args, dims)`` from what the factory returned: a model, or (model, inputs[, dims])."""
+    if isinstance(made, nn.Module):
+        return made, None, None
+    parts = tuple(made) if isinstance(made, (tuple, list)) else None
+    if not parts or len(parts) > 3 or not isinstance(parts[0], nn.Module):
+        got = f"{type(made).__name__} {repr(made)[:60]}" if parts is None else \
+            f"a {len(parts)}-item {type(made).__name__} starting with {type(parts[0]).__name__ if parts else 'nothing'}"
+        raise ConfigError(f"{factory_name} did not return a model", where=spec,
+                          expected="an nn.Module, or (model, example_inputs[, dims]) with model an nn.Module",
+                          got=got, fix=f"return (model, example_inputs) from {factory_name}")
+    return (parts + (None, None))[:3]
 
 
 def capture_workload(w: Workload) -> fx.GraphModule:

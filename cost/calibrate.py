@@ -28,6 +28,7 @@ import os
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -418,9 +419,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="write the JSON profile here (default: print it to stdout)")
     args = parser.parse_args(argv)
     try:
-        profile = calibrate(args.device, out=args.out, quick=args.quick)
+        from autopar.cli_checks import output_file
+        output_file(args.out, "--out")      # in an existing directory, checked before the minutes of measuring
+        try:
+            profile = calibrate(args.device, out=args.out, quick=args.quick)
+        except OSError as exc:              # writing --out (a full disk, no permission): the user's to fix
+            if args.out is None or exc.filename is None or Path(exc.filename) != Path(args.out):
+                raise
+            raise ConfigError(f"cannot write --out: {exc.strerror}", where="--out", got=args.out,
+                              fix="pass a path in a writable directory") from exc
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"autopar: error: {exc}", file=sys.stderr)
         return 2
     if args.out is None:
         print(json.dumps(profile, indent=2, sort_keys=True))

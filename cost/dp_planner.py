@@ -468,7 +468,9 @@ class _Planner:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n``, ascending, in O(sqrt n) steps (a global batch can be 2^31 - 1)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _cluster_for(cluster: Cluster, devices: int) -> Cluster:

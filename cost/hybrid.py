@@ -386,8 +386,8 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     event simulation of the pipeline by its closed form (exact for uniform stages, a close
     estimate otherwise) and prices the micro-batch-1 tensor layout: the search ranks with it
     and re-scores its finalists exactly."""
-    from autopar.cost.pp_sim import ZB_SPLIT_OVERHEAD, StageCosts, make
-    from autopar.cost.pp_sim import simulate as run_schedule
+    from autopar.cost.pp_sim import ZB_SPLIT_OVERHEAD, StageCosts
+    from autopar.cost.pp_steady import run as run_schedule
 
     if c.recompute not in RECOMPUTE:
         raise ConfigError(f"unknown recompute {c.recompute!r}", expected=", ".join(RECOMPUTE))
@@ -429,7 +429,7 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     if fast:
         result = _closed_form(sched, c.pp, c.virtual, m, fwd, bwd, p2p, acts)
     else:
-        result = run_schedule(make(sched, c.pp, m, c.virtual),
+        result = run_schedule(sched, c.pp, m, c.virtual,   # event-simulated, or extended past 256 micro-batches
                               StageCosts(forward_s=tuple(fwd), backward_s=tuple(bwd), p2p_s=p2p,
                                          activation_bytes=tuple(acts)))
     pipe = result.step_time_s

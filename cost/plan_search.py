@@ -24,10 +24,12 @@ log = logging.getLogger("autopar.hybrid")
 def configurations(facts: ModelFacts, *, devices: int, batch: int, per_node: int,
                    schedules: Sequence[str] = ("1f1b", "interleaved", "gpipe", "zb"),
                    recomputes: Sequence[str] = RECOMPUTE, zero_stages: Sequence[int] = (0, 1, 2, 3),
-                   micro_batches: Sequence[int] = (1, 2, 4, 8), tp_max: int | None = None) -> Iterable[Config]:
-    """Every configuration the search considers: tp a power of two within a node, pp up to the
-    layer count, dp the rest dividing the batch."""
-    tps = [t for t in (1, 2, 4, 8, 16) if t <= (tp_max or per_node) and devices % t == 0]
+                   micro_batches: Sequence[int] = (1, 2, 4, 8), tp_max: int | None = None,
+                   tp_exact: int | None = None) -> Iterable[Config]:
+    """Every configuration the search considers: tp a power of two within a node (``tp_exact``:
+    that degree only), pp up to the layer count, dp the rest dividing the batch."""
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= (tp_max or per_node) and devices % t == 0] if tp_exact is None \
+        else [tp_exact] if devices % tp_exact == 0 else []
 
     def eps(dp: int) -> list[int]:   # expert parallelism: a sub-axis of dp dividing the experts
         if not facts.experts:

@@ -442,6 +442,7 @@ class SimResult:
     peak_activation_bytes: tuple[float, ...]   # per device, peak bytes held over its stages
     events: tuple[Event, ...]                  # compute (each device's in program order), then transfers
     schedule: Schedule
+    extended_to: int | None = None             # set by cost/pp_steady.py: figures extended to this many micro-batches
 
 
 class _Replay:

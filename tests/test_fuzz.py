@@ -207,3 +207,139 @@ def test_parallel_model_is_correct_or_refused_with_an_autopar_error(case):
         assert keys_match, f"rank {rank}: state_dict keys differ from the model's for {case}"
         assert err["loss"] <= RTOL and err["params"] <= RTOL, f"rank {rank}: {err} for {case} (plan {plan.params})"
     assert len({r[0] for r in results}) == 1, f"ranks disagree: {[r[:2] for r in results]} for {case}"
+
+
+# ---- bad inputs: plan files and command lines --------------------------------------------------
+# Every outcome is a result or a typed error (a PlanFileError; exit status 0 or 2 from the CLI),
+# never another exception. The command lines run in this process (autopar.cli.main), on tiny
+# models and clusters, so each example costs well under a second.
+
+import contextlib  # noqa: E402
+import io  # noqa: E402
+import json  # noqa: E402
+
+from autopar.cli import main as cli_main  # noqa: E402
+from autopar.cli_hybrid import SavedPlan  # noqa: E402
+from autopar.errors import PlanFileError  # noqa: E402
+from autopar.plans import Plan  # noqa: E402
+
+_JSON_LEAVES = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.sampled_from([0, 1, 2, 3, -1, 2**31])
+                | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=6)
+                | st.sampled_from(["R", "S(0)", "tp", "dp", "1f1b", "bf16"]))
+_JSON = st.recursive(_JSON_LEAVES, lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
+
+
+def _valid_plans() -> tuple[dict, dict]:
+    plan = json.loads(Plan(mesh={"dp": 2, "tp": 2}, tp_axis="tp", dp_axis="dp", params={"w": "S(0)", "b": "R"},
+                           nodes={"mm": {"name": "colwise", "inputs": ["R/gP"], "outputs": ["S(1)/gS(1)"]}},
+                           zero_stage=1, shapes={"w": [4, 4], "b": [4]}, model="m").to_json())
+    saved = {"format": "autopar plan", "version": 1, "model": "gpt", "overrides": {"layers": "2"}, "cluster": "1x8",
+             "hardware": "h100", "devices": 8, "batch": 16, "seq": 128, "dtype": "bf16",
+             "config": {"dp": 2, "tp": 2, "pp": 2, "micro_batch": 2, "schedule": "1f1b", "virtual": 1,
+                        "recompute": "none", "zero_stage": 1, "ep": 1},
+             "microbatches": 4, "predicted": {"step_time_s": 1.0, "mfu": 0.4}}
+    return plan, saved
+
+
+@st.composite
+def plan_file_texts(draw) -> tuple[str, str | bytes]:
+    """A valid plan file (of either kind), with one to three mutations: a field (at any depth)
+    set to any JSON value or removed, an unknown field added, or the text cut, spliced or
+    made invalid UTF-8."""
+    kind = draw(st.sampled_from(["plan", "saved"]))
+    data = _valid_plans()[kind == "saved"]
+    for _ in range(draw(st.integers(1, 3))):
+        target, path = data, []
+        while isinstance(target, dict) and target and draw(st.booleans()):
+            key = draw(st.sampled_from(sorted(target)))
+            if not isinstance(target[key], dict):
+                break
+            target, path = target[key], path + [key]
+        if not isinstance(target, dict):
+            continue
+        op = draw(st.sampled_from(["set", "set", "drop", "add"]))
+        if op == "add" or not target:
+            target[draw(st.text(min_size=1, max_size=8))] = draw(_JSON)
+        elif op == "set":
+            target[draw(st.sampled_from(sorted(target)))] = draw(_JSON)
+        else:
+            target.pop(draw(st.sampled_from(sorted(target))))
+    text = json.dumps(data)
+    raw = draw(st.sampled_from(["as is", "as is", "cut", "splice", "bytes", "deep"]))
+    if raw == "cut":
+        return kind, text[:draw(st.integers(0, len(text)))]
+    if raw == "splice":
+        at = draw(st.integers(0, len(text)))
+        return kind, text[:at] + draw(st.sampled_from(["Infinity", "NaN", "1e999", "9" * 5000, "[" * 3000, '"\\ud800"',
+                                                       "}", ","])) + text[at:]
+    if raw == "bytes":
+        at = draw(st.integers(0, len(text)))
+        return kind, text[:at].encode() + draw(st.binary(min_size=1, max_size=4)) + text[at:].encode()
+    if raw == "deep":
+        return kind, text[:-1] + ', "predicted": ' + "[" * 50 + "]" * 50 + "}"
+    return kind, text
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(case=plan_file_texts())
+def test_a_mutated_plan_file_is_read_or_refused_with_a_plan_file_error(tmp_path_factory, case):
+    kind, text = case
+    path = tmp_path_factory.getbasetemp() / "fuzzed-plan.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass"))
+    try:
+        plan = (Plan if kind == "plan" else SavedPlan).load(path)
+    except PlanFileError as exc:
+        assert exc.fix and exc.where, exc
+        return
+    if kind == "plan":                # what was read round-trips
+        assert Plan.from_json(plan.to_json()) == plan
+    else:
+        assert SavedPlan.from_json(plan.to_json()) == plan
+
+
+_BAD = ["0", "-1", "nan", "inf", "1e999", "99999999999999999999", "x", "", "2.5", "\uff12"]
+_TINY = ["--model", "gpt", "--set", "layers=2", "--set", "hidden=32", "--set", "heads=4", "--set", "vocab=64"]
+_GOOD = {"--seq": ["8", "16"], "--batch": ["4", "8", "6"], "--cluster": ["1x2", "1x4", "2x2", "1x3"],
+         "--tp": ["1", "2", "4", "auto", "3"], "--pp": ["1", "2", "auto"], "--dp": ["1", "2"],
+         "--memory-budget": ["80", "0.001"], "--microbatches": ["2", "4"], "--virtual-stages": ["1", "2"],
+         "--top": ["0", "2"], "--zero": ["auto", "1", "3"], "--micro-batch-size": ["1", "2"],
+         "--bucket-bytes": ["0", "1000000"], "--mesh": ["tp=2", "dp=2,tp=2", "pp=2"]}
+_FLAGS = {"plan": ["--tp", "--pp", "--memory-budget", "--microbatches", "--virtual-stages", "--top", "--zero"],
+          "simulate": ["--tp", "--pp", "--dp", "--memory-budget", "--micro-batch-size", "--virtual-stages"],
+          "dump": ["--bucket-bytes", "--mesh"]}
+
+
+@st.composite
+def command_lines(draw) -> list[str]:
+    """``autopar plan`` / ``simulate`` / ``dump`` on a tiny gpt and a small cluster, each value
+    valid or (one time in six) not, and now and then an output file that cannot be written."""
+    def value(flag: str) -> str:
+        bad = draw(st.integers(0, 5)) == 5
+        return draw(st.sampled_from(_BAD + (["100000x8", "0x8", "2^3"] if flag == "--cluster" else [])
+                                    if bad else _GOOD[flag]))
+
+    command = draw(st.sampled_from(["plan", "plan", "simulate", "dump"]))
+    argv = [command, *_TINY, "-q"]
+    for flag in ["--seq", "--batch"] + (["--cluster"] if command != "dump" else []):
+        argv.append(f"{flag}={value(flag)}")
+    for flag in draw(st.lists(st.sampled_from(_FLAGS[command]), max_size=2, unique=True)):
+        argv.append(f"{flag}={value(flag)}")
+    if draw(st.integers(0, 5)) == 5:
+        out = {"plan": "--timeline", "simulate": "--timeline", "dump": "--out"}[command]
+        argv.append(f"{out}={draw(st.sampled_from(['/nonexistent-autopar/x.svg', '/', '']))}")
+    return argv
+
+
+@settings(max_examples=14, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(argv=command_lines())
+def test_a_command_line_succeeds_or_exits_2_with_a_message(argv):
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli_main(argv)
+    except SystemExit as done:        # argparse's own refusals (an unknown choice, a missing value)
+        code = done.code
+    assert code in (0, 2), f"{argv} exited {code}:\n{err.getvalue()}"
+    if code == 2:
+        assert "error:" in err.getvalue(), f"{argv}: exit 2 without a message"
