@@ -15,12 +15,20 @@ and aligns the two graphs op by op:
 - any other difference (a ``self.training`` branch that runs other ops) makes that mode
   unavailable: ``GraphInfo.mode_blocked`` says why, and switching to it raises a
   :class:`~autopar.errors.ConfigError` that says to parallelize the model in that mode.
+
+The second capture costs as much as the first, so it is skipped for a model that cannot depend
+on its mode (:func:`mode_dependent`: no dropout or normalisation layer, and no module whose
+source file mentions ``training``).
 """
 from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
+import inspect
 import logging
+import re
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch.fx as fx
@@ -30,7 +38,7 @@ from torch.utils import _pytree as pytree
 from autopar.errors import ConfigError
 from autopar.passes.meta import graph_info, info
 
-__all__ = ["record_modes", "apply_mode", "check_mode", "modes_of"]
+__all__ = ["record_modes", "apply_mode", "check_mode", "modes_of", "mode_dependent"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +61,40 @@ def modes_of(model: nn.Module, training: bool) -> Iterator[None]:
     finally:
         for m, t in flags.items():
             m.training = t
+
+
+_MODE_LAYERS = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._NormBase)
+_TRAINING = re.compile(r"\btraining\b")
+
+
+@functools.lru_cache(maxsize=None)
+def _file_mentions_training(path: str | None) -> bool:
+    if path is None:
+        return True                      # no source to read: assume it does
+    try:
+        return bool(_TRAINING.search(Path(path).read_text(errors="replace")))
+    except OSError:
+        return True
+
+
+def mode_dependent(model: nn.Module) -> bool:
+    """Could ``model`` compute differently in train and eval mode? Yes if it has a dropout or
+    normalisation layer, or if the source file of any of its modules' classes mentions
+    ``training`` (``self.training`` branches, ``F.dropout(..., training=...)``); a model whose
+    code never does cannot, and needs no second capture."""
+    for m in model.modules():
+        if isinstance(m, _MODE_LAYERS):
+            return True
+        cls = type(m)
+        if cls.__module__.startswith("torch.nn."):
+            continue                     # torch's own layers: only those above depend on the mode
+        try:
+            path = inspect.getsourcefile(cls)
+        except TypeError:
+            path = None
+        if _file_mentions_training(path):
+            return True
+    return False
 
 
 def record_modes(gm: fx.GraphModule, model: nn.Module, recapture: Callable[[], fx.GraphModule]) -> None:

@@ -93,6 +93,9 @@ def capture_model(model: nn.Module, example_inputs: Any, dims: Any,
              kwargs: Mapping[str, Any] | None = None, *, modes: bool = False) -> fx.GraphModule:
     """Capture and analyse ``model``; with ``modes`` also record what differs in its other
     train/eval mode (:mod:`autopar.modes`), for a build whose module can be switched."""
+    if modes:
+        from autopar.modes import mode_dependent
+        modes = mode_dependent(model)       # a model whose code never looks at its mode: one capture
     if modes and not model.training and not any(m.training for m in model.modules()):
         # an eval-mode model is captured in train mode (its graph then has what training adds,
         # e.g. BatchNorm's counters) and switched to eval: both modes stay available

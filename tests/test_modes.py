@@ -95,8 +95,14 @@ def _modes(rank: int, world: int) -> dict:
         c, d = pm(x), pm(x)
         pm.train()
         a, b = pm(x), pm(x)
+        twin = _net(0.5, True)
+        twin(x), twin(x)        # the same running statistics as pm's after its two calls
+        torch.manual_seed(7)
+        seeded = pm(x)
+        torch.manual_seed(7)    # the same masks as the model's, where dropout runs on whole values
+        want = twin(x)
         out[f"dropout/{captured}"] = {"train_differs": not torch.equal(a, b), "eval_same": torch.equal(c, d),
-                                      "eval": _rel(c, _net(0.5, False)(x))}
+                                      "eval": _rel(c, _net(0.5, False)(x)), "same_seed": _rel(seeded, want)}
     # a pipeline of the two blocks
     pm = autopar.parallelize(_net(0.0, True), {"pp": 2}, (x,), loss_fn=lambda o, t: (o - t).pow(2).mean(),
                              microbatches=1, schedule="gpipe")
@@ -224,6 +230,7 @@ def test_dropout_follows_the_mode(results, captured) -> None:
     for r in results:
         res = r[f"dropout/{captured}"]
         assert res["train_differs"] and res["eval_same"] and res["eval"] < 1e-12, res
+        assert res["same_seed"] < 1e-12, res
 
 
 def test_pipeline_modes(results) -> None:
@@ -263,3 +270,13 @@ def test_state_dict_under_zero3_on_one_rank_raises_instead_of_hanging(results) -
     msg, took = results[0]["state_dict_alone"]
     assert "state_dict() under ZeRO-3 is collective" in msg and "fix:" in msg, msg
     assert took < 4.0
+
+
+def test_only_a_model_that_can_depend_on_its_mode_is_captured_twice() -> None:
+    from autopar import models
+    from autopar.modes import mode_dependent
+    assert not mode_dependent(models.build("gpt", {}, device="meta"))       # its code never reads the mode
+    assert not mode_dependent(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+    assert mode_dependent(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1)))
+    assert mode_dependent(nn.Sequential(nn.BatchNorm1d(2)))
+    assert mode_dependent(Branchy())                                        # this file mentions it
