@@ -254,7 +254,7 @@ def build_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, loss_fn:
     pm.expert_storage = {f: how for f, (how, _) in experts.items()}    # fqn -> "rows" | "whole"
     pm.expert_owned = {f: owned for f, (_, owned) in experts.items()}  # fqn -> the experts this rank holds
     pm.pipeline_plan = final       # the simulator's view: stage times, step time, bubble
-    pm.mode_blocked = dict(graph_info(gm).mode_blocked)     # train/eval modes the stages cannot run in
+    pm.mode_source = graph_info(gm).mode_source       # switches the stages between train and eval
     return pm
 
 

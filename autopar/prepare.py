@@ -99,10 +99,10 @@ def capture_model(model: nn.Module, example_inputs: Any, dims: Any,
     if modes and not model.training and not any(m.training for m in model.modules()):
         # an eval-mode model is captured in train mode (its graph then has what training adds,
         # e.g. BatchNorm's counters) and switched to eval: both modes stay available
-        from autopar.modes import apply_mode, modes_of
+        from autopar.modes import modes_of
         with modes_of(model, True):
             gm = capture_model(model, example_inputs, dims, kwargs, modes=True)
-        apply_mode([gm], False)
+        graph_info(gm).mode_source.switch([gm], False, "autopar.parallelize")
         return gm
     args = as_args(example_inputs)
     labels = dims
@@ -118,8 +118,8 @@ def capture_model(model: nn.Module, example_inputs: Any, dims: Any,
         labels = dims or None
         gm = analyze(capture(model, args, kwargs=kwargs, dims=labels))
     if modes:
-        from autopar.modes import record_modes
-        record_modes(gm, model, lambda: capture(model, args, kwargs=kwargs, dims=labels))
+        from autopar.modes import ModeSource
+        graph_info(gm).mode_source = ModeSource(gm, model, args, kwargs, labels)
     return gm
 
 

@@ -73,8 +73,6 @@ class NodeInfo:
     strategy: str | None = None        # the chosen strategy's name and specs (plan)
     collective: "CollectiveInfo | None" = None  # for nodes the rewrite inserted
     stage: int | None = None           # pipeline stage (split view); None: not split, or recomputed per stage
-    # constant leaves of (args, kwargs) that differ between train and eval mode: mode -> {leaf: value}
-    mode_args: dict[bool, dict[int, Any]] | None = None
 
     @property
     def value(self) -> TensorInfo | None:
@@ -150,8 +148,8 @@ class GraphInfo:
     constants: dict[str, torch.Tensor] = field(default_factory=dict)  # lifted tensors, by placeholder target
     transient_buffers: set[str] = field(default_factory=set)  # buffers outside state_dict (persistent=False)
     without_cache: bool = False                # captured with the model's config.use_cache turned off
-    # train (True) / eval (False) -> why this graph cannot run in that mode (autopar/modes.py)
-    mode_blocked: dict[bool, str] = field(default_factory=dict)
+    # how to switch the graph between train and eval mode (autopar/modes.py); None: it cannot differ
+    mode_source: Any = None
 
 
 def info(node: fx.Node) -> NodeInfo:

@@ -93,12 +93,6 @@ class StageModule(nn.Module):
     def graph_module(self) -> fx.GraphModule:
         return self._graph[0]
 
-    def train(self, mode: bool = True) -> "StageModule":
-        """Switch the stage's graph to ``mode`` (autopar/modes.py), then the module."""
-        from autopar.modes import apply_mode
-        apply_mode([self.graph_module], mode)
-        return super().train(mode)
-
     def set_recompute(self, mode: str, layers: Sequence[str] = ()) -> None:
         """Checkpoint this stage's share of ``layers`` (``full``) or its attention cores
         (``selective``); see runtime/recompute.py."""
@@ -246,7 +240,7 @@ class PipelineModule(nn.Module):
         from torch.distributed import pipelining
 
         self.plan = plan
-        self.mode_blocked: dict[bool, str] = {}    # train/eval modes the stages cannot run in (autopar/modes.py)
+        self.mode_source = None          # switches the stages between train and eval (autopar/modes.py)
         self.schedule_name = schedule
         self.microbatches = microbatches
         self._stages = stages            # not submodules: the parameters are registered below
@@ -311,8 +305,8 @@ class PipelineModule(nn.Module):
     def train(self, mode: bool = True) -> "PipelineModule":
         """Switch this rank's stages (not submodules) and the module to ``mode``, as on the
         original model; a mode the capture could not express raises (autopar/modes.py)."""
-        from autopar.modes import check_mode
-        check_mode(self.mode_blocked, mode, "PipelineModule.train")
+        if self.mode_source is not None:
+            self.mode_source.switch([st.graph_module for st in self._stages], mode, "PipelineModule.train")
         for st in self._stages:
             st.train(mode)
         return super().train(mode)

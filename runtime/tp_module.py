@@ -96,9 +96,9 @@ class ParallelModule(nn.Module):
     def train(self, mode: bool = True) -> "ParallelModule":
         """Switch the graph to ``mode`` as the original model would (dropout, BatchNorm, any
         op whose arguments depend on ``self.training``; autopar/modes.py), then the module."""
-        from autopar.modes import apply_mode, check_mode
-        check_mode(graph_info(self.graph_module).mode_blocked, mode, "ParallelModule.train")
-        apply_mode([self.graph_module], mode)
+        source = graph_info(self.graph_module).mode_source
+        if source is not None:
+            source.switch([self.graph_module], mode, "ParallelModule.train")
         return super().train(mode)
 
     @property

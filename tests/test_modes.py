@@ -136,9 +136,39 @@ def _modes(rank: int, world: int) -> dict:
         except ConfigError as exc:
             out[f"disagree/{case}"] = (str(exc), time.monotonic() - t0)
     out.update(_data_axis(rank))
+    out["hf"] = _hf_gpt2()
     out["state_dict_alone"] = _state_dict_alone(rank)
     dist.barrier()
     return out
+
+
+def _hf_gpt2() -> dict:
+    """A transformers GPT-2 with dropout everywhere, over tp=2, its model freed before the
+    first switch (the other mode is captured from a structure-only copy)."""
+    import copy
+    import gc
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    import hf_tiny
+    model = hf_tiny.build("gpt2", torch.float64)
+    for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        setattr(model.config, key, 0.3)
+    model = type(model)(model.config).double()
+    ref = copy.deepcopy(model)
+    data = hf_tiny.batch()
+    pm = autopar.parallelize(model, {"tp": 2}, example_kwargs=data)
+    del model
+    gc.collect()
+    pm.eval()
+    ref.eval()
+    eval_err = _rel(pm(**data).logits, ref(**data).logits)
+    pm.train()
+    ref.train()
+    torch.manual_seed(3)
+    a = pm(**data).logits
+    torch.manual_seed(3)
+    b = ref(**data).logits
+    return {"eval": eval_err, "train_same_seed": _rel(a, b), "train_is_not_eval": _rel(a, ref.eval()(**data).logits)}
 
 
 def _state_dict_alone(rank: int):
@@ -264,6 +294,13 @@ def test_disagreeing_ranks_get_one_typed_error(results, case) -> None:
         assert "rank 1 called autopar.parallelize differently" in msg, msg
         assert ("zero_stage" if case == "zero" else "model") in msg.splitlines()[0]
         assert took < 10
+
+
+def test_a_transformers_model_switches_modes_after_it_is_freed(results) -> None:
+    for r in results:
+        res = r["hf"]
+        assert res["eval"] < 1e-12 and res["train_same_seed"] < 1e-12, res
+        assert res["train_is_not_eval"] > 1e-3, res          # dropout is on again
 
 
 def test_state_dict_under_zero3_on_one_rank_raises_instead_of_hanging(results) -> None:
