@@ -11,8 +11,9 @@ nothing about who failed. Here:
   else :data:`DEFAULT_TIMEOUT_S` (300 s). It bounds only the wait for a rank that never
   joins (a stalled one); a rank that raises or dies is noticed at once, whatever it is.
 * **Records.** A :class:`Monitor` per rank keeps records in the default group's store, under
-  ``autopar/``: ``hb/<rank>``, the heartbeat (every ``beat_s`` = 1 s, and at every step on
-  worlds of up to 64 ranks, at most once a beat on larger ones: the
+  ``autopar/``: ``hb/<rank>``, the heartbeat (every ``beat_s`` = 1 s, ``world / 1000`` s past
+  1,000 ranks, and at every step on worlds of up to 64 ranks, at most once a beat on larger
+  ones: the
   step, pid, node and the line the main thread is on); ``end/<rank>``, how the rank ended
   (``raised``, ``peer``, ``timeout``, ``stalled``, ``exited``); ``news``, the first failure;
   ``abort/<rank>``, the others' order to a rank they timed out waiting for.
@@ -85,6 +86,13 @@ __all__ = ["DEFAULT_TIMEOUT_S", "EXIT_PEER_FAILED", "EXIT_STALLED", "TIMEOUT_ENV
 _STORE_OP_S = 2.0   # the longest one store call of the monitor waits
 _step = 0                                   # this rank's step (note_step)
 PER_STEP_BEATS_UP_TO = 64                   # larger worlds beat at most once per beat_s (Monitor.beat)
+STORE_WRITES_PER_S = 1000                   # the heartbeat writes all ranks together send the store, at most
+
+
+def beat_interval(world: int) -> float:
+    """The default heartbeat interval of a world: 1 s, longer past 1,000 ranks."""
+    return max(1.0, world / STORE_WRITES_PER_S)
+
 _monitor: Monitor | None = None             # this process's monitor (start)
 _previous_hook: Callable[..., Any] | None = None   # sys.excepthook before start() chained onto it
 _exit_code: int | None = None               # set when this rank ends on its own uncaught exception
@@ -442,9 +450,13 @@ def monitor() -> Monitor | None:
     return _monitor if _monitor is not None and not _monitor.stopped else None
 
 
-def start(*, timeout_s: float | None = None, beat_s: float = 1.0, hook: bool = True,
+def start(*, timeout_s: float | None = None, beat_s: float | None = None, hook: bool = True,
           on_abort: Callable[[str], None] | None = None) -> Monitor:
     """Attach a monitor to the initialised default process group (once: later calls return it).
+
+    ``beat_s``: the heartbeat interval; by default 1 s up to :data:`STORE_WRITES_PER_S` ranks
+    and ``world / STORE_WRITES_PER_S`` beyond (every rank writes to one store: its load stays
+    bounded, and a dead rank on another node is noticed after 3 beats).
 
     ``timeout_s``: if given, the timeout of every collective (:func:`set_timeout`); else the
     groups keep theirs. ``hook`` chains the excepthook onto ``sys.excepthook``;
@@ -469,7 +481,8 @@ def start(*, timeout_s: float | None = None, beat_s: float = 1.0, hook: bool = T
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     host = None if agent or _store_address(base) == "?" else 0
     _monitor = Monitor(store, dist.get_rank(), dist.get_world_size(), timeout_s=_group_timeout_s(),
-                       beat_s=beat_s, store_host=host, on_abort=on_abort, keep=base).start()
+                       beat_s=beat_s or beat_interval(dist.get_world_size()), store_host=host,
+                       on_abort=on_abort, keep=base).start()
     if hook and sys.excepthook is not _excepthook:
         _previous_hook, sys.excepthook = sys.excepthook, _excepthook
     return _monitor

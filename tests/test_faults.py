@@ -255,3 +255,8 @@ def test_heartbeats_at_large_worlds_are_rate_limited(world: int, writes: int) ->
     for _ in range(500):          # 500 steps within one beat
         mon.beat(on_step=True)
     assert store.sets == writes
+
+
+def test_the_heartbeat_interval_keeps_the_store_load_bounded() -> None:
+    assert health.beat_interval(8) == 1.0 and health.beat_interval(1000) == 1.0
+    assert health.beat_interval(16384) == pytest.approx(16.384)     # 1,000 writes a second in all
