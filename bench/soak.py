@@ -2,7 +2,7 @@
 
 Command:  python bench/soak.py [--minutes 5] [--steps 40] [--seed 0] [--json]   (not in CI)
 
-A driver runs a data-parallel MLP (float64, ZeRO-1, SGD with momentum) on gloo ranks. Each
+A driver starts training runs, one after another, for ``--minutes``; each runs a data-parallel MLP (float64, ZeRO-1, SGD with momentum) on gloo ranks. Each
 segment starts ``world`` ranks (4, 2 or 1, drawn at random: the rank count may change between
 segments), resumes from the checkpoint directory's ``LATEST`` if there is one, and trains,
 saving every ``--every`` steps. Unless the segment is the last one the driver also draws a
@@ -87,67 +87,70 @@ def _reference(steps: int) -> dict:
     return model.state_dict()
 
 
-def main(argv: list[str] | None = None) -> int:
+def _run(args, rng: random.Random, deadline: float, ckpt: str) -> dict:
+    """One training run of ``args.steps`` steps, broken at random while time remains, to the end."""
     from autopar.runtime.launch import run_ranks_outcomes
 
+    out = {"injected": {"raise": 0, "kill": 0, "stall": 0}, "reported": 0, "lost": 0, "worlds": [], "events": []}
+    saved = 0                  # the step LATEST names
+    while True:
+        faulty = time.monotonic() < deadline and saved < args.steps - 1
+        world = rng.choice([4, 2] if faulty else [4, 2, 1])
+        fault = None
+        if faulty:
+            fault = (rng.choice(["raise", "kill", "stall"]), rng.randrange(world), rng.randint(saved + 1, args.steps))
+        outs = run_ranks_outcomes(_segment, world, ckpt, args.steps, args.every, fault, timeout_s=180,
+                                  collective_timeout_s=TIMEOUT_S)
+        out["worlds"].append(world)
+        if all(o.kind == "ok" for o in outs):
+            ref = _reference(args.steps)
+            final = outs[0].result["state"]
+            out["diff"] = max(((final[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-30)).item()
+                              for k in ref)
+            return out
+        if fault is None:
+            raise SystemExit(f"a segment without a fault failed: {[o.message for o in outs]}")
+        kind, bad, at = fault
+        out["injected"][kind] += 1
+        # every other rank names the faulty one (a stall: the others time out and stop it)
+        blamed = all(o.rank == bad or f"rank {bad}" in o.message for o in outs)
+        out["reported"] += blamed
+        now = max(saved, (at - 1) // args.every * args.every)     # steps before the fault completed
+        out["lost"] += (at - 1) - now
+        out["events"].append(f"{kind} r{bad}@{at}{'' if blamed else ' NOT NAMED'}")
+        saved = now
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="soak", description=__doc__.splitlines()[0])
-    ap.add_argument("--minutes", type=float, default=5.0, help="inject faults until this much time has passed")
+    ap.add_argument("--minutes", type=float, default=5.0, help="start runs and inject faults for this long")
     ap.add_argument("--steps", type=int, default=40, help="training steps of one run")
     ap.add_argument("--every", type=int, default=3, help="checkpoint every this many steps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
-    deadline = time.monotonic() + 60 * args.minutes
-    injected = {"raise": 0, "kill": 0, "stall": 0}
-    reported, recoveries, lost, runs, worlds = 0, 0, 0, 0, []
-    rows: list[str] = []
-    final = None
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="autopar-soak-") as tmp:
-        ckpt = str(Path(tmp) / "ckpt")
-        saved = 0                  # the step LATEST names
-        while final is None:
-            faulty = time.monotonic() < deadline and saved < args.steps - 1
-            world = rng.choice([4, 2] if faulty else [4, 2, 1])
-            fault = None
-            if faulty:
-                fault = (rng.choice(["raise", "kill", "stall"]), rng.randrange(world),
-                         rng.randint(saved + 1, args.steps))
-            outs = run_ranks_outcomes(_segment, world, ckpt, args.steps, args.every, fault, timeout_s=180,
-                                      collective_timeout_s=TIMEOUT_S)
-            runs += 1
-            worlds.append(world)
-            if all(o.kind == "ok" for o in outs):
-                final = outs[0].result["state"]
-                rows.append(f"| {runs} | {world} | step {saved} | none | - | finished at step {args.steps} |")
-                break
-            if fault is None:
-                raise SystemExit(f"a segment without a fault failed: {[o.message for o in outs]}")
-            kind, bad, at = fault
-            injected[kind] += 1
-            # every other rank names the faulty one (a stall: the others time out and stop it)
-            blamed = all(o.rank == bad or f"rank {bad}" in o.message for o in outs)
-            reported += blamed
-            now = max(saved, (at - 1) // args.every * args.every)     # steps before the fault completed
-            lost += (at - 1) - now
-            rows.append(f"| {runs} | {world} | step {saved} | {kind}, rank {bad}, step {at} | "
-                        f"{'named' if blamed else 'NOT NAMED'} | {', '.join(sorted({o.kind for o in outs}))}; "
-                        f"resumes at step {now} |")
-            saved = now
-            recoveries += 1
-        ref = _reference(args.steps)
-        diff = max(((final[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-30)).item() for k in ref)
-    wall = time.monotonic() - t0
-    print("| run | ranks | resumed from | fault | reported | how the ranks ended |\n|---|---|---|---|---|---|")
-    print("\n".join(rows))
-    total = sum(injected.values())
-    print(f"\nfaults injected: {total} ({', '.join(f'{k} {v}' for k, v in injected.items())}); named by every "
-          f"survivor: {reported}/{total}; recoveries: {recoveries}; steps lost: {lost}; rank counts {worlds}; "
-          f"final parameters vs one uninterrupted process: max relative difference {diff:.2e}; wall {wall:.0f} s")
+    deadline = t0 + 60 * args.minutes
+    runs = []
+    print("| run | faults (kind, rank, step) | segments' rank counts | steps lost | final params vs uninterrupted |\n"
+          "|---|---|---|---|---|", flush=True)
+    while not runs or time.monotonic() < deadline:
+        with tempfile.TemporaryDirectory(prefix="autopar-soak-") as tmp:
+            r = _run(args, rng, deadline, str(Path(tmp) / "ckpt"))
+        runs.append(r)
+        print(f"| {len(runs)} | {', '.join(r['events']) or 'none'} | {r['worlds']} | {r['lost']} | "
+              f"{r['diff']:.1e} |", flush=True)
+    injected = {k: sum(r["injected"][k] for r in runs) for k in ("raise", "kill", "stall")}
+    total, reported = sum(injected.values()), sum(r["reported"] for r in runs)
+    diff, wall = max(r["diff"] for r in runs), time.monotonic() - t0
+    print(f"\n{len(runs)} runs of {args.steps} steps; faults injected: {total} "
+          f"({', '.join(f'{k} {v}' for k, v in injected.items())}); named by every survivor: {reported}/{total}; "
+          f"recoveries: {total}; steps lost: {sum(r['lost'] for r in runs)}; final parameters vs one uninterrupted "
+          f"process: max relative difference {diff:.2e}; wall {wall:.0f} s")
     if args.json:
-        print(json.dumps({"bench": "soak", "injected": injected, "reported": reported, "recoveries": recoveries,
-                          "steps_lost": lost, "worlds": worlds, "max_rel_diff": diff, "wall_s": wall}))
+        print(json.dumps({"bench": "soak", "runs": len(runs), "injected": injected, "reported": reported,
+                          "steps_lost": sum(r["lost"] for r in runs), "max_rel_diff": diff, "wall_s": wall}))
     return 0 if diff < 1e-9 and reported == total else 1
 
 
