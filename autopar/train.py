@@ -85,7 +85,7 @@ def small_overrides(name: str, plan_overrides: dict, *, stages: int, seq: int) -
     from autopar import models
 
     if name not in models.list_models():
-        raise ConfigError(f"autopar train builds zoo models; {name!r} is not one", where="plan file, field model",
+        raise ConfigError(f"autopar train builds zoo models; {name!r} is not one", where="--model, or the plan file's model",
                           expected=f"one of {', '.join(models.list_models())}", got=repr(name),
                           fix="plan a zoo model of the same family, e.g. autopar plan --model gpt3-175b ... "
                               "--save-plan plan.json")
@@ -214,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                     "the plan's, made small (hidden 64, heads 4, vocab 256)")
     ap.add_argument("--model", help="without --plan: zoo name (default gpt)")
     ap.add_argument("--set", action="append", metavar="KEY=VALUE", default=[],
-                    help="model overrides, applied last (default layers=4 hidden=64 heads=4 vocab=256 max_seq=SEQ)")
+                    help="model overrides, applied last (default layers=4 hidden=64 heads=4 vocab=256 max_seq=SEQ, and "
+                         "kv_heads=2 ffn=256 where the family has them)")
     ap.add_argument("--ranks", type=count("--ranks", high=MAX_RANKS, why="one local CPU process per rank"), default=4,
                     help="local CPU ranks (default 4; with --plan, at most this many)")
     ap.add_argument("--steps", type=count("--steps", high=MAX_STEPS, why="a check run, not a training job"), default=5)
@@ -272,7 +273,7 @@ def _from_search(args: argparse.Namespace) -> tuple[str, dict, dict, int]:
     from autopar.workload import parse_overrides
 
     name, batch = args.model or "gpt", args.batch or 8
-    over = {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "max_seq": args.seq}
+    over = small_overrides(name, {}, stages=1, seq=args.seq)     # a zoo token model, made small
     over.update(parse_overrides(args.set))
     start = time.perf_counter()
     best, scored = choose(name, over, args.ranks, batch, args.seq)

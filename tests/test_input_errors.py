@@ -265,3 +265,7 @@ def test_the_long_pipeline_costs_the_same_at_any_micro_batch_count():
     costs = StageCosts.uniform(8, 1.0, 2.0)
     r = run_long("1f1b", 8, 10**15, 1, costs)
     assert r.step_time_s == pytest.approx((10**15 + 7) * 3.0, rel=1e-12) and r.events == ()
+
+
+def test_train_refuses_a_model_without_tokens_by_name(capsys):
+    _refused(capsys, "train", "--model", "mlp", "--ranks", "2", "--steps", "1", needle="'mlp' takes no tokens")
