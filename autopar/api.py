@@ -11,7 +11,7 @@ from torch import nn
 
 from autopar.agreement import check_agreement
 from autopar.build import build_dense, build_experts, build_pipeline
-from autopar.checks import check_devices, check_fits
+from autopar.checks import check_devices, check_fits, memory_bytes
 from autopar.errors import ConfigError, InputMismatchError, OptimizerError
 from autopar.passes.meta import graph_info
 from autopar.plans import Plan
@@ -21,18 +21,20 @@ from autopar.prepare import (as_args, capture_model, has_axis, mesh_axes, plan_o
 
 def plan(model: nn.Module, mesh: Any, example_inputs: Any = (), *, example_kwargs: Mapping[str, Any] | None = None,
          dims: Any = None, hardware: str | None = None,
-         memory_budget: float | None = None, sizes: Mapping[str, int] | None = None,
+         memory_budget: float | str | None = None, sizes: Mapping[str, int] | None = None,
          dtype: str | None = None, zero_stage: int | None = None, overlap: bool = True,
          mixed_precision: str | None = None, bucket_bytes: int = 0,
          placements: Mapping[str, str] | None = None) -> Plan:
     """Find a plan for ``model`` on ``mesh`` without building anything (the model may live on
     the meta device). ``sizes`` overrides the planning sizes (e.g. ``{"batch": 8, "seq": 2048}``);
-    ``memory_budget`` bounds per-device bytes (:class:`DoesNotFitError`, with the smallest
+    ``memory_budget`` bounds per-device bytes (a number of bytes, or a size: ``"40GB"``, ``"40 GiB"``;
+    :class:`DoesNotFitError`, with the smallest
     device count that would fit, when nothing meets it); ``zero_stage=None`` lets the planner
     choose the ZeRO stage on a data axis (the lowest one that fits the budget);
     ``placements`` forces how parameters are stored on the tensor axis, e.g.
     ``{"fc1.weight": "S(0)", "fc2.weight": "R"}`` (:class:`ShardingError` if a split dim does
     not divide by the axis)."""
+    memory_budget = memory_bytes(memory_budget)
     axes = mesh_axes(mesh)
     gm = capture_model(model, example_inputs, dims, example_kwargs)
     sol, cluster = solve_tensor_axis(gm, axes, hardware=hardware, memory_budget=memory_budget, sizes=sizes, dtype=dtype,
@@ -70,7 +72,7 @@ def _records_model(fn):
 @_records_model
 def parallelize(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
                 example_kwargs: Mapping[str, Any] | None = None, plan: Plan | str | None = None,
-                dims: Any = None, hardware: str | None = None, memory_budget: float | None = None,
+                dims: Any = None, hardware: str | None = None, memory_budget: float | str | None = None,
                 sizes: Mapping[str, int] | None = None, sync_params: bool = True, zero_stage: int | None = None,
                 overlap: bool = True, bucket_bytes: int = 0, mixed_precision: str | None = None,
                 loss_fn: Any = None, schedule: str | None = None, microbatches: int | None = None,
@@ -118,8 +120,10 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
 
     ``placements`` (dp/tp meshes) forces how parameters are stored on the tensor axis, as in
     :func:`plan`. Bad input raises an :class:`~autopar.errors.AutoparError` subclass before
-    any collective: MeshError, PlanFileError, ShardingError, DoesNotFitError, UnsupportedError."""
+    any collective: MeshError, PlanFileError, ShardingError, DoesNotFitError, UnsupportedError.
+    ``memory_budget`` is bytes or a size, as in :func:`plan`."""
 
+    memory_budget = memory_bytes(memory_budget)
     if not isinstance(model, nn.Module):
         raise InputMismatchError("parallelize needs an nn.Module", where="parallelize", got=type(model).__name__,
                                  fix="pass the model object itself, e.g. autopar.parallelize(MyModel(), mesh, (x,))")

@@ -76,6 +76,13 @@ def build_dense(model: nn.Module, mesh: Any, args: tuple, kwargs: dict, *, plan:
     if plan is None:
         check_fits(gm, the_plan, memory_budget, {**graph_info(gm).example_sizes, **dict(sizes or {})})
     check_runtime_dtypes(model, gm, the_plan)
+    if the_plan.tp > 1 and all(p == "R" for p in the_plan.params.values()):   # tp asked for, nothing split
+        log.warning("the plan splits no parameter over the tensor axis (tp=%d): every rank holds the whole "
+                    "model, because %s", the_plan.tp,
+                    "the plan given says so" if plan is not None else "placements= forces it" if placements else
+                    "the cost model found replication cheaper (splitting would communicate more than it saves)"
+                    if any(d % the_plan.tp == 0 for p in model.parameters() for d in p.shape) else
+                    f"no parameter has a dimension divisible by {the_plan.tp}")
     tensors = model_tensors(model, sync=sync_params)
     trainable = {k: p.requires_grad for k, p in model.named_parameters()}
     rt = None

@@ -3,6 +3,7 @@ issued. Each raises the :class:`~autopar.errors.AutoparError` subclass that name
 mistake: what, where (parameter, node, module), expected, got, and how to fix it.
 
 - :func:`check_options`: planning sizes and memory budget (ConfigError);
+- :func:`memory_bytes`: a memory budget as bytes, from a number or a string like "40GB" (ConfigError);
 - :func:`forced_placements`: ``placements=`` the user forces (ShardingError, MeshError);
 - :func:`check_plan_placements`: a given plan splits only dims the tensor axis divides (ShardingError);
 - :func:`check_fits`: the plan's memory within an explicit ``memory_budget`` (DoesNotFitError);
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from typing import Any, Mapping
 
 import torch
@@ -36,7 +38,29 @@ def check_options(sizes: Mapping[str, int] | None, memory_budget: float | None) 
     if memory_budget is not None and not memory_budget > 0:
         raise ConfigError("memory_budget must be a positive number of bytes per device", where="memory_budget",
                           expected="> 0 (or None: the device's memory)", got=repr(memory_budget),
-                          fix="pass bytes per device, e.g. memory_budget=80e9")
+                          fix='pass bytes per device or a size, e.g. memory_budget=80e9 or "80GB"')
+
+
+MEMORY_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_MEMORY = re.compile(r"\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*")
+
+
+def memory_bytes(budget: float | str | None, where: str = "memory_budget") -> float | None:
+    """A memory budget as bytes: numbers are bytes already; strings carry a unit, decimal
+    (``"40GB"`` = 40e9, ``"512MB"``) or binary (``"40 GiB"`` = 40 * 2**30), case-insensitive.
+    None stays None (the device's memory). A string without a known unit (``"40"``: bytes or GB?)
+    or that is not a size raises ConfigError."""
+    if budget is None or isinstance(budget, bool) or not isinstance(budget, str):
+        return budget      # a number (bytes), or something check_options refuses with its own message
+    m = _MEMORY.fullmatch(budget)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in MEMORY_UNITS:
+        raise ConfigError("memory_budget as a string needs a number and a unit", where=where,
+                          expected=f"bytes (e.g. 40e9) or a number with a unit: {', '.join(MEMORY_UNITS)} "
+                                   "(GB = 1e9 bytes, GiB = 2**30)",
+                          got=repr(budget), fix='e.g. memory_budget="40GB", "40 GiB" or 40e9')
+    return float(m.group(1)) * MEMORY_UNITS[unit]
 
 
 def forced_placements(gm: fx.GraphModule, placements: Mapping[str, str], axes: tuple[tuple[str, int], ...]

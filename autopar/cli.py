@@ -102,6 +102,11 @@ def parse_mesh(spec: str) -> dict[str, int]:
     return mesh
 
 
+def _version() -> str:
+    from autopar import __version__
+    return __version__
+
+
 def _plan(args: argparse.Namespace) -> int:
     """Pick dp x tp and the ZeRO stage for a model on a (possibly imaginary) cluster."""
     import json
@@ -314,6 +319,7 @@ _MODEL_HELP = ("zoo name (see `autopar models`), path/to/file.py:factory, or a H
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autopar", description="Automatic parallelization for PyTorch training.")
+    p.add_argument("--version", action="version", version=f"autopar {_version()}")
     p.add_argument("-v", "--verbose", action="store_true", help="log every pass")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -349,7 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --mesh: price the plan for a100, h100, cpu or a profile from `autopar calibrate` "
                         "(default: this machine's kind, h100 with a GPU and cpu without)")
     d.add_argument("--out", help="write to this file instead of stdout")
-    d.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    d.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress lines nor warnings on stderr (errors still print)")
     d.set_defaults(fn=_dump)
 
     pl = sub.add_parser("plan", help="pick data/tensor parallel degrees and the ZeRO stage for a cluster")
@@ -383,7 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.add_argument("--top", type=count("--top", low=0, high=1000, why="a page of alternatives"), default=5,
                     metavar="K", help="alternatives to show (default 5)")
-    pl.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    pl.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress lines nor warnings on stderr (errors still print)")
     pl.set_defaults(fn=_plan)
 
     sm = sub.add_parser("simulate", help="score one fixed configuration with the planner's simulator (JSON)")
@@ -420,6 +428,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _run_quietly(args: argparse.Namespace) -> int:
+    """-q: autopar's warnings (an op without a sharding or memory rule, ...) stay silent too, not
+    only the progress lines; errors still print. The logger's level is restored afterwards."""
+    autopar_log = logging.getLogger("autopar")
+    level = autopar_log.level
+    autopar_log.setLevel(logging.ERROR)
+    try:
+        return args.fn(args)
+    finally:
+        autopar_log.setLevel(level)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"]:  # its own flags, parsed by autopar.train
@@ -436,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)     # a flag's type check raises a ConfigError
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                             format="[autopar] %(name)s: %(message)s")
-        return args.fn(args)
+        return _run_quietly(args) if getattr(args, "quiet", False) and not args.verbose else args.fn(args)
     except AutoparError as exc:
         print(f"autopar: error: {exc}", file=sys.stderr)
         return 2

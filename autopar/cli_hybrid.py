@@ -72,7 +72,7 @@ def _plan_hybrid(args: argparse.Namespace, w, planned, cluster, start: float) ->
                                    if smallest else "no cluster up to 65536 devices fits")
                               + "; or raise --memory-budget")
     if args.timeline or args.report:
-        _hybrid_extras(args, facts, cluster, best, others)
+        _hybrid_extras(args, facts, cluster, best, others, planner_s, scored)
     if getattr(args, "save_plan", None):
         SavedPlan.of(args, cluster, best).save(args.save_plan)
         _progress(args, f"wrote {args.save_plan}")
@@ -136,8 +136,9 @@ def _hybrid_text(args, name: str, cluster, best, others, planner_s: float, score
     return "\n".join(lines)
 
 
-def _hybrid_extras(args, facts, cluster, best, others) -> None:
-    """--timeline: the chosen plan's simulated schedule as SVG."""
+def _hybrid_extras(args, facts, cluster, best, others, planner_s: float, scored: int) -> None:
+    """--timeline: the chosen plan's simulated schedule as SVG; --report: the plan as one HTML page,
+    with the search's measured time (``planner_s``) and count of configurations scored."""
     from autopar.cli_checks import writing
     _drawable(best.microbatches, "--timeline" if args.timeline else "--report")
     if args.timeline:
@@ -159,7 +160,7 @@ def _hybrid_extras(args, facts, cluster, best, others) -> None:
                    "time_s": best.parts["stage_fwd_s"][s] + best.parts["stage_bwd_s"][s],
                    "memory_bytes": best.peak_memory_bytes} for s in range(c.pp * c.virtual)] if c.pp > 1 else []
         plan = {"model": facts.gm.__class__.__name__, **_hybrid_json(_Named(args.model), cluster, args, best, others,
-                                                                    0.0, 0)}
+                                                                    planner_s, scored)}
         rows = _block_rows(facts, cluster, c)
         writing("--report", args.report, lambda: write_report(
             args.report, title=f"autopar plan: {args.model} on {cluster.name}", plan=plan,
