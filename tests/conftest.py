@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import pytest
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autopar import analyze, capture
 from autopar import models
@@ -24,3 +26,13 @@ def analysed(model, args, dims=None, **kw):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def fake_world():
+    """``fake_world(n)`` makes this process one of ``n`` fake ranks until the test ends."""
+    def start(n: int) -> None:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()

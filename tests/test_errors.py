@@ -12,9 +12,7 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autopar
 from autopar import (CaptureError, DoesNotFitError, InputMismatchError, MeshError, OptimizerError, PlanFileError,
@@ -48,16 +46,6 @@ class Branchy(nn.Module):
 
 def _x(batch: int = 4, width: int = 8, **kw) -> torch.Tensor:
     return torch.randn(batch, width, **kw)
-
-
-@pytest.fixture
-def fake_world():
-    """``fake_world(n)`` makes this process one of ``n`` fake ranks until the test ends."""
-    def start(n: int) -> None:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
-    yield start
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _says(err: pytest.ExceptionInfo, *needles: str) -> str:

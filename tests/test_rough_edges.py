@@ -8,9 +8,7 @@ import textwrap
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autopar
 from autopar.checks import memory_bytes
@@ -26,16 +24,6 @@ class Tiny(nn.Module):
 
     def forward(self, x):
         return self.fc(x).relu()
-
-
-@pytest.fixture
-def fake_world():
-    """``fake_world(n)`` makes this process one of ``n`` fake ranks until the test ends."""
-    def start(n: int) -> None:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
-    yield start
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 # ---- 1. the HTML report shows the measured planner time ------------------------------------
