@@ -29,6 +29,13 @@ __all__ = ["check_agreement", "fingerprint", "rendezvous"]
 TIMEOUT_S = 10.0
 
 
+def _device(group: Any = None) -> torch.device:
+    """Where a collective's tensor must live: the current GPU for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _digest(value: Any) -> int:
     """A 63-bit digest of ``repr(value)`` (fits an int64 tensor element)."""
     return int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:8], "little") >> 1
@@ -77,9 +84,10 @@ def check_agreement(model: nn.Module, mesh: Any, options: Mapping[str, Any], *,
     # the field count first travels inside the vector, so ranks with different option sets
     # still exchange equally long vectors
     width = 64
-    mine = torch.zeros(width + 1, dtype=torch.int64)
+    mine = torch.zeros(width + 1, dtype=torch.int64, device=_device())
     mine[0] = len(names)
-    mine[1:1 + min(len(names), width)] = torch.tensor([fields[k] for k in names][:width], dtype=torch.int64)
+    mine[1:1 + min(len(names), width)] = torch.tensor([fields[k] for k in names][:width], dtype=torch.int64,
+                                                       device=mine.device)
     gathered = [torch.zeros_like(mine) for _ in range(world)]
     work = dist.all_gather(gathered, mine, async_op=True)
     try:
@@ -90,6 +98,7 @@ def check_agreement(model: nn.Module, mesh: Any, options: Mapping[str, Any], *,
                                got=str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__,
                                fix="call autopar.parallelize on every rank of the process group, with the same "
                                    "model and options; look at the other ranks' errors") from None
+    gathered = [g.cpu() for g in gathered]
     ref = gathered[0]
     for r in range(1, world):
         other = gathered[r]
@@ -116,7 +125,7 @@ def rendezvous(group_name: str, what: str, timeout_s: float) -> None:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     group = _resolve_process_group(group_name)
-    flag = torch.ones(1)
+    flag = torch.ones(1, device=_device(group))
     work = dist.all_reduce(flag, group=group, async_op=True)
     try:
         work.wait(timeout=datetime.timedelta(seconds=timeout_s))
