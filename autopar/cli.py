@@ -113,9 +113,10 @@ def _plan(args: argparse.Namespace) -> int:
 
     from autopar.cost.dp_planner import plan_dp
     from autopar.workload import capture_for_planning, capture_workload, load_workload, parse_overrides
-    if args.save_plan and args.pp != "auto":
-        raise ConfigError("--save-plan writes the joint search's plan", where="autopar plan",
-                          got=f"--pp {args.pp}", fix="drop --pp (the default, auto, searches every parallelism)")
+    for flag, given in (("--save-plan", args.save_plan), ("--report", args.report)):
+        if given and args.pp != "auto":     # refused, not silently ignored
+            raise ConfigError(f"{flag} writes the joint search's plan", where="autopar plan",
+                              got=f"--pp {args.pp}", fix="drop --pp (the default, auto, searches every parallelism)")
     for flag, path in (("--report", args.report), ("--save-plan", args.save_plan), ("--timeline", args.timeline)):
         checks.output_file(path, flag)
     cluster = checks.cluster(args.cluster, args.hardware)
