@@ -328,5 +328,6 @@ def _from_plan(args: argparse.Namespace) -> tuple[str, dict, dict, int]:
     return saved.model, over, {**_cfg(scaled), "precision": precision}, batch
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":      # python -m autopar.train: as `autopar train` (typed errors, exit 2)
+    from autopar.cli import main as cli_main
+    sys.exit(cli_main(["train", *sys.argv[1:]]))

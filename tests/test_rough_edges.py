@@ -151,3 +151,11 @@ def test_report_with_a_fixed_pipeline_degree_is_refused_not_ignored(tmp_path, ca
     err = capsys.readouterr().err
     assert code == 2 and "--report writes the joint search's plan" in err and "fix:" in err, err
     assert not out.exists()
+
+
+def test_python_dash_m_autopar_train_is_the_train_command():
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "autopar.train", "--ranks", "0"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "autopar: error: --ranks" in proc.stderr and "Traceback" not in proc.stderr
