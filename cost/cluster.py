@@ -89,7 +89,76 @@ _CPU_HOST = NodeLinks(
     inter=Link(bandwidth=1e9, base_latency_s=0.0, hop_latency_s=50e-6, source=_CPU_EST),
     intra_peak_bandwidth=2e9, devices_per_node=1)
 
-BUILTIN_NODE_LINKS = {"a100-sxm-80gb": _DGX_A100, "h100-sxm-80gb": _DGX_H100, "cpu": _CPU_HOST}
+
+# Nodes of the other built-in devices. Where no nccl-tests figure is at hand, the achievable
+# intra-node bus bandwidth is an ASSUMPTION stated in the source: ~80% of the per-direction
+# NVLink/Infinity Fabric peak (the ratio the DGX A100 and DGX H100 rows above show: 77%, 82%),
+# ~50% of the per-direction PCIe peak on PCIe-only nodes (rings cross the host bridge), and
+# ~96% of a NIC's line rate (as above). `autopar calibrate` replaces them with measurements.
+_BUSBW80 = "assumption: ~80% of the per-direction peak, as nccl-tests shows on DGX A100/H100"
+_PCIE_BUSBW = ("assumption: ~50% of PCIe Gen4 x16's 32 GB/s per direction (64 GB/s bidirectional, "
+               "datasheet), no NVLink, rings cross the host bridge")
+_ETH_LAT = ("assumption: TCP/EFA over the instance's Ethernet, ~20 us per hop; measure with "
+            "`autopar calibrate`")
+# DGX-1 with V100 32GB: NVLink2 hybrid cube-mesh, 6 links x 25 GB/s = 150 GB/s per direction
+# per GPU (V100 datasheet: 300 GB/s); 4x EDR 100 Gb/s InfiniBand per node = 6.25 GB/s per GPU.
+_DGX1_V100 = NodeLinks(
+    intra=Link(bandwidth=120e9, base_latency_s=10e-6, hop_latency_s=2e-6,
+               source=f"DGX-1 (V100) NVLink2 150 GB/s per direction; {_BUSBW80}; latency: {_LAT}"),
+    inter=Link(bandwidth=6e9, base_latency_s=10e-6, hop_latency_s=5e-6,
+               source=f"NVIDIA DGX-1 datasheet (2018): 4x EDR 100 Gb/s InfiniBand per node, 6.25 GB/s raw "
+                      f"per GPU, ~96% taken; latency: {_LAT}"),
+    intra_peak_bandwidth=150e9, devices_per_node=8)
+# DGX H200: the DGX H100's NVLink4/NVSwitch fabric (900 GB/s bidirectional per GPU) and NICs.
+_DGX_H200 = NodeLinks(
+    intra=Link(bandwidth=370e9, base_latency_s=10e-6, hop_latency_s=2e-6,
+               source=f"NVIDIA DGX H200 datasheet (2024): NVLink 900 GB/s (450 per direction) over the DGX "
+                      f"H100's NVSwitch fabric, so its {_NCCL} (370 GB/s) is taken; latency: {_LAT}"),
+    inter=Link(bandwidth=48e9, base_latency_s=10e-6, hop_latency_s=5e-6,
+               source=f"NVIDIA DGX H200 datasheet (2024): 8x ConnectX-7 400 Gb/s per node, 48 GB/s per GPU "
+                      f"(as DGX H100); latency: {_LAT}"),
+    intra_peak_bandwidth=450e9, devices_per_node=8)
+# DGX B200: NVLink5, 1.8 TB/s bidirectional per GPU (14.4 TB/s per node); 8x 400 Gb/s NICs.
+_DGX_B200 = NodeLinks(
+    intra=Link(bandwidth=720e9, base_latency_s=10e-6, hop_latency_s=2e-6,
+               source=f"NVIDIA DGX B200 datasheet (2024): NVLink5 1.8 TB/s per GPU (900 GB/s per "
+                      f"direction); {_BUSBW80}; latency: {_LAT}"),
+    inter=Link(bandwidth=48e9, base_latency_s=10e-6, hop_latency_s=5e-6,
+               source=f"NVIDIA DGX B200 datasheet (2024): 8x ConnectX-7 400 Gb/s per node, 48 GB/s per GPU "
+                      f"(as DGX H100); latency: {_LAT}"),
+    intra_peak_bandwidth=900e9, devices_per_node=8)
+# 8x MI300X platform: every GPU linked to the 7 others, 7 x 128 GB/s bidirectional Infinity
+# Fabric = 896 GB/s aggregate, 448 GB/s per direction; 8x 400 Gb/s NICs (e.g. Azure ND MI300X v5).
+_MI300X_NODE = NodeLinks(
+    intra=Link(bandwidth=358e9, base_latency_s=10e-6, hop_latency_s=2e-6,
+               source=f"AMD Instinct MI300X data sheet (2023): 7 Infinity Fabric links x 128 GB/s = 896 GB/s "
+                      f"aggregate (448 per direction); {_BUSBW80} (RCCL); latency: {_LAT}"),
+    inter=Link(bandwidth=48e9, base_latency_s=10e-6, hop_latency_s=5e-6,
+               source=f"8x 400 Gb/s NICs per 8-GPU MI300X node (Microsoft Azure ND MI300X v5, 2024), 48 GB/s "
+                      f"per GPU; latency: {_LAT}"),
+    intra_peak_bandwidth=448e9, devices_per_node=8)
+
+
+def _pcie_cloud_node(instance: str, nic_gbit: float, gpus: int) -> NodeLinks:
+    """A PCIe Gen4 x16 node with no NVLink and one shared Ethernet/EFA NIC of ``nic_gbit``."""
+    per_gpu = nic_gbit / 8 * 1e9 / gpus
+    return NodeLinks(
+        intra=Link(bandwidth=16e9, base_latency_s=10e-6, hop_latency_s=5e-6,
+                   source=f"{instance}: {_PCIE_BUSBW}; latency: {_LAT}"),
+        inter=Link(bandwidth=0.96 * per_gpu, base_latency_s=20e-6, hop_latency_s=20e-6,
+                   source=f"{instance}: {nic_gbit:g} Gb/s network per instance shared by {gpus} GPUs "
+                          f"({per_gpu / 1e9:.2f} GB/s each), ~96% taken; latency: {_ETH_LAT}"),
+        intra_peak_bandwidth=32e9, devices_per_node=gpus)
+
+
+_G5_A10G = _pcie_cloud_node("Amazon EC2 g5.48xlarge (8x A10G; AWS EC2 docs)", 100, 8)
+_G6_L4 = _pcie_cloud_node("Amazon EC2 g6.48xlarge (8x L4; AWS EC2 docs)", 100, 8)
+_G6E_L40S = _pcie_cloud_node("Amazon EC2 g6e.48xlarge (8x L40S; AWS EC2 G6e, 2024)", 400, 8)
+
+BUILTIN_NODE_LINKS = {"a100-sxm-80gb": _DGX_A100, "h100-sxm-80gb": _DGX_H100, "cpu": _CPU_HOST,
+                      "v100-sxm2-32gb": _DGX1_V100, "h200-sxm-141gb": _DGX_H200, "b200-180gb": _DGX_B200,
+                      "mi300x-192gb": _MI300X_NODE, "a10g-24gb": _G5_A10G, "l4-24gb": _G6_L4,
+                      "l40s-48gb": _G6E_L40S}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,8 @@ datasheet: they are stated assumptions that ``autopar calibrate`` replaces with
 measurements on the machine it runs on (see :mod:`autopar.cost.calibrate`).
 
 Units: FLOP/s, bytes, bytes/s, seconds. "GB" and "TB" below are decimal (1e9, 1e12), as in
-NVIDIA's datasheets.
+NVIDIA's and AMD's datasheets. Tensor-core figures are DENSE: where a datasheet gives only the
+2:4-sparsity figure, the source says so and the value is half of it.
 """
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ class DeviceSpec:
     ``peak_flops[dtype] * matmul_efficiency`` and ``memory_bandwidth * memory_efficiency``.
     ``kernel_overhead_s`` is a fixed cost per launched kernel (see
     :func:`autopar.cost.compute.op_time`). ``sources`` says where each constant comes from,
-    keyed by field name (and ``peak_flops.<dtype>``).
+    keyed by field name (and ``peak_flops.<dtype>``); ``absent.<dtype>`` says why a device has no
+    figure for a dtype (e.g. V100 has no bf16 tensor cores), and :meth:`peak` quotes it.
     """
 
     name: str
@@ -117,9 +119,13 @@ class DeviceSpec:
         """Dense peak FLOP/s for ``dtype``; a ConfigError if the device has no figure for it."""
         key = canonical_dtype(dtype)
         if key not in self.peak_flops:
-            raise ConfigError(f"device {self.name!r} has no peak FLOP/s for dtype {key!r}",
+            why = self.sources.get(f"absent.{key}")
+            raise ConfigError(f"device {self.name!r} has no peak FLOP/s for dtype {key!r}"
+                              + (f" ({why})" if why else ""),
+                              where=f"hardware {self.name!r}, dtype {key!r}",
                               expected=", ".join(self.peak_flops), got=key,
-                              fix="use a dtype the device lists, or add it to the hardware profile")
+                              fix="use a dtype this device lists (--dtype in the CLI, mixed_precision= "
+                                  "in the API), or add the dtype to a hardware profile")
         return self.peak_flops[key]
 
     def achievable_flops(self, dtype: object) -> float:
@@ -207,6 +213,170 @@ H100_SXM_80GB = DeviceSpec(
              "matmul_efficiency": _EFF_NOTE.format(pct="~60-70% (power/clock limited)"),
              "memory_efficiency": _MEM_NOTE, "kernel_overhead_s": _LAUNCH_NOTE})
 
+# The devices below follow the same rules: every datasheet number cites its sheet; "fp32" is
+# the rate of PyTorch's default fp32 matmul (no TF32: torch.backends.cuda.matmul.allow_tf32 is
+# False), so on NVIDIA GPUs the non-tensor FP32 figure; a dtype a device has no fast path for
+# is absent (peak() then refuses it, quoting ``absent.<dtype>``); efficiencies are assumptions.
+_GDDR_NOTE = ("assumption: large device-to-device copies typically reach ~80% of GDDR6 peak; "
+              "`autopar calibrate` measures it")
+_RUNTIME_SMS = ("multiprocessor count the CUDA runtime reports for this part "
+                "(torch.cuda.get_device_properties(...).multi_processor_count); not on the datasheet")
+
+
+def _sparse_half(sheet: str, what: str, sparse: str) -> str:
+    return f"{sheet}: {what} {sparse} with sparsity / 2 (dense)"
+
+
+_V100_SHEET = "NVIDIA Tesla V100 GPU datasheet (2020), V100 SXM2 column"
+V100_SXM2_32GB = DeviceSpec(
+    name="v100-sxm2-32gb",
+    # Volta's tensor cores take fp16 only: no bf16, no tf32, no fp8 path exists on this part.
+    peak_flops={"fp32": 15.7e12, "fp16": 125e12},
+    memory_bytes=32e9, memory_bandwidth=900e9,
+    matmul_efficiency=0.70, memory_efficiency=0.85, kernel_overhead_s=3e-6,
+    sm_count=80, attention_efficiency=0.35,
+    sources={"peak_flops.fp32": f"{_V100_SHEET}: single-precision 15.7 TFLOPS",
+             "peak_flops.fp16": f"{_V100_SHEET}: Tensor Performance 125 TFLOPS (fp16 inputs, dense)",
+             "absent.bf16": "V100 (Volta) has no bf16 tensor cores",
+             "absent.tf32": "V100 (Volta) has no TF32 tensor cores; fp32 matmuls run at the fp32 rate",
+             "absent.fp8": "V100 (Volta) has no fp8 tensor cores",
+             "memory_bytes": f"{_V100_SHEET}: 32 GB HBM2",
+             "memory_bandwidth": f"{_V100_SHEET}: 900 GB/s",
+             "sm_count": f"NVIDIA Tesla V100 GPU Architecture whitepaper (2017): 80 SMs; {_TILE_NOTE}",
+             "attention_efficiency": "assumption: FlashAttention-2 needs Ampere or newer, so PyTorch's fused "
+                                     "attention on Volta is the memory-efficient kernel; 0.35 of fp16 peak taken",
+             "matmul_efficiency": _EFF_NOTE.format(pct="~65-75% (fp16 tensor cores)"),
+             "memory_efficiency": _MEM_NOTE, "kernel_overhead_s": _LAUNCH_NOTE})
+
+_A10G_SHEET = ("NVIDIA A10G as specified for Amazon EC2 G5 instances (AWS, 2021; no public NVIDIA datasheet), "
+               "figures as tabulated in Baseten, 'NVIDIA A10 vs A10G for ML model inference' (2023)")
+A10G_24GB = DeviceSpec(
+    name="a10g-24gb",
+    # GA102 variant made for AWS: tensor rate with fp32 accumulation is half the A10's (125 TF).
+    peak_flops={"fp32": 35e12, "tf32": 35e12, "bf16": 70e12, "fp16": 70e12},
+    memory_bytes=24e9, memory_bandwidth=600e9,
+    matmul_efficiency=0.70, memory_efficiency=0.80, kernel_overhead_s=3e-6,
+    sm_count=80, attention_efficiency=0.50,
+    sources={"peak_flops.fp32": f"{_A10G_SHEET}: FP32 35 TFLOPS",
+             "peak_flops.tf32": f"{_A10G_SHEET}: TF32 Tensor Core 35 TFLOPS (dense)",
+             "peak_flops.bf16": f"{_A10G_SHEET}: BF16 Tensor Core 70 TFLOPS (dense)",
+             "peak_flops.fp16": f"{_A10G_SHEET}: FP16 Tensor Core 70 TFLOPS (dense)",
+             "absent.fp8": "A10G (Ampere GA102) has no fp8 tensor cores",
+             "memory_bytes": f"{_A10G_SHEET}: 24 GB GDDR6",
+             "memory_bandwidth": f"{_A10G_SHEET}: 600 GB/s",
+             "sm_count": f"80 SMs (10,240 CUDA cores / 128 per SM), the {_RUNTIME_SMS}; {_TILE_NOTE}",
+             "attention_efficiency": "assumption: FlashAttention-2 on Ampere reaches 50-73 % of peak forward "
+                                     "(Dao, arXiv:2307.08691, 2023, on A100), less in backward; 0.50 taken",
+             "matmul_efficiency": _EFF_NOTE.format(pct="~65-75%"),
+             "memory_efficiency": _GDDR_NOTE, "kernel_overhead_s": _LAUNCH_NOTE})
+
+_L4_SHEET = "NVIDIA L4 Tensor Core GPU datasheet (2023)"
+L4_24GB = DeviceSpec(
+    name="l4-24gb",
+    peak_flops={"fp32": 30.3e12, "tf32": 60e12, "bf16": 121e12, "fp16": 121e12, "fp8": 242.5e12},
+    memory_bytes=24e9, memory_bandwidth=300e9,
+    matmul_efficiency=0.55, memory_efficiency=0.80, kernel_overhead_s=3e-6,
+    sm_count=58, attention_efficiency=0.45,
+    sources={"peak_flops.fp32": f"{_L4_SHEET}: FP32 30.3 TFLOPS",
+             "peak_flops.tf32": _sparse_half(_L4_SHEET, "TF32 Tensor Core", "120 TFLOPS"),
+             "peak_flops.bf16": _sparse_half(_L4_SHEET, "BFLOAT16 Tensor Core", "242 TFLOPS"),
+             "peak_flops.fp16": _sparse_half(_L4_SHEET, "FP16 Tensor Core", "242 TFLOPS"),
+             "peak_flops.fp8": _sparse_half(_L4_SHEET, "FP8 Tensor Core", "485 TFLOPS"),
+             "memory_bytes": f"{_L4_SHEET}: 24 GB GDDR6",
+             "memory_bandwidth": f"{_L4_SHEET}: 300 GB/s",
+             "sm_count": f"58 SMs (7,424 CUDA cores / 128 per SM), the {_RUNTIME_SMS}; {_TILE_NOTE}",
+             "attention_efficiency": "assumption: 0.45 of peak for PyTorch's fused attention, below "
+                                     "matmul_efficiency as on the A100 and H100 entries",
+             "matmul_efficiency": _EFF_NOTE.format(pct="~50-60% (72 W board power caps the clocks)"),
+             "memory_efficiency": _GDDR_NOTE, "kernel_overhead_s": _LAUNCH_NOTE})
+
+_L40S_SHEET = "NVIDIA L40S GPU datasheet (2023), dense column (the sparse one is twice it)"
+L40S_48GB = DeviceSpec(
+    name="l40s-48gb",
+    peak_flops={"fp32": 91.6e12, "tf32": 183e12, "bf16": 362.05e12, "fp16": 362.05e12, "fp8": 733e12},
+    memory_bytes=48e9, memory_bandwidth=864e9,
+    matmul_efficiency=0.60, memory_efficiency=0.80, kernel_overhead_s=3e-6,
+    sm_count=142, attention_efficiency=0.45,
+    sources={"peak_flops.fp32": f"{_L40S_SHEET}: FP32 91.6 TFLOPS",
+             "peak_flops.tf32": f"{_L40S_SHEET}: TF32 Tensor Core 183 TFLOPS",
+             "peak_flops.bf16": f"{_L40S_SHEET}: BFLOAT16 Tensor Core 362.05 TFLOPS",
+             "peak_flops.fp16": f"{_L40S_SHEET}: FP16 Tensor Core 362.05 TFLOPS",
+             "peak_flops.fp8": f"{_L40S_SHEET}: FP8 Tensor Core 733 TFLOPS",
+             "memory_bytes": f"{_L40S_SHEET}: 48 GB GDDR6 with ECC",
+             "memory_bandwidth": f"{_L40S_SHEET}: 864 GB/s",
+             "sm_count": f"{_L40S_SHEET}: 18,176 CUDA cores = 142 SMs of 128 (142 RT cores, one per SM); "
+                         f"{_TILE_NOTE}",
+             "attention_efficiency": "assumption: 0.45 of peak for PyTorch's fused attention, below "
+                                     "matmul_efficiency as on the A100 and H100 entries",
+             "matmul_efficiency": _EFF_NOTE.format(pct="~55-65% (350 W board power caps the clocks)"),
+             "memory_efficiency": _GDDR_NOTE, "kernel_overhead_s": _LAUNCH_NOTE})
+
+_H200_SHEET = "NVIDIA H200 Tensor Core GPU datasheet (2024), H200 SXM column"
+H200_SXM_141GB = DeviceSpec(
+    name="h200-sxm-141gb",
+    # Same GH100 compute as H100 SXM; the datasheet's tensor figures assume 2:4 sparsity.
+    peak_flops={"fp32": 66.9e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12,
+                "fp8": 1978.9e12},
+    memory_bytes=141e9, memory_bandwidth=4.8e12,
+    matmul_efficiency=0.65, memory_efficiency=0.85, kernel_overhead_s=3e-6,
+    sm_count=132, attention_efficiency=0.40,
+    sources={"peak_flops.fp32": f"{_H200_SHEET}: FP32 67 TFLOPS (non-tensor)",
+             "peak_flops.tf32": _sparse_half(_H200_SHEET, "TF32 Tensor Core", "989 TFLOPS"),
+             "peak_flops.bf16": _sparse_half(_H200_SHEET, "BFLOAT16 Tensor Core", "1,979 TFLOPS"),
+             "peak_flops.fp16": _sparse_half(_H200_SHEET, "FP16 Tensor Core", "1,979 TFLOPS"),
+             "peak_flops.fp8": _sparse_half(_H200_SHEET, "FP8 Tensor Core", "3,958 TFLOPS"),
+             "memory_bytes": f"{_H200_SHEET}: 141 GB HBM3e",
+             "memory_bandwidth": f"{_H200_SHEET}: 4.8 TB/s",
+             "sm_count": f"NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022): 132 SMs on the "
+                         f"SXM5 part, which the H200 shares; {_TILE_NOTE}",
+             "attention_efficiency": "assumption: as for H100 SXM (same compute die): FlashAttention-2 "
+                                     "reaches about 35 % of peak (Shah et al., arXiv:2407.08608, 2024); 0.40 taken",
+             "matmul_efficiency": _EFF_NOTE.format(pct="~60-70% (power/clock limited, as H100)"),
+             "memory_efficiency": _MEM_NOTE, "kernel_overhead_s": _LAUNCH_NOTE})
+
+_B200_SHEET = ("NVIDIA DGX B200 / HGX B200 datasheets (2024): 8-GPU totals / 8, tensor figures "
+               "with sparsity / 2 (dense)")
+B200_180GB = DeviceSpec(
+    name="b200-180gb",
+    peak_flops={"fp32": 75e12, "tf32": 1.125e15, "bf16": 2.25e15, "fp16": 2.25e15, "fp8": 4.5e15},
+    memory_bytes=180e9, memory_bandwidth=8e12,
+    matmul_efficiency=0.60, memory_efficiency=0.85, kernel_overhead_s=3e-6,
+    sm_count=148, attention_efficiency=0.40,
+    sources={"peak_flops.fp32": f"{_B200_SHEET}: FP32 600 TFLOPS per 8 GPUs (non-tensor)",
+             "peak_flops.tf32": f"{_B200_SHEET}: TF32 Tensor Core 18 PFLOPS per 8 GPUs",
+             "peak_flops.bf16": f"{_B200_SHEET}: FP16/BF16 Tensor Core 36 PFLOPS per 8 GPUs",
+             "peak_flops.fp16": f"{_B200_SHEET}: FP16/BF16 Tensor Core 36 PFLOPS per 8 GPUs",
+             "peak_flops.fp8": f"{_B200_SHEET}: FP8 Tensor Core 72 PFLOPS per 8 GPUs",
+             "memory_bytes": f"{_B200_SHEET}: 1,440 GB HBM3e per 8 GPUs (180 GB each as exposed)",
+             "memory_bandwidth": f"{_B200_SHEET}: 64 TB/s per 8 GPUs",
+             "sm_count": f"148 SMs, the {_RUNTIME_SMS}; {_TILE_NOTE}",
+             "attention_efficiency": "assumption: 0.40 of peak for PyTorch's fused attention, as on H100",
+             "matmul_efficiency": _EFF_NOTE.format(pct="~55-65% (younger kernels than Hopper's)"),
+             "memory_efficiency": _MEM_NOTE, "kernel_overhead_s": _LAUNCH_NOTE})
+
+_MI300X_SHEET = "AMD Instinct MI300X accelerator data sheet (2023), dense figures"
+MI300X_192GB = DeviceSpec(
+    name="mi300x-192gb",
+    # fp32: the MATRIX fp32 rate, which rocBLAS/hipBLASLt fp32 GEMMs use (vector fp32: 81.7 TF).
+    peak_flops={"fp32": 163.4e12, "tf32": 653.7e12, "bf16": 1307.4e12, "fp16": 1307.4e12,
+                "fp8": 2614.9e12},
+    memory_bytes=192e9, memory_bandwidth=5.3e12,
+    matmul_efficiency=0.50, memory_efficiency=0.85, kernel_overhead_s=5e-6,
+    sm_count=304, attention_efficiency=0.30,
+    sources={"peak_flops.fp32": f"{_MI300X_SHEET}: peak FP32 matrix 163.4 TFLOPS (vector 81.7)",
+             "peak_flops.tf32": f"{_MI300X_SHEET}: peak TF32 matrix 653.7 TFLOPS",
+             "peak_flops.bf16": f"{_MI300X_SHEET}: peak BF16 1,307.4 TFLOPS",
+             "peak_flops.fp16": f"{_MI300X_SHEET}: peak FP16 1,307.4 TFLOPS",
+             "peak_flops.fp8": f"{_MI300X_SHEET}: peak FP8 2,614.9 TFLOPS",
+             "memory_bytes": f"{_MI300X_SHEET}: 192 GB HBM3",
+             "memory_bandwidth": f"{_MI300X_SHEET}: 5.3 TB/s peak",
+             "sm_count": f"{_MI300X_SHEET}: 304 compute units, counted as SMs for tile/wave quantization",
+             "attention_efficiency": "assumption: 0.30 of peak for PyTorch's fused attention on ROCm",
+             "matmul_efficiency": ("assumption, not in any datasheet: large bf16 GEMMs in hipBLASLt reach "
+                                   "~45-55% of dense peak; `autopar calibrate` measures it"),
+             "memory_efficiency": _MEM_NOTE,
+             "kernel_overhead_s": "assumption: ~5 us minimum per HIP kernel (launch + tail); calibrate to refine"})
+
 _CPU_NOTE = ("estimate for a small multi-core x86 host, not measured: run `autopar calibrate "
              "--out profile.json` and pass that file as the hardware to replace it")
 CPU_DEFAULT = DeviceSpec(
@@ -219,10 +389,17 @@ CPU_DEFAULT = DeviceSpec(
                                          "memory_efficiency", "kernel_overhead_s")})
 
 BUILTIN_DEVICES: Mapping[str, DeviceSpec] = MappingProxyType(
-    {spec.name: spec for spec in (A100_SXM_80GB, H100_SXM_80GB, CPU_DEFAULT)})
+    {spec.name: spec for spec in (A100_SXM_80GB, H100_SXM_80GB, V100_SXM2_32GB, A10G_24GB, L4_24GB,
+                                  L40S_48GB, H200_SXM_141GB, B200_180GB, MI300X_192GB, CPU_DEFAULT)})
 ALIASES: Mapping[str, str] = MappingProxyType({
     "a100": "a100-sxm-80gb", "a100-80gb": "a100-sxm-80gb",
-    "h100": "h100-sxm-80gb", "h100-80gb": "h100-sxm-80gb"})
+    "h100": "h100-sxm-80gb", "h100-80gb": "h100-sxm-80gb",
+    "v100": "v100-sxm2-32gb", "v100-32gb": "v100-sxm2-32gb",
+    "a10g": "a10g-24gb", "l4": "l4-24gb", "l40s": "l40s-48gb",
+    "h200": "h200-sxm-141gb", "h200-141gb": "h200-sxm-141gb",
+    "b200": "b200-180gb", "mi300x": "mi300x-192gb"})
+# The short names, in the order the CLI's help lists them.
+SHORT_NAMES: tuple[str, ...] = ("v100", "a10g", "l4", "l40s", "a100", "h100", "h200", "b200", "mi300x", "cpu")
 
 
 # --- calibrated profiles ----------------------------------------------------------------------
