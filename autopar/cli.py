@@ -9,7 +9,7 @@ import time
 
 from autopar import cli_checks as checks
 from autopar.cli_checks import count
-from autopar.cli_hybrid import _plan_hybrid, _positive_int, _progress, _simulate
+from autopar.cli_hybrid import _plan_hybrid, _positive_int, _progress, _simulate, emit_plan
 from autopar.errors import AutoparError, ConfigError, DoesNotFitError, UnsupportedError
 
 
@@ -27,6 +27,9 @@ def _dump(args: argparse.Namespace) -> int:
                       device=args.device)
     _progress(args, f"built {w.name} on {args.device} in {time.perf_counter() - start:.1f}s; capturing …")
     parallel = None
+    hardware = _dump_hardware(args) if mesh is not None else None
+    if hardware is not None:
+        _progress(args, f"pricing the mesh for {hardware}")
     if mesh is None:
         gm = capture_workload(w)
         _progress(args, f"captured and analysed {len(gm.graph.nodes)} nodes in {time.perf_counter() - start:.1f}s")
@@ -48,13 +51,27 @@ def _dump(args: argparse.Namespace) -> int:
                     "zero_stage": plan.zero_stage, "overlap": plan.overlap}
         _progress(args, f"captured, analysed and planned ({after}) {len(gm.graph.nodes)} nodes on "
                   f"{','.join(f'{k}={v}' for k, v in mesh.items())} in {time.perf_counter() - start:.1f}s")
-    text = render(gm, w.sizes, args.format, model=w.name, nodes=not args.summary, parallel=parallel)
+    if parallel is not None:
+        parallel["hardware"] = hardware
+    text = render(gm, w.sizes, args.format, model=w.name, nodes=not args.summary, parallel=parallel,
+                  fold=not args.unfold)
     if args.out:
         checks.write_text(args.out, text + "\n", "--out")
         _progress(args, f"wrote {args.out}")
     else:
         sys.stdout.write(text + "\n")
     return 0
+
+
+def _dump_hardware(args: argparse.Namespace) -> str:
+    """What ``dump --mesh`` prices with, for every mesh alike: ``--hardware``, else this machine's
+    kind (h100 with a GPU, cpu without). Set on ``args.hardware``; returned as ``SPEC (device)``."""
+    import torch
+
+    from autopar.cost.cluster import Cluster
+    args.hardware = args.hardware or ("h100" if torch.cuda.is_available() else "cpu")
+    device = Cluster.from_spec("1x1", hardware=args.hardware).device.name
+    return args.hardware if device == args.hardware else f"{args.hardware} ({device})"
 
 
 def _split_view(args: argparse.Namespace, w, mesh: dict[str, int]):
@@ -67,7 +84,7 @@ def _split_view(args: argparse.Namespace, w, mesh: dict[str, int]):
         raise ConfigError(f"with a pp axis, dump shows the graph after split, not after {args.after}",
                           where="autopar dump", got=f"--after {args.after}", fix="use --after split (or leave it out)")
     pipeline_axes(mesh)
-    hardware = args.hardware or "h100"
+    hardware = args.hardware        # set by _dump_hardware
     if mesh.get("tp", 1) > 1:
         gm, _ = planned_graph(w.model, {"tp": mesh["tp"]}, w.args, dims=w.dims if w.dims is not None else (),
                               sizes=w.sizes, after="rewrite", hardware=hardware)
@@ -109,14 +126,8 @@ def _version() -> str:
 
 def _plan(args: argparse.Namespace) -> int:
     """Pick dp x tp and the ZeRO stage for a model on a (possibly imaginary) cluster."""
-    import json
-
     from autopar.cost.dp_planner import plan_dp
     from autopar.workload import capture_for_planning, capture_workload, load_workload, parse_overrides
-    for flag, given in (("--save-plan", args.save_plan), ("--report", args.report)):
-        if given and args.pp != "auto":     # refused, not silently ignored
-            raise ConfigError(f"{flag} writes the joint search's plan", where="autopar plan",
-                              got=f"--pp {args.pp}", fix="drop --pp (the default, auto, searches every parallelism)")
     for flag, path in (("--report", args.report), ("--save-plan", args.save_plan), ("--timeline", args.timeline)):
         checks.output_file(path, flag)
     cluster = checks.cluster(args.cluster, args.hardware)
@@ -151,19 +162,84 @@ def _plan(args: argparse.Namespace) -> int:
     if result.best is None:
         raise _infeasible(args, cluster, result)
     experts = _expert_choices(gm, cluster, result, w.sizes, args.batch, mixed)
-    if args.json:
-        data = {"model": w.name, "cluster": cluster.name, "devices": result.devices, "batch": args.batch,
-                "seq": args.seq, "dtype": args.dtype, "optimizer": args.optimizer, **result.best.as_dict(),
-                "memory_budget_bytes": result.memory_budget, "planner_time_s": planner_s,
-                "alternatives": [a.as_dict() for a in result.alternatives[:args.top]]}
-        if experts:
-            data["experts"] = {"chosen": experts[0].as_dict(), "alternatives": [c.as_dict() for c in experts[1:]]}
-        sys.stdout.write(json.dumps(data, indent=1) + "\n")
-    else:
-        sys.stdout.write(_plan_text(args, w.name, cluster, result) + "\n")
-        if experts:
-            sys.stdout.write(_experts_text(experts) + "\n")
-    return 0
+    return emit_plan(args, w.name, cluster, _dp_outcome(args, w, gm, cluster, result, experts, planner_s))
+
+
+def _model_flops(gm, sizes, batch: int) -> float:
+    """Forward + backward FLOPs of one step at global ``batch`` (no recomputation)."""
+    from autopar.summary import at, totals
+    t = totals(gm)
+    return float(at(t.flops_fwd + t.flops_bwd, {**dict(sizes or {}), "batch": batch}))
+
+
+def _as_score(config, *, step_s: float, microbatches: int, model_flops: float, devices: int, peak_flops: float,
+              memory: dict, peak_bytes: float, bubble: float, exposed_s: float, fits: bool, parts: dict,
+              reason: str = ""):
+    """A planner's choice as the joint search's Score (cost/hybrid.py), for the one output contract."""
+    from autopar.cost.hybrid import Score
+    tput = model_flops / step_s / devices if step_s > 0 else 0.0
+    return Score(config=config, step_time_s=step_s, microbatches=microbatches, model_flops=model_flops,
+                 hw_flops=model_flops, tflops_per_device=tput / 1e12, hw_tflops_per_device=tput / 1e12,
+                 mfu=tput / peak_flops if peak_flops else 0.0, peak_memory_bytes=peak_bytes, memory=dict(memory),
+                 bubble_fraction=bubble, exposed_comm_s=exposed_s, fits=fits, parts=dict(parts), reason=reason)
+
+
+def _dp_outcome(args: argparse.Namespace, w, gm, cluster, result, experts, planner_s: float):
+    """``--pp 1``: the dp x tp x ZeRO planner's choice (cost/dp_planner.py) as a PlanOutcome."""
+    from autopar.cli_hybrid import PlanOutcome
+    from autopar.cost.dp_planner import seconds as _ms
+    from autopar.cost.hybrid import Config
+    devices = result.devices
+    flops = _model_flops(gm, w.sizes, args.batch)
+    peak = cluster.device.peak("fp32" if args.dtype == "fp32" else args.dtype)
+    ep = experts[0].ep if experts else 1
+
+    def score(ch, ep: int = 1):
+        c = Config(dp=ch.dp, tp=ch.tp, pp=1, micro_batch=ch.micro_batch, schedule="gpipe", virtual=1,
+                   recompute="none", zero_stage=ch.zero_stage, ep=ep)
+        return _as_score(c, step_s=ch.step_time_s, microbatches=max(1, args.batch // (ch.dp * ch.micro_batch)),
+                         model_flops=flops, devices=devices, peak_flops=peak, memory=ch.memory.as_dict(),
+                         peak_bytes=ch.memory.total, bubble=0.0, exposed_s=ch.exposed_comm_s, fits=ch.fits,
+                         parts={"compute_s": ch.compute_s, "tp_comm_s": ch.tp_comm_s, "dp_comm_s": ch.dp_comm_s},
+                         reason=ch.reason)
+    b = result.best
+    details = [f"step time {_ms(b.step_time_s)} = compute {_ms(b.compute_s)} + tp communication "
+               f"{_ms(b.tp_comm_s)} + exposed dp communication {_ms(b.exposed_comm_s)} (of {_ms(b.dp_comm_s)}); "
+               f"gradient buckets {b.bucket_bytes / 2**20:.1f} MiB; buffers {b.memory.buffers / 1e9:.2f} GB"]
+    notes = ["the dp x tp x ZeRO planner (cost/dp_planner.py): no pipeline, no recomputation, the whole per-rank "
+             "batch in one micro-batch; model TFLOP/s and MFU from the captured graph's FLOPs",
+             f"alternatives: {min(args.top, len(result.alternatives))} shown of {len(result.alternatives)} other "
+             f"dp x tp x ZeRO configurations"]
+    if experts:
+        notes.append(f"experts: {experts[0].mode} (ep={experts[0].ep}) chosen on top of dp={b.dp} tp={b.tp}; its "
+                     f"all-to-all is priced in the experts table, not in the step time above")
+    return PlanOutcome(mode="1", search="dp x tp x ZeRO (no pipeline)", best=score(b, ep),
+                       others=[score(a) for a in result.alternatives[:args.top]], planner_s=planner_s,
+                       scored=(result.best is not None) + len(result.alternatives), budget=result.memory_budget,
+                       details=details, detail_data={"bucket_bytes": b.bucket_bytes, "compute_s": b.compute_s,
+                                                     "tp_comm_s": b.tp_comm_s, "dp_comm_s": b.dp_comm_s},
+                       notes=notes, none_why="no other dp x tp x ZeRO configuration",
+                       experts={"chosen": experts[0].as_dict(), "alternatives": [c.as_dict() for c in experts[1:]]}
+                       if experts else None, experts_text=_experts_text(experts) if experts else "",
+                       block_rows=lambda: _graph_block_rows(gm, b.tp))
+
+
+def _graph_block_rows(gm, tp: int) -> list[dict]:
+    """The first block's ops, with the placement the graph records (replicated without tp)."""
+    from autopar.passes.meta import info
+    rows, first = [], None
+    for n in gm.graph.nodes:
+        rec = info(n)
+        if n.op != "call_function" or rec.block_member is None:
+            continue
+        first = first or rec.block_member
+        if rec.block_member != first:
+            break
+        rows.append({"name": n.name, "op": str(getattr(n.target, "__name__", n.target)), "module": rec.fqn,
+                     "shape": " ".join(str(tuple(v.shape)) for v in rec.values[:1]),
+                     "placement": rec.placement or ("R" if tp == 1 else "-"),
+                     "collective": rec.strategy or ""})
+    return rows
 
 
 def _expert_choices(gm, cluster, result, sizes, batch: int, mixed):
@@ -203,11 +279,12 @@ def _experts_text(choices) -> str:
 def _plan_pipeline(args: argparse.Namespace, w, gm, cluster, tp: int) -> int:
     """``autopar plan --pp N``: stages, schedule and micro-batches for N pipeline stages (the
     remaining devices / tp are data-parallel replicas), with the simulated timeline."""
-    import json
-
+    from autopar.cli_hybrid import PlanOutcome, _drawable
+    from autopar.cost.comm import collective_time
+    from autopar.cost.hybrid import Config
+    from autopar.cost.timeline import timeline_svg, write_timeline
+    from autopar.dump import human
     from autopar.prepare import planned_graph
-    from autopar.cost.timeline import write_timeline
-    from autopar.dump import human, seconds
     from autopar.pp import simulate_plan, split_view, stage_table
 
     devices = cluster.world_size
@@ -219,6 +296,7 @@ def _plan_pipeline(args: argparse.Namespace, w, gm, cluster, tp: int) -> int:
         raise ConfigError(f"the global batch {args.batch} does not split over dp={dp}", where="--batch",
                           fix=f"use a batch that is a multiple of {dp}")
     mesh = {"pp": args.pp, **({"dp": dp} if dp > 1 else {}), **({"tp": tp} if tp > 1 else {})}
+    flops = _model_flops(gm, w.sizes, args.batch)      # the whole model's, before any tensor-axis rewrite
     t0 = time.perf_counter()
     if tp > 1:
         gm, _ = planned_graph(w.model, {"tp": tp}, w.args, dims=w.dims if w.dims is not None else (), sizes=w.sizes,
@@ -229,32 +307,62 @@ def _plan_pipeline(args: argparse.Namespace, w, gm, cluster, tp: int) -> int:
                              budget=budget)
     planner_s = time.perf_counter() - t0
     rows = stage_table(best, costs)
+    p2p = lambda b: collective_time("send_recv", b, cluster, tuple(mesh.items()), "pp")  # noqa: E731
+    sims = []
+
+    def sim():
+        if not sims:
+            sims.append(simulate_plan(costs, best.cuts, schedule=best.schedule, devices=best.devices,
+                                      virtual=best.virtual, microbatches=best.microbatches, p2p_time=p2p))
+        return sims[0]
+    title = f"{w.name} on {cluster.name}: pp={args.pp} {best.schedule}, {best.microbatches} micro-batches"
     if args.timeline:
-        from autopar.cost.comm import collective_time
-        sim = simulate_plan(costs, best.cuts, schedule=best.schedule, devices=best.devices, virtual=best.virtual,
-                            microbatches=best.microbatches,
-                            p2p_time=lambda b: collective_time("send_recv", b, cluster, tuple(mesh.items()), "pp"))
-        title = (f"{w.name} on {cluster.name}: pp={args.pp} {best.schedule}, {best.microbatches} micro-batches, "
-                 f"bubble {sim.bubble_fraction:.3f}")
-        checks.writing("--timeline", args.timeline, lambda: write_timeline(sim, args.timeline, title=title))
+        checks.writing("--timeline", args.timeline, lambda: write_timeline(
+            sim(), args.timeline, title=f"{title}, bubble {sim().bubble_fraction:.3f}"))
         _progress(args, f"wrote {args.timeline}")
-    if args.json:
-        data = {"model": w.name, "cluster": cluster.name, "devices": devices, "batch": args.batch, "seq": args.seq,
-                "degrees": {"dp": dp, "tp": tp, "pp": args.pp}, **best.as_dict(), "stages": rows,
-                "planner_time_s": planner_s}
-        sys.stdout.write(json.dumps(data, indent=1) + "\n")
-        return 0
-    lines = [f"autopar plan: {w.name} on {cluster.name} ({devices} devices), global batch {args.batch}, seq {args.seq}",
-             f"chosen: pp={args.pp} dp={dp} tp={tp}, {best.schedule} schedule, {best.microbatches} micro-batches of "
-             f"{args.batch // dp // best.microbatches}, {best.virtual} stage(s) per device",
-             f"  predicted step time {seconds(best.step_time_s)}, bubble {best.bubble_fraction:.3f} "
-             f"(planned in {planner_s:.2f}s)"]
-    for r in rows:
-        lines.append(f"  stage {r['stage']:<3} device {r['device']:<3} {r['ops']:>5} ops  {seconds(r['time_s']):>8} "
-                     f"per micro-batch  state {human(r['state_bytes'], 'B'):>8}  activations "
-                     f"{human(r['activation_bytes'], 'B'):>8}  sends {human(r['sends_bytes'], 'B'):>8}")
-    sys.stdout.write("\n".join(lines) + "\n")
-    return 0
+    # memory per device: its stages' state (fp32 parameters, gradients and two optimizer moments:
+    # passes/pp_split.py) and the activations the schedule keeps in flight on it
+    state = [sum(r["state_bytes"] for r in rows if r["device"] == d) for d in range(best.devices)]
+    acts = list(best.peak_activation_bytes) + [0.0] * best.devices
+    mems = [{"params": state[d] / 4, "grads": state[d] / 4, "optimizer": state[d] / 2, "activations": acts[d]}
+            for d in range(best.devices)]
+    worst = max(range(best.devices), key=lambda d: sum(mems[d].values()))
+    peak = sum(mems[worst].values())
+    m = best.microbatches
+    config = Config(dp=dp, tp=tp, pp=args.pp, micro_batch=args.batch // dp // m, schedule=best.schedule,
+                    virtual=best.virtual, recompute="none", zero_stage=0)
+    score = _as_score(config, step_s=best.step_time_s, microbatches=m, model_flops=flops, devices=devices,
+                      peak_flops=cluster.device.peak("fp32"), memory=mems[worst], peak_bytes=peak,
+                      bubble=best.bubble_fraction, exposed_s=0.0, fits=budget is None or peak <= budget,
+                      parts={"pipeline_s": best.step_time_s, "stage_time_s": list(best.cuts.stage_time_s)})
+    stages = [{**r, "layers": f"from {r['first']} ({r['ops']} ops)", "memory_bytes": sum(mems[r["device"]].values()),
+               "detail": f"state {human(r['state_bytes'], 'B')}, activations {human(r['activation_bytes'], 'B')} "
+                         f"per micro-batch, sends {human(r['sends_bytes'], 'B')}"} for r in rows]
+    notes = [f"the pipeline planner (autopar/pp.py) for exactly pp={args.pp}: stage cuts, schedule and micro-batch "
+             f"count; dp={dp} and tp={tp} are fixed" + (" (--tp auto means tp=1 with --pp N)" if args.tp == "auto"
+                                                       else ""),
+             "priced in fp32 with the state of fp32 parameters, gradients and two optimizer moments, no ZeRO, "
+             "no recomputation" + (f" (--dtype {args.dtype} and --optimizer {args.optimizer} are not used)"
+                                   if args.dtype != "fp32" or args.optimizer != "adamw" else ""),
+             "the step time is the pipeline's: the data-axis gradient reduction and the optimizer step are not "
+             "priced (exposed communication 0)",
+             f"priced on one node of {devices} {cluster.device.name}" + (f" (--cluster {args.cluster} has "
+                                                                          f"{cluster.nodes} nodes)"
+                                                                          if cluster.nodes > 1 else "")]
+    if args.zero not in ("auto", "0"):
+        notes.append(f"--zero {args.zero} is not used by --pp N (no ZeRO)")
+
+    def svg() -> str:
+        _drawable(m, "--report")
+        return timeline_svg(sim(), title=title)
+    out = PlanOutcome(mode=str(args.pp), search=f"pipeline of {args.pp} stages: cuts, schedule and micro-batches",
+                      best=score, others=[], planner_s=planner_s, scored=None,
+                      budget=budget if budget is not None else cluster.device.memory_bytes, stages=stages,
+                      detail_data={"stage_starts": list(best.cuts.start_nodes),
+                                                    "stage_time_s": list(best.cuts.stage_time_s)},
+                      notes=notes, none_why="--pp N plans one layout; --pp auto compares layouts",
+                      timeline_svg=svg, block_rows=lambda: _graph_block_rows(gm, tp))
+    return emit_plan(args, w.name, cluster, out)
 
 
 def _infeasible(args: argparse.Namespace, cluster, result) -> DoesNotFitError:
@@ -272,30 +380,6 @@ def _infeasible(args: argparse.Namespace, cluster, result) -> DoesNotFitError:
                                f"{leanest.memory.total / 1e9:.1f} GB",
                            fix=f"{more}; {fewer}" + ("; or raise --memory-budget" if args.dtype != "fp32"
                                                       else "; or raise --memory-budget, or train with --dtype bf16"))
-
-
-def _plan_text(args: argparse.Namespace, name: str, cluster, result) -> str:
-    from autopar.cost.dp_planner import seconds as _ms
-    b = result.best
-    m = b.memory
-    gb = lambda x: f"{x / 1e9:.2f}"  # noqa: E731
-    lines = [f"autopar plan: {name} on {cluster.name} ({result.devices} devices), global batch {args.batch}, "
-             f"seq {args.seq}, {args.dtype}, {args.optimizer}",
-             f"chosen: dp={b.dp} tp={b.tp} ZeRO-{b.zero_stage}, micro-batch {b.micro_batch} per dp rank, "
-             f"gradient buckets {b.bucket_bytes / 2**20:.1f} MiB",
-             f"  predicted step time {_ms(b.step_time_s)} = compute {_ms(b.compute_s)} + tp communication "
-             f"{_ms(b.tp_comm_s)} + exposed dp communication {_ms(b.exposed_comm_s)} (of {_ms(b.dp_comm_s)})",
-             f"  memory per device (GB): params {gb(m.params)}  grads {gb(m.grads)}  optimizer {gb(m.optimizer)}  "
-             f"activations {gb(m.activations)}  buffers {gb(m.buffers)}  total {gb(m.total)}  "
-             f"(budget {gb(result.memory_budget)})"]
-    shown = result.alternatives[:args.top]
-    if shown:
-        lines.append(f"alternatives (top {len(shown)} of {len(result.alternatives)}):")
-        lines.append(f"  {'dp':>4} {'tp':>3} {'ZeRO':>4} {'mb':>4} {'step':>10} {'exposed':>10} {'memory':>9}  why not")
-        for c in shown:
-            lines.append(f"  {c.dp:>4} {c.tp:>3} {c.zero_stage:>4} {c.micro_batch:>4} {_ms(c.step_time_s):>10} "
-                         f"{_ms(c.exposed_comm_s):>10} {c.memory.total / 1e9:>6.2f} GB  {c.reason}")
-    return "\n".join(lines)
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -329,12 +413,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model config field")
     d.add_argument("--batch", type=count("--batch"), default=1, help="global batch size to evaluate at (default 1)")
     d.add_argument("--seq", type=count("--seq"), default=128, help="sequence length to evaluate at (default 128)")
-    d.add_argument("--format", choices=["text", "json", "dot"], default="text")
+    d.add_argument("--format", choices=["text", "json", "dot"], default="text",
+                   help="text (default), json, or dot (Graphviz; each repeated block, e.g. the transformer "
+                        "layers, is folded into one node labelled like `layers.0 ×32`: see --unfold)")
+    d.add_argument("--unfold", action="store_true",
+                   help="with --format dot: one node per op, every copy of every block (large: ~1,900 nodes "
+                        "for llama3-8b)")
     d.add_argument("--summary", action="store_true", help="totals and modules only, no per-node lines")
     d.add_argument("--device", default="meta", help="where to build the model (default meta: allocates nothing)")
     d.add_argument("--mesh", metavar="AXIS=SIZE[,AXIS=SIZE]",
-                   help="plan on this mesh (axes dp and/or tp, dp first, e.g. dp=2,tp=4) and show "
-                        "each node's strategy and placement")
+                   help="plan on this mesh and show each node's strategy and placement: axes dp and/or tp "
+                        "(dp first, e.g. dp=2,tp=4), or a pipeline, pp first (e.g. pp=4 or pp=2,tp=4: each op's "
+                        "stage and the stage table)")
     d.add_argument("--zero", type=int, choices=[0, 1, 2, 3],
                    help="with a dp axis: this ZeRO stage (default: the lowest that fits the device memory)")
     d.add_argument("--no-overlap", action="store_true",
@@ -353,18 +443,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "schedule pass (data-axis buckets too, with their issue and wait positions); with a "
                         "pp axis, after the pipeline split (each op's stage, and the stage table)")
     d.add_argument("--hardware",
-                   help="with --mesh: price the plan for a100, h100, cpu or a profile from `autopar calibrate` "
-                        "(default: this machine's kind, h100 with a GPU and cpu without)")
+                   help="with --mesh: price the plan for v100, a10g, l4, l40s, a100, h100, h200, b200, mi300x, cpu "
+                        "or a profile from `autopar calibrate` "
+                        "(default: this machine's kind, h100 with a GPU and cpu without; the same for every "
+                        "mesh, pp included; the output says which it priced with)")
     d.add_argument("--out", help="write to this file instead of stdout")
     d.add_argument("-q", "--quiet", action="store_true",
                    help="no progress lines nor warnings on stderr (errors still print)")
     d.set_defaults(fn=_dump)
 
-    pl = sub.add_parser("plan", help="pick data/tensor parallel degrees and the ZeRO stage for a cluster")
+    pl = sub.add_parser("plan", help="pick dp x tp x pp x ep, ZeRO, recomputation, micro-batches and schedule "
+                        "for a cluster (--pp)")
     pl.add_argument("--model", required=True, help=_MODEL_HELP)
     pl.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model config field")
     pl.add_argument("--cluster", required=True, metavar="NODESxGPUS", help="e.g. 1x8 or 4x8")
-    pl.add_argument("--hardware", default="h100", help="a100, h100, cpu or a profile from `autopar calibrate`")
+    pl.add_argument("--hardware", default="h100",
+                    help="v100, a10g, l4, l40s, a100, h100, h200, b200, mi300x, cpu "
+                         "or a profile from `autopar calibrate`")
     pl.add_argument("--batch", type=count("--batch"), required=True,
                     help="global batch size (split over the data axis)")
     pl.add_argument("--seq", type=count("--seq"), required=True, help="sequence length")
@@ -372,23 +467,31 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fp32, or bf16/fp16 mixed precision (16-bit compute, fp32 master weights)")
     pl.add_argument("--memory-budget", type=checks.gigabytes("--memory-budget"), metavar="GB",
                     help="bytes per device in decimal GB (default: the device's memory)")
-    pl.add_argument("--zero", choices=["auto", "0", "1", "2", "3"], default="auto", help="ZeRO stage (default auto)")
+    pl.add_argument("--zero", choices=["auto", "0", "1", "2", "3"], default="auto",
+                    help="ZeRO stage (default auto; --pp N plans without ZeRO)")
     pl.add_argument("--tp", default="auto", help="tensor-parallel degree, exactly (it must divide the devices), "
-                    "or auto (default: powers of two within a node)")
+                    "or auto (default: powers of two within a node; with --pp N, auto means 1)")
     pl.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd-momentum, ...")
     pl.add_argument("--pp", default="auto",
-                    help="auto (default): search dp x tp x pp, ZeRO, recomputation, micro-batches and schedule "
-                         "jointly; 1: data and tensor parallelism only; N: this many pipeline stages")
-    pl.add_argument("--report", metavar="OUT.html", help="with --pp auto: write the plan as one HTML page")
+                    help="auto (default): search dp x tp x pp x ep, ZeRO, recomputation, micro-batches and "
+                         "schedule jointly; 1: dp x tp x ZeRO only (and the expert split of a MoE model); N: "
+                         "exactly N pipeline stages (cuts, schedule, micro-batches; dp = devices / (N x tp), "
+                         "priced in fp32 without ZeRO). Every mode prints the same layout and --json keys")
+    pl.add_argument("--report", metavar="OUT.html",
+                    help="also write the plan as one HTML page (any --pp: planner time, stage map with each "
+                         "stage's memory, alternatives, notes)")
     pl.add_argument("--save-plan", metavar="PLAN.json",
-                    help="with --pp auto: write the chosen configuration as JSON, for `autopar train --plan`")
+                    help="also write the chosen configuration as JSON, for `autopar train --plan` (any --pp)")
     pl.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb"],
-                    help="with --pp: the pipeline schedule (default: the simulator's choice)")
+                    help="with --pp N: the pipeline schedule (default: the simulator's choice)")
     pl.add_argument("--microbatches", type=_microbatches("--microbatches"),
-                    help="with --pp: micro-batches per step (default: chosen)")
-    pl.add_argument("--virtual-stages", type=count("--virtual-stages"), help="with --pp: stages per device (interleaved)")
-    pl.add_argument("--timeline", metavar="OUT.svg", help="with --pp: draw the simulated schedule to this SVG file")
-    pl.add_argument("--json", action="store_true", help="print one JSON object")
+                    help="with --pp N: micro-batches per step (default: chosen)")
+    pl.add_argument("--virtual-stages", type=count("--virtual-stages"),
+                    help="with --pp N: stages per device (interleaved)")
+    pl.add_argument("--timeline", metavar="OUT.svg",
+                    help="draw the chosen plan's simulated pipeline schedule to this SVG file (--pp auto or N)")
+    pl.add_argument("--json", action="store_true",
+                    help="print one JSON object (the same keys for every --pp)")
     pl.add_argument("--top", type=count("--top", low=0, high=1000, why="a page of alternatives"), default=5,
                     metavar="K", help="alternatives to show (default 5)")
     pl.add_argument("-q", "--quiet", action="store_true",
@@ -399,7 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--model", required=True, help=_MODEL_HELP)
     sm.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model config field")
     sm.add_argument("--cluster", required=True, metavar="NODESxGPUS")
-    sm.add_argument("--hardware", default="h100")
+    sm.add_argument("--hardware", default="h100",
+                    help="v100, a10g, l4, l40s, a100, h100, h200, b200, mi300x, cpu "
+                         "or a profile from `autopar calibrate`")
     sm.add_argument("--batch", type=count("--batch"), required=True, help="global batch size")
     sm.add_argument("--seq", type=count("--seq"), required=True)
     sm.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
@@ -409,14 +514,15 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--pp", type=count("--pp", high=checks.MAX_DEVICES), default=1)
     sm.add_argument("--dp", type=count("--dp", high=checks.MAX_DEVICES), help="default: devices / (tp * pp)")
     sm.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
-    sm.add_argument("--micro-batch-size", type=count("--micro-batch-size"), default=1)
+    sm.add_argument("--micro-batch-size", type=count("--micro-batch-size"), default=1,
+                    help="samples per micro-batch (default 1); micro-batches = batch / (dp x this)")
     sm.add_argument("--schedule", choices=["1f1b", "interleaved", "gpipe", "zb"], default="1f1b")
     sm.add_argument("--virtual-stages", type=count("--virtual-stages"), default=1)
     sm.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
     sm.add_argument("--attention", choices=["flash", "materialized"], default="flash",
                     help="price attention as a flash kernel, or with the [s, s] scores written out")
-    sm.add_argument("--timeline", metavar="OUT.svg")
-    sm.add_argument("-q", "--quiet", action="store_true")
+    sm.add_argument("--timeline", metavar="OUT.svg", help="draw the simulated pipeline schedule to this SVG file")
+    sm.add_argument("-q", "--quiet", action="store_true", help="accepted for symmetry with plan (prints no progress)")
     sm.set_defaults(fn=_simulate)
 
     m = sub.add_parser("models", help="list the model zoo")

@@ -27,16 +27,145 @@ def _hybrid_facts(args: argparse.Namespace, planned):
                       attention=getattr(args, "attention", "flash"), layers=planned.block_copies)
 
 
-def _hybrid_json(w, cluster, args, best, others, planner_s: float, scored: int) -> dict:
-    data = {"model": w.name, "cluster": cluster.name, "devices": cluster.world_size, "batch": args.batch,
-            "seq": args.seq, "dtype": args.dtype, **best.as_dict(), "planner_time_s": planner_s,
-            "configurations_scored": scored, "memory_budget_bytes": _budget(args, cluster),
-            "alternatives": [o.as_dict() for o in others]}
-    return data
-
-
 def _budget(args: argparse.Namespace, cluster) -> float:
     return args.memory_budget * 1e9 if args.memory_budget is not None else cluster.device.memory_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# One output contract for ``autopar plan``, whatever ``--pp``: each mode's planner (the joint
+# search, the dp x tp x ZeRO planner, the pipeline planner) gives its choice as a hybrid
+# :class:`~autopar.cost.hybrid.Score` in a :class:`PlanOutcome`; the text, ``--json``,
+# ``--report`` and ``--save-plan`` are written from it alike.
+
+ALTERNATIVE_COLUMNS = ("dp", "tp", "pp", "ep", "ZeRO", "mb", "sched", "recompute", "step", "memory", "why not")
+
+
+@dataclass
+class PlanOutcome:
+    """What one ``autopar plan`` mode chose, in the shape every mode prints."""
+
+    mode: str                          # "auto", "1" or the pipeline degree (--pp)
+    search: str                        # what was searched, in words
+    best: Any                          # cost.hybrid.Score
+    others: list                       # Scores, each with its reason
+    planner_s: float                   # the planner's measured time
+    scored: int | None                 # configurations scored (None: the planner does not count them)
+    budget: float                      # bytes per device
+    stages: list = field(default_factory=list)      # per pipeline stage: stage, device, layers, time_s, memory_bytes
+    details: list = field(default_factory=list)     # mode-specific text lines (indented)
+    detail_data: dict = field(default_factory=dict)  # ... and their JSON
+    notes: list = field(default_factory=list)       # caveats: printed, in the JSON and in the report
+    experts: dict | None = None        # mixture of experts (--pp 1): the expert split chosen, with alternatives
+    experts_text: str = ""
+    none_why: str = ""                 # when there are no alternatives: why
+    timeline_svg: Any = None           # () -> SVG of the simulated schedule (None: no pipeline to draw)
+    block_rows: Any = None             # () -> rows of one block's ops with their layout
+
+
+def emit_plan(args: argparse.Namespace, name: str, cluster, out: PlanOutcome) -> int:
+    """Write ``out`` as ``--report``, ``--save-plan``, then ``--json`` or the text."""
+    if getattr(args, "report", None):
+        _write_report(args, name, cluster, out)
+    if getattr(args, "save_plan", None):
+        SavedPlan.of(args, cluster, out.best).save(args.save_plan)
+        _progress(args, f"wrote {args.save_plan}")
+    if args.json:
+        sys.stdout.write(json.dumps(plan_json(args, name, cluster, out), indent=1) + "\n")
+    else:
+        sys.stdout.write(plan_text(args, name, cluster, out) + "\n")
+    return 0
+
+
+def plan_json(args: argparse.Namespace, name: str, cluster, out: PlanOutcome) -> dict:
+    """The one JSON schema of ``autopar plan --json`` (the same top-level keys for every --pp)."""
+    return {"model": name, "cluster": cluster.name, "devices": cluster.world_size, "batch": args.batch,
+            "seq": args.seq, "dtype": args.dtype, "optimizer": args.optimizer, "pp_mode": out.mode,
+            "search": out.search, **out.best.as_dict(), "planner_time_s": out.planner_s,
+            "configurations_scored": out.scored, "memory_budget_bytes": out.budget,
+            "alternatives": [o.as_dict() for o in out.others], "stages": list(out.stages), "experts": out.experts,
+            "details": dict(out.detail_data), "notes": list(out.notes)}
+
+
+def plan_text(args: argparse.Namespace, name: str, cluster, out: PlanOutcome) -> str:
+    """The one text layout of ``autopar plan``: the plan line, the chosen configuration, the
+    predicted step (TFLOP/s, MFU), memory, mode details, the alternatives table, notes."""
+    from autopar.dump import seconds
+    best = out.best
+    mem = best.memory
+    gb = lambda x: f"{x / 1e9:.2f}"  # noqa: E731
+    scored = f"{out.scored} configurations scored" if out.scored is not None else "planned"
+    lines = [f"autopar plan: {name} on {cluster.name} ({cluster.world_size} devices), global batch {args.batch}, "
+             f"seq {args.seq}, {args.dtype}, {args.optimizer}; --pp {out.mode}: {out.search}; {scored} in "
+             f"{out.planner_s:.2f}s",
+             f"chosen: {config_line(best.config, best.microbatches)}",
+             f"  predicted step time {seconds(best.step_time_s)}: {best.tflops_per_device:.1f} model TFLOP/s per "
+             f"device ({best.hw_tflops_per_device:.1f} with recomputation), MFU {100 * best.mfu:.1f}%, "
+             f"bubble {best.bubble_fraction:.3f}, exposed communication {seconds(best.exposed_comm_s)}",
+             f"  memory per device (GB): params {gb(mem.get('params', 0.0))}  grads {gb(mem.get('grads', 0.0))}  "
+             f"optimizer {gb(mem.get('optimizer', 0.0))}  activations {gb(mem.get('activations', 0.0))}  total "
+             f"{gb(best.peak_memory_bytes)} (budget {gb(out.budget)})"]
+    lines += [f"  {d}" for d in out.details]
+    for r in out.stages:
+        lines.append(f"  stage {r['stage']:<3} device {r['device']:<3} layers {r['layers']:<24} "
+                     f"{seconds(r['time_s']):>8} per micro-batch  memory {gb(r['memory_bytes'])} GB"
+                     + (f"; {r['detail']}" if r.get("detail") else ""))
+    if getattr(args, "save_plan", None):
+        lines.append(f"  saved to {args.save_plan}: `autopar train --plan {args.save_plan}` trains this structure, "
+                     f"scaled down, on local CPU ranks")
+    lines.append(f"alternatives (top {len(out.others)}):")
+    lines.append(f"  {'dp':>4} {'tp':>3} {'pp':>3} {'ep':>3} {'ZeRO':>4} {'mb':>3} {'sched':>11} {'recompute':>9} "
+                 f"{'step':>9} {'memory':>9}  why not")
+    for o in out.others:
+        k = o.config
+        lines.append(f"  {k.dp:>4} {k.tp:>3} {k.pp:>3} {k.ep:>3} {k.zero_stage:>4} {k.micro_batch:>3} "
+                     f"{k.schedule:>11} {k.recompute:>9} {seconds(o.step_time_s):>9} "
+                     f"{o.peak_memory_bytes / 1e9:>6.2f} GB  {o.reason}")
+    if not out.others:
+        lines.append(f"  (none{': ' + out.none_why if out.none_why else ''})")
+    if out.experts_text:
+        lines.append(out.experts_text)
+    if out.notes:
+        lines.append("notes:")
+        lines += [f"  - {n}" for n in out.notes]
+    return "\n".join(lines)
+
+
+def _write_report(args: argparse.Namespace, name: str, cluster, out: PlanOutcome) -> None:
+    """--report: the plan as one HTML page, with the planner's measured time, each stage's
+    memory, the alternatives (ep column included) and every note the text prints."""
+    from autopar.cli_checks import writing
+    from autopar.report import write_report
+    svg = out.timeline_svg() if out.timeline_svg is not None else \
+        "<p>no pipeline: one stage runs its micro-batches in turn</p>"
+    rows = out.block_rows() if out.block_rows is not None else []
+    plan = plan_json(args, name, cluster, out)
+    notes = list(out.notes) + [d.strip() for d in out.details]
+    if out.experts_text:
+        notes.append(out.experts_text.splitlines()[0])
+    writing("--report", args.report, lambda: write_report(
+        args.report, title=f"autopar plan: {name} on {cluster.name}", plan=plan,
+        alternatives=[o.as_dict() | {"reason": o.reason} for o in out.others], timeline_svg=svg, block_rows=rows,
+        stages=list(out.stages), notes=notes))
+    _progress(args, f"wrote {args.report}")
+
+
+def _hybrid_stages(best) -> list[dict]:
+    """The joint search's pipeline stages: layers, time per micro-batch and the memory of the
+    device holding each (its own figure, not the worst device's)."""
+    c = best.config
+    if c.pp == 1:
+        return []
+    counts = best.parts.get("stage_layers") or []
+    mems = best.parts.get("device_memory_bytes") or []
+    fwd, bwd = best.parts.get("stage_fwd_s") or [], best.parts.get("stage_bwd_s") or []
+    rows, first = [], 0
+    for s, n in enumerate(counts):
+        d = s % c.pp
+        rows.append({"stage": s, "device": d, "layers": f"{first}-{first + n - 1}" if n else "-",
+                     "time_s": fwd[s] + bwd[s],
+                     "memory_bytes": sum(mems[d].values()) if d < len(mems) else best.peak_memory_bytes})
+        first += n
+    return rows
 
 
 def _plan_hybrid(args: argparse.Namespace, w, planned, cluster, start: float) -> int:
@@ -71,16 +200,32 @@ def _plan_hybrid(args: argparse.Namespace, w, planned, cluster, start: float) ->
                               fix=(f"{smallest} devices (whole nodes of {cluster.devices_per_node}) would fit"
                                    if smallest else "no cluster up to 65536 devices fits")
                               + "; or raise --memory-budget")
-    if args.timeline or args.report:
-        _hybrid_extras(args, facts, cluster, best, others, planner_s, scored)
-    if getattr(args, "save_plan", None):
-        SavedPlan.of(args, cluster, best).save(args.save_plan)
-        _progress(args, f"wrote {args.save_plan}")
-    if args.json:
-        sys.stdout.write(json.dumps(_hybrid_json(w, cluster, args, best, others, planner_s, scored), indent=1) + "\n")
-        return 0
-    sys.stdout.write(_hybrid_text(args, w.name, cluster, best, others, planner_s, scored) + "\n")
-    return 0
+    if args.timeline:
+        _drawable(best.microbatches, "--timeline")
+        from autopar.cli_checks import writing
+        from autopar.cost.hybrid import timeline_of
+        from autopar.cost.timeline import write_timeline
+        sim = timeline_of(facts, cluster, best.config, batch=args.batch)
+        c = best.config
+        title = f"{facts.layers} layers, dp={c.dp} tp={c.tp} pp={c.pp}, {c.schedule}, {best.microbatches} micro-batches"
+        writing("--timeline", args.timeline, lambda: write_timeline(sim, args.timeline, title=title))
+        _progress(args, f"wrote {args.timeline}")
+
+    def svg() -> str:
+        from autopar.cost.hybrid import timeline_of
+        from autopar.cost.timeline import timeline_svg
+        _drawable(best.microbatches, "--report")
+        return timeline_svg(timeline_of(facts, cluster, best.config, batch=args.batch),
+                            title="simulated pipeline schedule")
+    notes = [f"{_HYBRID_HELP}; attention priced as {facts.attention}",
+             "alternatives are the best variant of each other layout"]
+    if planned.block_copies:
+        notes.append(f"planned on a capture of {planned.describe()}; the figures are the real {facts.layers} layers'")
+    out = PlanOutcome(mode="auto", search="joint search of dp x tp x pp x ep, ZeRO, recompute, micro-batch and "
+                      "schedule", best=best, others=list(others), planner_s=planner_s, scored=scored,
+                      budget=_budget(args, cluster), stages=_hybrid_stages(best), notes=notes,
+                      timeline_svg=svg, block_rows=lambda: _block_rows(facts, cluster, best.config))
+    return emit_plan(args, w.name, cluster, out)
 
 
 def _check_layouts(args: argparse.Namespace, facts, cluster, tp: int | None) -> None:
@@ -107,69 +252,6 @@ def _check_layouts(args: argparse.Namespace, facts, cluster, tp: int | None) -> 
                           f", or a cluster of at most {most} devices that the batch divides")
 
 
-def _hybrid_text(args, name: str, cluster, best, others, planner_s: float, scored: int) -> str:
-    from autopar.dump import seconds
-    c = best.config
-    mem = best.memory
-    gb = lambda x: f"{x / 1e9:.2f}"  # noqa: E731
-    lines = [f"autopar plan: {name} on {cluster.name} ({cluster.world_size} devices), global batch {args.batch}, "
-             f"seq {args.seq}, {args.dtype}; {scored} configurations scored in {planner_s:.2f}s",
-             f"chosen: {config_line(c, best.microbatches)}",
-             f"  predicted step time {seconds(best.step_time_s)}: {best.tflops_per_device:.1f} model TFLOP/s per "
-             f"device ({best.hw_tflops_per_device:.1f} with recomputation), MFU {100 * best.mfu:.1f}%, "
-             f"bubble {best.bubble_fraction:.3f}, exposed communication {seconds(best.exposed_comm_s)}",
-             f"  memory per device (GB): params {gb(mem['params'])}  grads {gb(mem['grads'])}  optimizer "
-             f"{gb(mem['optimizer'])}  activations {gb(mem['activations'])}  total {gb(best.peak_memory_bytes)} "
-             f"(budget {gb(_budget(args, cluster))})"]
-    if getattr(args, "save_plan", None):
-        lines.append(f"  saved to {args.save_plan}: `autopar train --plan {args.save_plan}` trains this structure, "
-                     f"scaled down, on local CPU ranks")
-    if others:
-        lines.append(f"alternatives (top {len(others)}):")
-        lines.append(f"  {'dp':>4} {'tp':>3} {'pp':>3} {'ZeRO':>4} {'mb':>3} {'sched':>11} {'recompute':>9} "
-                     f"{'step':>9} {'memory':>9}  why not")
-        for o in others:
-            k = o.config
-            lines.append(f"  {k.dp:>4} {k.tp:>3} {k.pp:>3} {k.zero_stage:>4} {k.micro_batch:>3} {k.schedule:>11} "
-                         f"{k.recompute:>9} {seconds(o.step_time_s):>9} {o.peak_memory_bytes / 1e9:>6.1f} GB  "
-                         f"{o.reason}")
-    return "\n".join(lines)
-
-
-def _hybrid_extras(args, facts, cluster, best, others, planner_s: float, scored: int) -> None:
-    """--timeline: the chosen plan's simulated schedule as SVG; --report: the plan as one HTML page,
-    with the search's measured time (``planner_s``) and count of configurations scored."""
-    from autopar.cli_checks import writing
-    _drawable(best.microbatches, "--timeline" if args.timeline else "--report")
-    if args.timeline:
-        from autopar.cost.hybrid import timeline_of
-        from autopar.cost.timeline import write_timeline
-        sim = timeline_of(facts, cluster, best.config, batch=args.batch)
-        c = best.config
-        title = f"{facts.layers} layers, dp={c.dp} tp={c.tp} pp={c.pp}, {c.schedule}, {best.microbatches} micro-batches"
-        writing("--timeline", args.timeline, lambda: write_timeline(sim, args.timeline, title=title))
-        _progress(args, f"wrote {args.timeline}")
-    if args.report:
-        from autopar.cost.hybrid import timeline_of
-        from autopar.cost.timeline import timeline_svg
-        from autopar.report import write_report
-        c = best.config
-        svg = timeline_svg(timeline_of(facts, cluster, c, batch=args.batch), title="simulated pipeline schedule")
-        per = facts.layers // (c.pp * c.virtual)
-        stages = [{"stage": s, "device": s % c.pp, "layers": f"{s * per}-{(s + 1) * per - 1}",
-                   "time_s": best.parts["stage_fwd_s"][s] + best.parts["stage_bwd_s"][s],
-                   "memory_bytes": best.peak_memory_bytes} for s in range(c.pp * c.virtual)] if c.pp > 1 else []
-        plan = {"model": facts.gm.__class__.__name__, **_hybrid_json(_Named(args.model), cluster, args, best, others,
-                                                                    planner_s, scored)}
-        rows = _block_rows(facts, cluster, c)
-        writing("--report", args.report, lambda: write_report(
-            args.report, title=f"autopar plan: {args.model} on {cluster.name}", plan=plan,
-            alternatives=[o.as_dict() | {"reason": o.reason} for o in others], timeline_svg=svg, block_rows=rows,
-            stages=stages, notes=[f"{_HYBRID_HELP}; attention priced as {facts.attention}",
-                                  "alternatives are the best variant of each other layout"]))
-        _progress(args, f"wrote {args.report}")
-
-
 def _drawable(microbatches: int, flag: str) -> None:
     """Refuse to draw a schedule of more micro-batches than the event simulation runs."""
     from autopar.cli_checks import MAX_EVENT_MICROBATCHES
@@ -177,11 +259,6 @@ def _drawable(microbatches: int, flag: str) -> None:
         raise ConfigError(f"{flag} draws every micro-batch; this plan has {microbatches} per step", where=flag,
                           expected=f"at most {MAX_EVENT_MICROBATCHES} micro-batches to draw",
                           got=f"{microbatches} micro-batches", fix=f"drop {flag}, or plan a smaller --batch")
-
-
-class _Named:
-    def __init__(self, name: str) -> None:
-        self.name = name
 
 
 def _block_rows(facts, cluster, c) -> list[dict]:

@@ -213,6 +213,8 @@ def _parallel_text(data: dict[str, Any]) -> str:
     lines = [f"plan            {_mesh_str(p['mesh'])}: predicted step {seconds(pred.get('step_time_s', 0.0))} "
              f"(compute {seconds(pred.get('compute_s', 0.0))}, comm {seconds(pred.get('comm_s', 0.0))}), "
              f"state {human(pred.get('state_bytes_per_rank', 0.0), 'B')} per rank"]
+    if p.get("hardware"):
+        lines.append(f"hardware        priced for {p['hardware']}")
     c = data.get("collectives")
     if c is not None:
         def kinds(d: dict[str, int]) -> str:
@@ -295,13 +297,39 @@ def _totals_text(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def to_dot(gm: fx.GraphModule, sizes: dict[str, int], *, model: str = "") -> str:
-    """Graphviz DOT: one cluster per top-level module (depth 2), edges along data flow."""
+def to_dot(gm: fx.GraphModule, sizes: dict[str, int], *, model: str = "", fold: bool = True) -> str:
+    """Graphviz DOT: one cluster per top-level module (depth 2), edges along data flow.
+
+    ``fold`` (the default; ``autopar dump --unfold`` turns it off): every repeated block class
+    (the analysis's ``block_classes``, e.g. 32 transformer layers) is one node labelled like the
+    per-module table, ``layers.0 ×32``, with its ops' count and FLOPs; the edges into and out
+    of the blocks are kept (drawn to and from that node), those inside them and between
+    consecutive copies are not."""
+    ginfo = graph_info(gm)
+    folded = {c.id: c for c in ginfo.block_classes if fold and len(c.members) > 1}
+
+    member_of = {m: cls for cls, c in folded.items() for m in c.members}
+
+    def ref(n: fx.Node) -> str:
+        rec = info(n)
+        cls = rec.block_class if rec.block_member is not None else None
+        parts = rec.fqn.split(".") if rec.fqn else []
+        while cls not in folded and parts:   # an op the block classes leave out (an assert), inside a copy
+            cls = member_of.get(".".join(parts))
+            parts.pop()
+        return f"block class {cls}" if cls in folded else n.name
+
     clusters: dict[str, list[str]] = {}
     lines = [f'digraph "{model or "autopar"}" {{', "  rankdir=TB; node [shape=box, fontsize=9];"]
+    block_flops: dict[int, Any] = {}
     for n in gm.graph.nodes:
         rec = info(n)
         if rec.kind in ("param", "buffer", "constant"):
+            continue
+        name = ref(n)
+        if name != n.name:            # one op of a folded block: counted into the block's node
+            cls = int(name.rsplit(" ", 1)[1])
+            block_flops[cls] = block_flops.get(cls, 0) + rec.flops_fwd
             continue
         shape = ",".join(str(at(s, sizes)) for s in rec.values[0].shape) if rec.values else ""
         flops = f"\\n{human(at(rec.flops_fwd, sizes))}FLOP" if rec.flops_fwd != 0 else ""
@@ -320,22 +348,32 @@ def to_dot(gm: fx.GraphModule, sizes: dict[str, int], *, model: str = "") -> str
             lines.append("  }")
         else:
             lines += [d[2:] for d in decls]
+    for cls in block_flops:          # each folded block class: one node, in graph order
+        c = folded[cls]
+        flops = human(at(block_flops[cls], sizes))   # summed over every copy
+        label = (f"{c.members[0]} ×{len(c.members)}\\n{c.module_type or 'block'}, {c.nodes_per_member} ops each"
+                 f"\\n{flops}FLOP forward in all")
+        lines.append(f'  "block class {cls}" [label="{label}", shape=box3d, style=filled, fillcolor="#e8e8ff"];')
+    seen: set[tuple[str, str]] = set()
     for n in gm.graph.nodes:
         if info(n).kind in ("param", "buffer", "constant"):
             continue
         for a in n.all_input_nodes:
             if info(a).kind not in ("param", "buffer", "constant"):
-                lines.append(f'  "{a.name}" -> "{n.name}";')
+                edge = (ref(a), ref(n))
+                if edge[0] != edge[1] and edge not in seen:
+                    seen.add(edge)
+                    lines.append(f'  "{edge[0]}" -> "{edge[1]}";')
     lines.append("}")
     return "\n".join(lines)
 
 
 def render(gm: fx.GraphModule, sizes: dict[str, int], fmt: str, *, model: str = "", nodes: bool = True,
-           parallel: dict[str, Any] | None = None) -> str:
+           parallel: dict[str, Any] | None = None, fold: bool = True) -> str:
     if fmt == "json":
         return json.dumps(to_json(gm, sizes, model=model, nodes=nodes, parallel=parallel), indent=1)
     if fmt == "dot":
-        return to_dot(gm, sizes, model=model)
+        return to_dot(gm, sizes, model=model, fold=fold)
     return to_text(gm, sizes, model=model, nodes=nodes, parallel=parallel)
 
 

@@ -96,6 +96,10 @@ def plan_summary(plan: dict) -> str:
         ("exposed communication", fmt_seconds(p["exposed_comm_s"])),
         ("planner time", fmt_seconds(plan["planner_time_s"])),
     ]
+    if plan.get("search"):
+        rows.append(("search", plan["search"]))
+    if plan.get("configurations_scored") is not None:
+        rows.append(("configurations scored", plan["configurations_scored"]))
     body = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows)
     parts = p.get("parts_s", {})
     detail = _table(["part", "time"], [(k, fmt_seconds(v)) for k, v in parts.items()], numeric=[1]) if parts else ""
@@ -156,17 +160,19 @@ def block_table(block_rows: list[dict]) -> str:
     return _table(keys, [[r.get(k, "") for k in keys] for r in block_rows])
 
 
+ALTERNATIVE_HEADERS = ("dp", "tp", "pp", "ep", "ZeRO", "mb", "schedule", "recompute", "step", "memory", "why not")
+
+
 def alternatives_table(alternatives: list[dict]) -> str:
-    if not alternatives:
-        return "<p>no alternatives recorded</p>"
+    """The other configurations, one row each (an empty table, headers kept, when there are none)."""
     rows = []
     for a in alternatives:
         d, p = a["degrees"], a["predicted"]
-        rows.append((d.get("dp", 1), d.get("tp", 1), d.get("pp", 1), a["zero_stage"], a["micro_batch_size"],
-                     a["schedule"], a["recompute"], fmt_seconds(p["step_time_s"]),
+        rows.append((d.get("dp", 1), d.get("tp", 1), d.get("pp", 1), d.get("ep", 1), a["zero_stage"],
+                     a["micro_batch_size"], a["schedule"], a["recompute"], fmt_seconds(p["step_time_s"]),
                      fmt_gb(p["peak_memory_bytes"]), a.get("reason", "")))
-    headers = ["dp", "tp", "pp", "ZeRO", "mb", "schedule", "recompute", "step", "memory", "why not"]
-    return _table(headers, rows, numeric=[0, 1, 2, 3, 4, 7, 8])
+    table = _table(ALTERNATIVE_HEADERS, rows, numeric=[0, 1, 2, 3, 4, 5, 8, 9])
+    return table if rows else table + "\n<p>no alternatives recorded</p>"
 
 
 def notes_list(notes: Sequence[str]) -> str:

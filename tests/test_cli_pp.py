@@ -46,9 +46,11 @@ def test_plan_pp_writes_the_timeline(capsys, tmp_path):
                          "--batch", "16", "--seq", "512", "--pp", "4", "--timeline", str(svg), "--json")
     assert code == 0
     data = json.loads(out)
-    assert data["degrees"] == {"dp": 2, "tp": 1, "pp": 4}
+    assert data["degrees"] == {"dp": 2, "tp": 1, "pp": 4, "ep": 1}     # the one schema of every --pp
     assert data["schedule"] in ("gpipe", "1f1b", "interleaved", "zb")
-    assert 0 <= data["bubble_fraction"] < 1 and data["step_time_s"] > 0
+    pred = data["predicted"]
+    assert 0 <= pred["bubble_fraction"] < 1 and pred["step_time_s"] > 0
+    assert len(data["stages"]) == 4 * data["virtual_stages"]
     root = ET.parse(svg).getroot()
     text = "".join(root.itertext())
     assert all(f"d{i}" in text for i in range(4))

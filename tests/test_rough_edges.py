@@ -143,16 +143,6 @@ def test_the_cli_says_its_version(capsys):
     assert done.value.code == 0 and capsys.readouterr().out.strip() == f"autopar {autopar.__version__}"
 
 
-def test_report_with_a_fixed_pipeline_degree_is_refused_not_ignored(tmp_path, capsys):
-    from autopar.cli import main
-    out = tmp_path / "plan.html"
-    code = main(["plan", "--model", "gpt", "--set", "layers=2", "--cluster", "1x2", "--batch", "4", "--seq", "8",
-                 "--pp", "1", "--report", str(out)])
-    err = capsys.readouterr().err
-    assert code == 2 and "--report writes the joint search's plan" in err and "fix:" in err, err
-    assert not out.exists()
-
-
 def test_python_dash_m_autopar_train_is_the_train_command():
     import subprocess
     import sys
