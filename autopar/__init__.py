@@ -22,14 +22,15 @@ from autopar.passes.capture import capture
 from autopar.passes.pipeline import analyze
 from autopar.plans import Plan
 from autopar.api import optimizer, parallelize, plan
-from autopar import checkpoint
+from autopar import checkpoint, data
 from autopar.checkpoint import load, save
 from autopar.runtime.health import init_distributed
+from autopar.runtime.clip import clip_grad_norm_
 
 __version__ = "0.1.0"
 
 __all__ = ["AutoparError", "AutoparInternalError", "CaptureError", "CheckpointError", "ConfigError",
            "DoesNotFitError", "InputMismatchError", "MeshError", "OptimizerError", "PeerFailureError",
            "PlanFileError", "ShardingError", "UnsupportedError",
-           "Plan", "analyze", "capture", "checkpoint", "init_distributed", "load", "optimizer", "parallelize", "plan", "save",
+           "Plan", "analyze", "capture", "checkpoint", "clip_grad_norm_", "data", "init_distributed", "load", "optimizer", "parallelize", "plan", "save",
            "__version__"]

@@ -123,6 +123,7 @@ class ShardedOptimizer:
         self._master_fqn = {id(m): f for f, m in self.masters.items()}
         groups = self._groups(params)
         self.inner = optimizer_cls(groups, **kwargs)
+        self._ready: bool | None = None      # prepare_grads()'s answer for this step, once it ran
         self.scaler = make_scaler(module, compute, loss_scale, lambda: self.inner.param_groups)
 
     def _groups(self, params: Iterable | None) -> list[dict]:
@@ -152,6 +153,7 @@ class ShardedOptimizer:
         return self.inner.state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._ready = None
         self.inner.zero_grad(set_to_none=set_to_none)
         for p in self.module.parameters():
             p.grad = None
@@ -164,8 +166,28 @@ class ShardedOptimizer:
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         if closure is not None:
+            self._ready = None        # the closure makes new gradients
             with torch.enable_grad():
                 closure()
+        finite = self.prepare_grads()
+        out = None
+        if finite:
+            out = self.inner.step()
+            self.refresh_params()
+        if self.stage == 1 or self.mixed:      # the fp32 gradients were only needed for this step
+            for m in self.masters.values():
+                m.grad = None
+        self._ready = None
+        return out
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        """Put this step's gradients on the stepped tensors (reduce-scatter them under ZeRO-1,
+        widen or copy them onto fp32 masters) and, under fp16, unscale them. Returns False when
+        some rank found an inf or nan (the step will be skipped). Runs once per step:
+        :func:`autopar.clip_grad_norm_` calls it before ``step()`` does."""
+        if getattr(self, "_ready", None) is not None:
+            return self._ready
         if self.stage == 1:
             self._reduce_scatter_grads()
         named = self._named()
@@ -177,14 +199,8 @@ class ShardedOptimizer:
             if g is None:
                 g = self._whole_grad(fqn, named)
             m.grad = g.reshape(-1)[:m.numel()].view(m.shape).to(m.dtype) if g is not None else None
-        out = None
-        if self._unscaled_finite():
-            out = self.inner.step()
-            self.refresh_params()
-        if self.stage == 1 or self.mixed:      # the fp32 gradients were only needed for this step
-            for m in self.masters.values():
-                m.grad = None
-        return out
+        self._ready = self._unscaled_finite()
+        return self._ready
 
     def _unscaled_finite(self) -> bool:
         """fp16: unscale the masters' gradients; False (the step is skipped, on every rank) when
