@@ -26,11 +26,12 @@ from autopar import checkpoint, data
 from autopar.checkpoint import load, save
 from autopar.runtime.health import init_distributed
 from autopar.runtime.clip import clip_grad_norm_
+from autopar.scaled_plan import ScaledPlan, scale_plan
 
 __version__ = "0.1.0"
 
 __all__ = ["AutoparError", "AutoparInternalError", "CaptureError", "CheckpointError", "ConfigError",
            "DoesNotFitError", "InputMismatchError", "MeshError", "OptimizerError", "PeerFailureError",
            "PlanFileError", "ShardingError", "UnsupportedError",
-           "Plan", "analyze", "capture", "checkpoint", "clip_grad_norm_", "data", "init_distributed", "load", "optimizer", "parallelize", "plan", "save",
+           "Plan", "ScaledPlan", "analyze", "capture", "checkpoint", "clip_grad_norm_", "data", "init_distributed", "load", "optimizer", "parallelize", "plan", "save", "scale_plan",
            "__version__"]

@@ -3,6 +3,8 @@ applies one (checking the call, then handing it to the build for the mesh's axes
 ``autopar/build.py``), ``autopar.optimizer`` steps the result."""
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any, Mapping
 
 import torch
@@ -17,6 +19,9 @@ from autopar.passes.meta import graph_info
 from autopar.plans import Plan
 from autopar.prepare import (as_args, capture_model, has_axis, mesh_axes, plan_of, solve_tensor_axis,
                              with_memory)
+from autopar.scaled_plan import is_saved_plan_file, merge_options, scale_plan
+
+log = logging.getLogger("autopar")
 
 
 def plan(model: nn.Module, mesh: Any, example_inputs: Any = (), *, example_kwargs: Mapping[str, Any] | None = None,
@@ -70,7 +75,7 @@ def _records_model(fn):
 
 
 @_records_model
-def parallelize(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
+def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
                 example_kwargs: Mapping[str, Any] | None = None, plan: Plan | str | None = None,
                 dims: Any = None, hardware: str | None = None, memory_budget: float | str | None = None,
                 sizes: Mapping[str, int] | None = None, sync_params: bool = True, zero_stage: int | None = None,
@@ -89,8 +94,11 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
     called the same way (``pm(**batch)``) and returns what the model returns (a
     ``ModelOutput`` whose ``loss`` backward runs on, when ``labels`` are given).
     ``mesh`` is a DeviceMesh with axes ``dp`` and/or ``tp``, a ``{"dp": 2, "tp": 2}``
-    mapping, or an int (a tensor axis of that size); ``plan`` a Plan or a path to one
-    (otherwise one is found by cost, with ``zero_stage``, ``overlap``, ``bucket_bytes`` and
+    mapping, or an int (a tensor axis of that size); ``plan`` a Plan or a path to one, or the
+    path of a cluster plan ``autopar plan ... --save-plan FILE`` wrote: that one is scaled to
+    this process group (:func:`autopar.scaled_plan.scale_plan`: the mesh, ZeRO stage,
+    recomputation, schedule, micro-batches and precision come from it, the mesh may be left
+    out, and what was scaled is logged) (otherwise a plan is found by cost, with ``zero_stage``, ``overlap``, ``bucket_bytes`` and
     ``mixed_precision`` — ``"bf16"``/``"fp16"`` compute with fp32 master weights, gradient
     reductions and optimizer state — as given). With ``sync_params`` every rank first takes rank 0's parameters, so
     differently seeded ranks cannot silently disagree. Step it with the optimizer from
@@ -124,10 +132,21 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
     ``memory_budget`` is bytes or a size, as in :func:`plan`."""
 
     memory_budget = memory_bytes(memory_budget)
+    if is_saved_plan_file(plan):       # a cluster plan: its structure, scaled to these ranks
+        scaled = scale_plan(plan) if dist.is_initialized() else None
+        if scaled is not None:
+            mesh, opts = merge_options(scaled, mesh, dict(
+                zero_stage=zero_stage, recompute=recompute, mixed_precision=mixed_precision, schedule=schedule,
+                microbatches=microbatches, virtual_stages=virtual_stages))
+            zero_stage, recompute, mixed_precision = opts["zero_stage"], opts["recompute"], opts.get("mixed_precision")
+            schedule, microbatches = opts.get("schedule", schedule), opts.get("microbatches", microbatches)
+            virtual_stages, plan = opts.get("virtual_stages", virtual_stages), None
+            if dist.get_rank() == 0:      # scaled: said (a warning prints without logging set up)
+                (log.warning if scaled.notes else log.info)("%s", scaled.describe())
     if not isinstance(model, nn.Module):
         raise InputMismatchError("parallelize needs an nn.Module", where="parallelize", got=type(model).__name__,
                                  fix="pass the model object itself, e.g. autopar.parallelize(MyModel(), mesh, (x,))")
-    if isinstance(plan, str):
+    if isinstance(plan, (str, os.PathLike)):
         plan = Plan.load(plan)
     if plan is not None:
         plan.check_model(model)    # a plan for another model stops here, before any collective
@@ -135,6 +154,12 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
         raise ConfigError("placements= and plan= are both given", where="parallelize", got=str(dict(placements)),
                           fix="put the placements in the plan (autopar.plan(..., placements=...)), or drop plan=")
     mesh = mesh if plan is None or not isinstance(mesh, int) else plan.mesh     # an int with a plan: the plan's
+    if mesh is None:
+        if plan is None:
+            raise ConfigError("parallelize needs a mesh or a plan", where="parallelize",
+                              fix='pass a mesh, e.g. autopar.parallelize(model, {"dp": 2, "tp": 2}, ...), '
+                                  'or plan="plan.json" from `autopar plan ... --save-plan plan.json`')
+        mesh = plan.mesh
     pipelined = has_axis(mesh, "pp") or (plan is not None and plan.pp_axis is not None)
     experts = has_axis(mesh, "ep") or (plan is not None and plan.ep_axis is not None)
     _refuse_unused(("a pipeline", pipelined, dict(calibration=calibration, placements=placements, sizes=sizes,
