@@ -17,14 +17,27 @@ in micro-batches: there the single process runs the ranks' micro-batches one aft
 as the ranks do. ``--save DIR`` checkpoints the parallel run and the reference after the
 steps; ``--resume DIR`` starts from such a checkpoint under whatever plan this run uses
 (another rank count gives another plan), so re-planning a run is checked step by step too.
+
+Each logged step also shows what was measured beside what the simulator predicts for the same
+scaled configuration on this machine (the ``cpu`` hardware profile, ``1xN`` ranks): the step
+time (the parallel step alone: the ranks start it together and the slowest rank's time counts;
+the single-process reference is left out), tokens per second, achieved TFLOP/s per rank and MFU
+(the model's FLOPs per step from the analysis passes, recomputation excluded, against the
+``cpu`` profile's peak), and the peak memory per rank (on CPU the largest max RSS over the
+ranks: the whole process, the reference model included). ``--log-jsonl FILE`` writes the same
+figures as JSON lines.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import logging
 import math
 import os
 import sys
+import tempfile
+import threading
 import time
 
 import torch
@@ -97,20 +110,29 @@ def small_overrides(name: str, plan_overrides: dict, *, stages: int, seq: int) -
     return {**plan_overrides, "layers": layers, **{k: v for k, v in SMALL.items() if k in have}, "max_seq": seq}
 
 
-def choose(name: str, overrides: dict, ranks: int, batch: int, seq: int):
-    """The fastest configuration by the simulator, and how many were scored."""
-    from autopar.cost.cluster import Cluster
-    from autopar.cost.hybrid import ModelFacts, simulate
-    from autopar.cost.plan_search import configurations
+def _facts(name: str, overrides: dict, batch: int, seq: int, dtype: str):
+    """The simulator's view (:class:`~autopar.cost.hybrid.ModelFacts`) of the small model."""
+    from autopar.cost.hybrid import ModelFacts
     from autopar.workload import capture_for_planning, load_workload
 
     w = load_workload(name, batch=batch, seq=seq, overrides={k: str(v) for k, v in overrides.items()})
     planned = capture_for_planning(w)
-    facts = ModelFacts(planned.gm, seq=seq, dtype="fp32", layers=planned.block_copies)
+    return ModelFacts(planned.gm, seq=seq, dtype=dtype, layers=planned.block_copies)
+
+
+def choose(name: str, overrides: dict, ranks: int, batch: int, seq: int):
+    """The fastest configuration by the simulator, and how many were scored."""
+    from autopar.cost.cluster import Cluster
+    from autopar.cost.hybrid import simulate
+    from autopar.cost.plan_search import configurations
+    from autopar.progress import progress
+
+    facts = _facts(name, overrides, batch, seq, "fp32")
     cluster = Cluster.from_spec(f"1x{ranks}", hardware="cpu")
     best, scored = None, 0
-    for c in configurations(facts, devices=ranks, batch=batch, per_node=ranks, recomputes=("none", "full"),
-                            schedules=("1f1b", "gpipe", "interleaved")):
+    for c in progress(configurations(facts, devices=ranks, batch=batch, per_node=ranks, recomputes=("none", "full"),
+                                     schedules=("1f1b", "gpipe", "interleaved")),
+                      what=f"planning for {ranks} CPU ranks: configurations"):
         if c.pp > 1 and batch // c.dp // c.micro_batch < c.pp:
             continue
         try:
@@ -126,15 +148,38 @@ def choose(name: str, overrides: dict, ranks: int, batch: int, seq: int):
     return best, scored
 
 
+def predict(name: str, overrides: dict, cfg: dict, batch: int, seq: int):
+    """What the simulator predicts for the configuration ``cfg`` (a :func:`_cfg` dict) on this
+    machine: ``cpu`` hardware, one node of dp x tp x pp ranks, the ranks' compute dtype. None
+    when the simulator cannot score it (a model without repeated layers, say)."""
+    from autopar.cost.cluster import Cluster
+    from autopar.cost.hybrid import Config, simulate
+
+    world = cfg["dp"] * cfg["tp"] * cfg["pp"]
+    c = Config(**{k: cfg[k] for k in ("dp", "tp", "pp", "ep", "zero_stage", "recompute", "micro_batch",
+                                      "schedule", "virtual")})
+    try:
+        facts = _facts(name, overrides, batch, seq, cfg.get("precision") or "fp32")
+        return simulate(facts, Cluster.from_spec(f"1x{world}", hardware="cpu"), c, batch=batch)
+    except ConfigError as exc:
+        from autopar.progress import quiet
+        if not quiet():
+            print(f"[autopar] no prediction for this configuration: {exc}", file=sys.stderr, flush=True)
+        return None
+
+
 def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(out.flatten(0, -2), target.flatten())
 
 
 def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: int, seq: int, steps: int,
-          save: str | None = None, resume: str | None = None) -> dict:
+          save: str | None = None, resume: str | None = None, log: dict | None = None) -> dict:
     """One rank of ``autopar train``: the model parallelized under ``cfg`` (a :func:`_cfg` dict)
     and, beside it, the same model in one process on the whole batch; ``steps`` AdamW steps of
-    both, returning each step's (parallel loss, single-process loss, seconds)."""
+    both, returning each step's (parallel loss, single-process loss, seconds, peak memory bytes)
+    (seconds and memory: the largest over the ranks) and, from rank 0, the logged records
+    (:func:`_record`; ``log``: a :func:`_log_context` dict, whose ``jsonl`` file rank 0
+    appends each record to and whose ``tick`` file it appends a byte to per step)."""
     import copy
 
     import torch.distributed as dist
@@ -166,8 +211,10 @@ def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: i
         resumed = autopar.load(pm, opt, os.path.join(resume, "parallel"))
         autopar.load(ref, ref_opt, os.path.join(resume, "reference"))
         first = int(resumed["step"] or 0)
-    rows = []
-    for _ in range(steps):
+    log = log or {}
+    rows, records, since = [], [], 0
+    for k in range(steps):
+        dist.barrier()         # every rank starts the parallel step together: the reference's time stays out
         t0 = time.perf_counter()
         if pp > 1:
             loss = pm.step(*local, target=local_t)
@@ -191,11 +238,82 @@ def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: i
         want.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        rows.append((loss.item(), want.item(), seconds))
+        worst = torch.tensor([seconds, float(peak_memory_bytes("cpu"))], dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)      # the slowest rank's step, the largest process
+        rows.append((loss.item(), want.item(), worst[0].item(), int(worst[1].item())))
+        since += 1
+        if rank == 0 and log and (since == log["every"] or k == steps - 1):
+            records.append(_record(first + k, rows[-since:], log))
+            since = 0
+            if log.get("jsonl"):
+                with open(log["jsonl"], "a") as f:
+                    f.write(_json_line({"kind": "step", **records[-1]}))
+                    f.flush()
+        if rank == 0 and log.get("tick"):
+            with open(log["tick"], "ab") as f:
+                f.write(b".")
     if save:
         autopar.save(pm, opt, os.path.join(save, "parallel"), step=first + steps, extra={"plan": cfg})
         autopar.save(ref, ref_opt, os.path.join(save, "reference"), step=first + steps)
-    return {"rows": rows, "first": first, "saved_plan": (resumed or {}).get("extra", {}) or {}}
+    return {"rows": rows, "records": records, "first": first,
+            "saved_plan": (resumed or {}).get("extra", {}) or {}}
+
+
+def peak_memory_bytes(device: str = "cpu") -> int:
+    """This process's peak memory: on CUDA the caching allocator's largest allocation
+    (``torch.cuda.max_memory_allocated``), else the process's max resident set size
+    (``ru_maxrss``: kilobytes on Linux, bytes on macOS; 0 where there is no ``resource``)."""
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    try:
+        import resource
+    except ImportError:         # Windows
+        return 0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def _log_context(score, cfg: dict, batch: int, seq: int, every: int) -> dict:
+    """What each logged record needs (picklable, for the ranks): tokens and model FLOPs per
+    step, the ranks, the ``cpu`` profile's peak FLOP/s for the compute dtype, and the
+    prediction (None without one)."""
+    from autopar.cost.hardware import load_hardware
+
+    dtype = cfg.get("precision") or "fp32"
+    return {"every": every, "world": cfg["dp"] * cfg["tp"] * cfg["pp"], "tokens": batch * seq, "dtype": dtype,
+            "model_flops": score.model_flops if score is not None else None,
+            "peak_flops": load_hardware("cpu").peak(dtype),
+            "predicted_step_s": score.step_time_s if score is not None else None,
+            "predicted_peak_memory_bytes": score.peak_memory_bytes if score is not None else None}
+
+
+def _record(step: int, rows: list[tuple], ctx: dict) -> dict:
+    """One logged record from the ``rows`` since the record before (the last is ``step``'s):
+    its losses, the mean step time over them and the figures that follow from it."""
+    loss, want = rows[-1][0], rows[-1][1]
+    step_s = sum(r[2] for r in rows) / len(rows)
+    peak = max(r[3] for r in rows)
+    flops = ctx["model_flops"]
+    tflops = flops / step_s / ctx["world"] / 1e12 if flops is not None and step_s > 0 else None
+    pred_s, pred_mem = ctx["predicted_step_s"], ctx["predicted_peak_memory_bytes"]
+    return {"step": step, "loss": loss, "reference_loss": want, "difference": loss - want,
+            "steps_averaged": len(rows), "step_s": step_s,
+            "tokens_per_s": ctx["tokens"] / step_s if step_s > 0 else None,
+            "tflops_per_rank": tflops, "mfu": tflops * 1e12 / ctx["peak_flops"] if tflops is not None else None,
+            "peak_memory_bytes": peak, "predicted_step_s": pred_s, "predicted_peak_memory_bytes": pred_mem,
+            "step_vs_predicted": step_s / pred_s if pred_s else None,
+            "memory_vs_predicted": peak / pred_mem if pred_mem else None}
+
+
+def _json_line(obj: dict) -> str:
+    """One JSON line; a non-finite number (a diverged loss) is written as null."""
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        return v
+    return json.dumps(clean(obj), allow_nan=False) + "\n"
 
 
 def _capacity_routed(model: torch.nn.Module) -> bool:
@@ -204,10 +322,16 @@ def _capacity_routed(model: torch.nn.Module) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from autopar.cli_checks import count
-    from autopar.runtime.launch import run_ranks
+    from autopar.cli_checks import count, output_file
 
-    ap = argparse.ArgumentParser(prog="autopar train", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="autopar train", description=__doc__.splitlines()[0],
+                                 epilog="Each logged step prints the parallel and single-process losses, then "
+                                 "measured beside predicted: the step time (the parallel step alone, the slowest "
+                                 "rank's; the reference is left out) against the simulator's for this scaled "
+                                 "configuration on the cpu hardware profile, tokens/s, achieved TFLOP/s per rank "
+                                 "and MFU (model FLOPs from the analysis passes, recomputation excluded, against "
+                                 "the cpu profile's peak), and the peak memory per rank (on CPU the largest max "
+                                 "RSS over the ranks, the whole process) against the predicted peak.")
     ap.add_argument("--plan", metavar="PLAN.json", help="train under this plan (from `autopar plan ... --save-plan`), "
                     "scaled down to --ranks: each axis it splits gets degree 2 in the order pp, dp, tp, with its "
                     "ZeRO stage, schedule, virtual stages, recomputation and micro-batches per step; the model is "
@@ -218,37 +342,168 @@ def main(argv: list[str] | None = None) -> int:
                          "kv_heads=2 ffn=256 where the family has them)")
     ap.add_argument("--ranks", type=count("--ranks", high=MAX_RANKS, why="one local CPU process per rank"), default=4,
                     help="local CPU ranks (default 4; with --plan, at most this many)")
-    ap.add_argument("--steps", type=count("--steps", high=MAX_STEPS, why="a check run, not a training job"), default=5)
+    ap.add_argument("--steps", type=count("--steps", high=MAX_STEPS, why="a check run, not a training job"), default=5,
+                    help="training steps (default 5)")
     ap.add_argument("--batch", type=count("--batch", high=MAX_BATCH, why="one CPU process trains the whole batch"),
                     help="without --plan: global batch (default 8; with --plan it is the "
                     "data replicas x micro-batch x micro-batches per step)")
     ap.add_argument("--seq", type=count("--seq", high=MAX_SEQ, why="the CPU run's attention holds seq x seq scores"),
-                    default=32)
+                    default=32, help="sequence length (default 32)")
     ap.add_argument("--save", metavar="DIR", help="checkpoint the model, optimizer and reference after the steps")
     ap.add_argument("--resume", metavar="DIR", help="start from the checkpoint in DIR, whatever plan and rank "
                     "count wrote it")
+    ap.add_argument("--log-every", type=count("--log-every", high=MAX_STEPS), default=1, metavar="N",
+                    help="print (and log) every N-th step and the last one (default 1: every step); a row's "
+                    "step time and what follows from it are the mean over the steps since the row before, its "
+                    "losses the row's step's")
+    ap.add_argument("--log-jsonl", metavar="FILE", help="also write one JSON object per logged step (step, loss, "
+                    "reference_loss, step_s, tokens_per_s, tflops_per_rank, mfu, peak_memory_bytes, "
+                    "predicted_step_s, predicted_peak_memory_bytes, ...), after a first line "
+                    '{"kind": "config", ...} with the configuration; each line is flushed as its step ends')
+    ap.add_argument("-q", "--quiet", action="store_true",
+                    help="no progress bar nor progress lines, and no warnings, on stderr (errors still print; the "
+                    "bar is only drawn when stderr is a terminal)")
     args = ap.parse_args(argv)
-    name, over, cfg, batch = _from_plan(args) if args.plan else _from_search(args)
+    output_file(args.log_jsonl, "--log-jsonl")
+    if not args.quiet:
+        return _train(args)
+    autopar_log = logging.getLogger("autopar")       # -q as the other commands have it (cli._run_quietly)
+    level = autopar_log.level
+    autopar_log.setLevel(logging.ERROR)
+    try:
+        return _train(args)
+    finally:
+        autopar_log.setLevel(level)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from autopar.cli_checks import writing
+    from autopar.runtime.launch import run_ranks
+
+    name, over, cfg, batch, score = _from_plan(args) if args.plan else _from_search(args)
     world = cfg["dp"] * cfg["tp"] * cfg["pp"]
     save = os.path.abspath(args.save) if args.save else None
     resume = os.path.abspath(args.resume) if args.resume else None
-    res = run_ranks(_rank, world, name, over, cfg, batch, args.seq, args.steps, save, resume, timeout_s=600)
+    log = _log_context(score, cfg, batch, args.seq, args.log_every)
+    if args.log_jsonl:
+        log["jsonl"] = os.path.abspath(args.log_jsonl)
+        head = {"kind": "config", "model": name, "overrides": {k: str(v) for k, v in over.items()},
+                "plan": os.path.abspath(args.plan) if args.plan else None, "config": cfg, "world": world,
+                "batch": batch, "seq": args.seq, "steps": args.steps, "log_every": args.log_every,
+                "tokens_per_step": batch * args.seq, "model_flops_per_step": log["model_flops"],
+                "hardware": "cpu", "dtype": log["dtype"], "peak_flops_per_rank": log["peak_flops"],
+                "cpu_count": os.cpu_count(),
+                "predicted": None if score is None else {
+                    "step_s": score.step_time_s, "peak_memory_bytes": score.peak_memory_bytes,
+                    "tflops_per_rank": score.tflops_per_device, "mfu": score.mfu},
+                "measured": {"step_s": "the parallel step, the slowest rank's, the ranks starting together",
+                             "peak_memory_bytes": "the largest max RSS over the ranks (ru_maxrss)"}}
+        writing("--log-jsonl", args.log_jsonl, lambda: _write_first(log["jsonl"], _json_line(head)))
+    res = _with_progress(args.steps, lambda tick: run_ranks(
+        _rank, world, name, over, cfg, batch, args.seq, args.steps, save, resume,
+        {**log, "tick": tick}, timeout_s=600))
     if resume:
         was = res[0]["saved_plan"].get("plan", {})
         print(f"resumed from {resume} at step {res[0]['first']}" + (
             f" (saved under dp={was.get('dp')} tp={was.get('tp')} pp={was.get('pp')} ZeRO-{was.get('zero_stage')})"
             if was else ""))
-    print(f"{'step':>4} {'parallel loss':>14} {'single-process':>15} {'difference':>11} {'step ms':>8}")
+    print(_table(res[0]["records"]))
+    print(_notes(log, world, args.log_every))
     worst = 0.0
-    for i, (got, want, seconds) in enumerate(res[0]["rows"], start=res[0]["first"]):
+    for got, want, *_ in res[0]["rows"]:
         worst = max(worst, abs(got - want) / abs(want))
-        print(f"{i:>4} {got:>14.6f} {want:>15.6f} {got - want:>11.2e} {seconds * 1e3:>8.1f}")
     # a 16-bit plan computes in 16 bits beside a float32 reference: its rounding, not a mismatch
     tol = 5e-2 if cfg.get("precision") else 1e-5
     print(f"largest relative difference {worst:.1e}" + ("" if worst < tol else f"  (above {tol:g})")
           + (f" ({cfg['precision']} compute with fp32 masters against a float32 reference)" if cfg.get("precision")
              else ""))
     return 0 if worst < tol else 1
+
+
+COLUMNS = (("step", 4), ("parallel loss", 14), ("single-process", 15), ("difference", 11), ("step ms", 9),
+           ("pred ms", 8), ("x pred", 7), ("tokens/s", 9), ("TFLOP/s/rank", 12), ("MFU", 7), ("peak MB", 8),
+           ("pred MB", 8), ("x pred", 7))
+
+
+def _table(records: list[dict]) -> str:
+    """The per-step table: losses, then measured beside predicted ('-' where there is no figure)."""
+    def num(v, fmt: str, scale: float = 1.0, unit: str = "") -> str:
+        return "-" if v is None or not math.isfinite(v) else f"{v * scale:{fmt}}{unit}"
+    lines = [" ".join(f"{h:>{w}}" for h, w in COLUMNS)]
+    for r in records:
+        cells = (str(r["step"]), num(r["loss"], ".6f"), num(r["reference_loss"], ".6f"), num(r["difference"], ".2e"),
+                 num(r["step_s"], ".1f", 1e3), num(r["predicted_step_s"], ".1f", 1e3),
+                 num(r["step_vs_predicted"], ".3g", unit="x"), num(r["tokens_per_s"], ".0f"),
+                 num(r["tflops_per_rank"], ".3g"), num(r["mfu"], ".3g", 100, "%"),
+                 num(r["peak_memory_bytes"], ".0f", 1e-6), num(r["predicted_peak_memory_bytes"], ".3g", 1e-6),
+                 num(r["memory_vs_predicted"], ".3g", unit="x"))
+        lines.append(" ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, COLUMNS)))
+    return "\n".join(lines)
+
+
+def _notes(log: dict, world: int, every: int) -> str:
+    """What the table's measured and predicted columns are, wrapped under it."""
+    import textwrap
+
+    cores, flops, ranks = os.cpu_count() or 1, log["model_flops"], f"{world} rank{'s' * (world > 1)}"
+    notes = ["measured: step ms is the parallel step alone (forward, backward, optimizer"
+             + ("; the ranks start it together and the slowest counts" if world > 1 else "")
+             + "), the single-process reference left out"
+             + (f"; each row the mean since the row before (--log-every {every})" if every > 1 else "")
+             + "; peak MB is the largest max RSS over the ranks: the whole process (Python, torch and the "
+             "reference model too), so far above the prediction"]
+    if flops is not None:
+        notes.append(f"MFU: model FLOPs per step ({flops / 1e9:.3g} GFLOP, from the analysis passes, recomputation "
+                     f"excluded) / step time / {ranks}, against the cpu hardware profile's peak of "
+                     f"{log['peak_flops'] / 1e9:.3g} GFLOP/s {log['dtype']} per rank (cost/hardware.py), as the "
+                     f"ranks run on this CPU ({cores} core{'s' * (cores > 1)}, shared by the {ranks} and the "
+                     "reference)")
+    else:
+        notes.append("MFU: - (no model FLOPs: the simulator could not read this model)")
+    if log["predicted_step_s"] is not None:
+        notes.append(f"predicted: the simulator (cost/hybrid.py) for this configuration on 1x{world} cpu: step "
+                     f"{log['predicted_step_s'] * 1e3:.1f} ms, peak memory "
+                     f"{log['predicted_peak_memory_bytes'] / 1e6:.3g} MB per rank (model state and activations)")
+    return "\n".join(textwrap.fill(n, width=118, subsequent_indent="  ") for n in notes)
+
+
+def _write_first(path: str, line: str) -> None:
+    with open(path, "w") as f:
+        f.write(line)
+
+
+def _with_progress(steps: int, call):
+    """``call(tick)`` with a progress bar of the training steps on stderr (:mod:`autopar.progress`)
+    when one shows: rank 0 appends a byte to the file ``tick`` per step, which a thread here
+    polls; ``tick`` is None (no file, no thread) when no bar shows."""
+    from autopar.progress import progress, shows
+
+    if not shows():
+        return call(None)
+    fd, tick = tempfile.mkstemp(prefix="autopar-train-", suffix=".steps")
+    os.close(fd)
+    bar, stop = progress(steps, what=f"training {steps} step{'s' * (steps > 1)}"), threading.Event()
+
+    def done() -> int:
+        try:
+            return min(os.path.getsize(tick), steps)
+        except OSError:
+            return 0
+
+    def poll() -> None:
+        while not stop.wait(0.2):
+            bar.set(done())
+    watcher = threading.Thread(target=poll, name="autopar-train-progress", daemon=True)
+    bar.set(0)
+    watcher.start()
+    try:
+        return call(tick)
+    finally:
+        stop.set()
+        watcher.join()
+        bar.set(done())
+        bar.close()
+        os.unlink(tick)
 
 
 def runtime_mesh(cfg: dict) -> dict[str, int]:
@@ -267,7 +522,7 @@ def _cfg(c) -> dict:
             "micro_batch": c.micro_batch, "schedule": c.schedule, "virtual": c.virtual}
 
 
-def _from_search(args: argparse.Namespace) -> tuple[str, dict, dict, int]:
+def _from_search(args: argparse.Namespace) -> tuple:
     """Without --plan: the fastest configuration the simulator finds for --ranks CPU ranks."""
     from autopar.cli_hybrid import config_line
     from autopar.workload import parse_overrides
@@ -277,14 +532,15 @@ def _from_search(args: argparse.Namespace) -> tuple[str, dict, dict, int]:
     over.update(parse_overrides(args.set))
     start = time.perf_counter()
     best, scored = choose(name, over, args.ranks, batch, args.seq)
-    print(f"[autopar] planned {name} {over} for {args.ranks} CPU ranks: {scored} configurations "
-          f"scored in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+    if not args.quiet:
+        print(f"[autopar] planned {name} {over} for {args.ranks} CPU ranks: {scored} configurations "
+              f"scored in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
     print(f"plan: {config_line(best.config, best.microbatches)}; predicted step {best.step_time_s * 1e3:.1f} ms "
           f"on the built-in cpu estimate")
-    return name, over, _cfg(best.config), batch
+    return name, over, _cfg(best.config), batch, best
 
 
-def _from_plan(args: argparse.Namespace) -> tuple[str, dict, dict, int]:
+def _from_plan(args: argparse.Namespace) -> tuple:
     """With --plan: the saved plan's structure scaled down to --ranks (:func:`scale_down`), on
     the plan's model made small (:func:`small_overrides`), at the plan's micro-batches per step."""
     from autopar.cli_hybrid import SavedPlan, config_line
@@ -324,8 +580,14 @@ def _from_plan(args: argparse.Namespace) -> tuple[str, dict, dict, int]:
           f"seq {args.seq}")
     if precision:
         print(f"  precision: {precision} compute with fp32 master weights, as planned")
+    cfg = {**_cfg(scaled), "precision": precision}
+    score = predict(saved.model, over, cfg, batch, args.seq)
+    if score is not None:
+        print(f"  predicted here: step {score.step_time_s * 1e3:.1f} ms, peak memory "
+              f"{score.peak_memory_bytes / 1e6:.3g} MB per rank, MFU {100 * score.mfu:.1f}% (the simulator on "
+              f"1x{world} cpu, the built-in cpu estimate)")
     sys.stdout.flush()
-    return saved.model, over, {**_cfg(scaled), "precision": precision}, batch
+    return saved.model, over, cfg, batch, score
 
 
 if __name__ == "__main__":      # python -m autopar.train: as `autopar train` (typed errors, exit 2)

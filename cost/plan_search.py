@@ -17,6 +17,7 @@ from typing import Any, Iterable, Sequence
 from autopar.cost.cluster import Cluster
 from autopar.cost.hybrid import RECOMPUTE, Config, ModelFacts, Score, simulate
 from autopar.errors import ConfigError
+from autopar.progress import progress
 
 log = logging.getLogger("autopar.hybrid")
 
@@ -64,8 +65,8 @@ def search(facts: ModelFacts, cluster: Cluster, *, batch: int, budget: float | N
     scored: list[Score] = []
     best: Score | None = None
     count = 0
-    for c in configurations(facts, devices=cluster.world_size, batch=batch, per_node=cluster.devices_per_node,
-                            **space):
+    for c in progress(configurations(facts, devices=cluster.world_size, batch=batch,
+                                     per_node=cluster.devices_per_node, **space), what="search: configurations"):
         if best is not None and _lower_bound(facts, cluster, c, batch) >= best.step_time_s:
             continue
         try:
