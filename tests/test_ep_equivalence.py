@@ -1,8 +1,9 @@
 """Expert parallelism computes what the single-process model computes.
 
-Real gloo processes: ep=2 and ep=4, dp=2 x ep=2, and ep=2 with tp=2 on the dense parts.
-Every rank builds the Mixtral-style zoo model with the same seed and trains its parallel
-copy on its share of a global batch for three AdamW steps; a single-process copy trains
+Real gloo processes: ep=2 and ep=4, dp=2 x ep=2, and ep=2 with tp=2 on the dense parts;
+one world per size runs every case of the file. Every rank builds the Mixtral-style zoo
+model with the same seed and trains its parallel copy on its share of a global batch for
+two AdamW steps (the second runs on the moments the first left); a single-process copy trains
 on every share in turn (each share's loss scaled by 1/shares, as the parallel model
 averages). Routing and token dropping happen per share in both (the capacity comes from
 the share's token count), so they match exactly, including capacity factors that drop
@@ -16,15 +17,13 @@ import copy
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
 
 import autopar
 import autopar.ep
 from autopar import models
 from autopar.runtime.launch import run_ranks
 
-STEPS = 3
+STEPS = 2
 RTOL = 1e-5
 
 
@@ -131,27 +130,85 @@ def _check(res: list[dict], experts: int, ep: int) -> None:
         assert held == sorted(list(range(experts)) * (len(res) // ep))
 
 
-@pytest.mark.parametrize("mesh,world", [({"ep": 2}, 2), ({"ep": 4}, 4), ({"dp": 2, "ep": 2}, 4),
-                                        ({"ep": 2, "tp": 2}, 4)])
-def test_ep_meshes(mesh, world):
-    res = run_ranks(_train, world, MOE, mesh, 2, 8, False)
-    _check(res, MOE["experts"], mesh["ep"])
+def _train_cases(rank: int, world: int, cases: list[tuple]) -> list[dict]:
+    """Every case of one world: each (overrides, mesh, batch, seq, skew, capacity)."""
+    return [_train(rank, world, *c) for c in cases]
 
 
-@settings(max_examples=4, deadline=None, derandomize=True, phases=[Phase.generate],
-          suppress_health_check=list(HealthCheck))
-@given(experts=st.sampled_from([2, 4, 8]), top_k=st.integers(1, 2),
-       capacity=st.sampled_from([0.25, 0.5, 1.0, 1.25, 2.0]), seq=st.sampled_from([4, 8]),
-       hidden=st.sampled_from([16, 32]))
-def test_ep2_generated_experts_topk_capacity(experts, top_k, capacity, seq, hidden):
-    over = {**MOE, "experts": experts, "top_k": top_k, "capacity_factor": capacity, "hidden": hidden}
-    res = run_ranks(_train, 2, over, {"ep": 2}, 2, seq, False)
-    _check(res, experts, 2)
+def case(overrides: dict, mesh: dict, batch: int, seq: int, skew: bool = False,
+         capacity: float | None = None) -> tuple:
+    return overrides, mesh, batch, seq, skew, capacity
 
 
-def test_skewed_calibration_balances_the_placement():
-    over = {**MOE, "experts": 8, "layers": 1}
-    res = run_ranks(_train, 2, over, {"ep": 2}, 2, 8, True)
+def _size(c: tuple) -> int:
+    mesh = c[1]
+    return mesh.get("dp", 1) * mesh["ep"] * mesh.get("tp", 1)
+
+
+MESHES = [({"ep": 2}, 2), ({"ep": 4}, 4), ({"dp": 2, "ep": 2}, 4), ({"ep": 2, "tp": 2}, 4)]
+# Experts, top-k, capacity factor, seq and hidden size of the generated test: the four examples
+# Hypothesis drew when each started its own world (derandomized, from experts in {2, 4, 8} x
+# top_k 1..2 x capacity in {0.25, 0.5, 1.0, 1.25, 2.0} x seq in {4, 8} x hidden in {16, 32}).
+# Drawn once here, so that one world runs them all.
+GENERATED = [dict(experts=2, top_k=1, capacity=0.25, seq=4, hidden=16),
+             dict(experts=8, top_k=2, capacity=0.5, seq=8, hidden=16),
+             dict(experts=2, top_k=2, capacity=0.5, seq=4, hidden=32),
+             dict(experts=4, top_k=1, capacity=0.25, seq=4, hidden=16)]
+SKEWED = {**MOE, "experts": 8, "layers": 1}
+
+
+def _cases() -> dict:
+    """test key -> case, every case of the file."""
+    cases = {("mesh", str(mesh)): case(MOE, mesh, 2, 8) for mesh, _ in MESHES}
+    for i, ex in enumerate(GENERATED):
+        over = {**MOE, "experts": ex["experts"], "top_k": ex["top_k"], "capacity_factor": ex["capacity"],
+                "hidden": ex["hidden"]}
+        cases[("generated", i)] = case(over, {"ep": 2}, 2, ex["seq"])
+    cases["skewed"] = case(SKEWED, {"ep": 2}, 2, 8, True)
+    # the model is built at 1.25; the plan's 0.5 drops tokens, exactly as the model at 0.5 does
+    cases["capacity"] = case(MOE, {"ep": 2}, 2, 8, False, 0.5)
+    return cases
+
+
+CASES = _cases()
+
+
+def _world(size: int) -> dict:
+    """test key -> each rank's result, for every case on ``size`` ranks: one world runs them all."""
+    mine = [k for k, c in CASES.items() if _size(c) == size]
+    results = run_ranks(_train_cases, size, [CASES[k] for k in mine], timeout_s=900)
+    return {k: [r[i] for r in results] for i, k in enumerate(mine)}
+
+
+@pytest.fixture(scope="module")
+def world2() -> dict:
+    return _world(2)
+
+
+@pytest.fixture(scope="module")
+def world4() -> dict:
+    return _world(4)
+
+
+def _results(request, key) -> list[dict]:
+    c = CASES[key]
+    res = request.getfixturevalue(f"world{_size(c)}")[key]
+    assert len(res) == _size(c)
+    return res
+
+
+@pytest.mark.parametrize("mesh,world", MESHES)
+def test_ep_meshes(request, mesh, world):
+    _check(_results(request, ("mesh", str(mesh))), MOE["experts"], mesh["ep"])
+
+
+@pytest.mark.parametrize("example", range(len(GENERATED)), ids=lambda i: str(GENERATED[i]))
+def test_ep2_generated_experts_topk_capacity(request, example):
+    _check(_results(request, ("generated", example)), GENERATED[example]["experts"], 2)
+
+
+def test_skewed_calibration_balances_the_placement(request):
+    res = _results(request, "skewed")
     _check(res, 8, 2)
     for r in res:
         for f, imb in r["imbalance"].items():
@@ -170,9 +227,8 @@ def test_balanced_placement_evens_out_skewed_loads():
         place_experts(6, 4)
 
 
-def test_capacity_factor_is_a_plan_field():
-    # the model is built at 1.25; the plan's 0.5 drops tokens, exactly as the model at 0.5 does
-    res = run_ranks(_train, 2, MOE, {"ep": 2}, 2, 8, False, 0.5)
+def test_capacity_factor_is_a_plan_field(request):
+    res = _results(request, "capacity")
     _check(res, MOE["experts"], 2)
     assert all(r["capacity"] == 0.5 for r in res)
 
