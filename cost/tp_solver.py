@@ -193,7 +193,8 @@ class _DP:
     def run(self, start: dict, finals: dict[fx.Node, tuple[Spec, ...]]) -> tuple[float, dict[str, Strategy], float, float, float]:
         """``start`` maps live values to their specs; ``finals`` the specs the values left at
         the end must be converted to. Returns (cost, strategies, compute, comm, state)."""
-        init = tuple(sorted(((v, (tuple(s), ())) for v, s in start.items()), key=_order))
+        # a state is the set of (live value, (specs, conversions paid)): a frozenset keys it without sorting
+        init = frozenset((v, (tuple(s), _NONE_PAID)) for v, s in start.items())
         layers = [{init: (0.0, None, None, 0.0, 0.0, 0.0)}]
         remaining = dict(self.uses_left)
         for step in self.steps:
@@ -210,8 +211,8 @@ class _DP:
                     _apply_paid(state, extra)
                     if out_specs is not None:
                         for v, specs in out_specs.items():
-                            state[v] = (specs, ())
-                    k2 = tuple(sorted(state.items(), key=_order))
+                            state[v] = (specs, _NONE_PAID)
+                    k2 = frozenset(state.items())
                     total = cost + dc + dm + db * self.p.cfg.mem_weight
                     if k2 not in nxt or nxt[k2][0] > total:
                         nxt[k2] = (total, key, choice, c_s + dc, m_s + dm, b_s + db)
@@ -298,15 +299,14 @@ class _DP:
 _GETITEM = __import__("operator").getitem
 
 
+_NONE_PAID: frozenset = frozenset()     # conversions paid for a value: a set, so equal states are equal keys
+
+
 def _apply_paid(state: dict, extra: list) -> None:
     for u, need in extra:
         specs, paid = state.get(u, (None, None))
         if specs is not None:
-            state[u] = (specs, tuple(sorted(set(paid) | {(0, need)}, key=str)))
-
-
-def _order(item) -> str:
-    return item[0].name
+            state[u] = (specs, paid | {(0, need)})
 
 
 def _name(step) -> str:

@@ -145,7 +145,7 @@ def _train_rows(out: str) -> dict[int, float]:
     rows = {}
     for line in out.splitlines():
         parts = line.split()
-        if len(parts) == 5 and parts[0].isdigit():
+        if len(parts) >= 5 and parts[0].isdigit():
             rows[int(parts[0])] = float(parts[1])
     return rows
 
