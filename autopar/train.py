@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -43,6 +42,8 @@ import time
 import torch
 
 from autopar.errors import ConfigError, DoesNotFitError
+from autopar.train_metrics import (_json_line, _log_context, _notes, _record, _table,
+                                   _write_first, peak_memory_bytes, rank_device, rank_share)
 
 SCALE_ORDER = ("pp", "dp", "tp")        # the axes scale_down gives ranks to, first to last
 # Argument limits: ``autopar train`` checks a plan on this machine's CPU, beside a single-process copy.
@@ -150,7 +151,8 @@ def choose(name: str, overrides: dict, ranks: int, batch: int, seq: int):
 
 def predict(name: str, overrides: dict, cfg: dict, batch: int, seq: int):
     """What the simulator predicts for the configuration ``cfg`` (a :func:`_cfg` dict) on this
-    machine: ``cpu`` hardware, one node of dp x tp x pp ranks, the ranks' compute dtype. None
+    machine: one node of dp x tp x pp ranks, each priced as its share of the ``cpu`` profile
+    (:func:`rank_device`), in the ranks' compute dtype. None
     when the simulator cannot score it (a model without repeated layers, say)."""
     from autopar.cost.cluster import Cluster
     from autopar.cost.hybrid import Config, simulate
@@ -160,7 +162,7 @@ def predict(name: str, overrides: dict, cfg: dict, batch: int, seq: int):
                                       "schedule", "virtual")})
     try:
         facts = _facts(name, overrides, batch, seq, cfg.get("precision") or "fp32")
-        return simulate(facts, Cluster.from_spec(f"1x{world}", hardware="cpu"), c, batch=batch)
+        return simulate(facts, Cluster.from_spec(f"1x{world}", hardware=rank_device(world)), c, batch=batch)
     except ConfigError as exc:
         from autopar.progress import quiet
         if not quiet():
@@ -257,63 +259,6 @@ def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: i
         autopar.save(ref, ref_opt, os.path.join(save, "reference"), step=first + steps)
     return {"rows": rows, "records": records, "first": first,
             "saved_plan": (resumed or {}).get("extra", {}) or {}}
-
-
-def peak_memory_bytes(device: str = "cpu") -> int:
-    """This process's peak memory: on CUDA the caching allocator's largest allocation
-    (``torch.cuda.max_memory_allocated``), else the process's max resident set size
-    (``ru_maxrss``: kilobytes on Linux, bytes on macOS; 0 where there is no ``resource``)."""
-    if str(device).startswith("cuda") and torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
-    try:
-        import resource
-    except ImportError:         # Windows
-        return 0
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
-
-
-def _log_context(score, cfg: dict, batch: int, seq: int, every: int) -> dict:
-    """What each logged record needs (picklable, for the ranks): tokens and model FLOPs per
-    step, the ranks, the ``cpu`` profile's peak FLOP/s for the compute dtype, and the
-    prediction (None without one)."""
-    from autopar.cost.hardware import load_hardware
-
-    dtype = cfg.get("precision") or "fp32"
-    return {"every": every, "world": cfg["dp"] * cfg["tp"] * cfg["pp"], "tokens": batch * seq, "dtype": dtype,
-            "model_flops": score.model_flops if score is not None else None,
-            "peak_flops": load_hardware("cpu").peak(dtype),
-            "predicted_step_s": score.step_time_s if score is not None else None,
-            "predicted_peak_memory_bytes": score.peak_memory_bytes if score is not None else None}
-
-
-def _record(step: int, rows: list[tuple], ctx: dict) -> dict:
-    """One logged record from the ``rows`` since the record before (the last is ``step``'s):
-    its losses, the mean step time over them and the figures that follow from it."""
-    loss, want = rows[-1][0], rows[-1][1]
-    step_s = sum(r[2] for r in rows) / len(rows)
-    peak = max(r[3] for r in rows)
-    flops = ctx["model_flops"]
-    tflops = flops / step_s / ctx["world"] / 1e12 if flops is not None and step_s > 0 else None
-    pred_s, pred_mem = ctx["predicted_step_s"], ctx["predicted_peak_memory_bytes"]
-    return {"step": step, "loss": loss, "reference_loss": want, "difference": loss - want,
-            "steps_averaged": len(rows), "step_s": step_s,
-            "tokens_per_s": ctx["tokens"] / step_s if step_s > 0 else None,
-            "tflops_per_rank": tflops, "mfu": tflops * 1e12 / ctx["peak_flops"] if tflops is not None else None,
-            "peak_memory_bytes": peak, "predicted_step_s": pred_s, "predicted_peak_memory_bytes": pred_mem,
-            "step_vs_predicted": step_s / pred_s if pred_s else None,
-            "memory_vs_predicted": peak / pred_mem if pred_mem else None}
-
-
-def _json_line(obj: dict) -> str:
-    """One JSON line; a non-finite number (a diverged loss) is written as null."""
-    def clean(v):
-        if isinstance(v, float) and not math.isfinite(v):
-            return None
-        if isinstance(v, dict):
-            return {k: clean(x) for k, x in v.items()}
-        return v
-    return json.dumps(clean(obj), allow_nan=False) + "\n"
 
 
 def _capacity_routed(model: torch.nn.Module) -> bool:
@@ -418,58 +363,6 @@ def _train(args: argparse.Namespace) -> int:
           + (f" ({cfg['precision']} compute with fp32 masters against a float32 reference)" if cfg.get("precision")
              else ""))
     return 0 if worst < tol else 1
-
-
-COLUMNS = (("step", 4), ("parallel loss", 14), ("single-process", 15), ("difference", 11), ("step ms", 9),
-           ("pred ms", 8), ("x pred", 7), ("tokens/s", 9), ("TFLOP/s/rank", 12), ("MFU", 7), ("peak MB", 8),
-           ("pred MB", 8), ("x pred", 7))
-
-
-def _table(records: list[dict]) -> str:
-    """The per-step table: losses, then measured beside predicted ('-' where there is no figure)."""
-    def num(v, fmt: str, scale: float = 1.0, unit: str = "") -> str:
-        return "-" if v is None or not math.isfinite(v) else f"{v * scale:{fmt}}{unit}"
-    lines = [" ".join(f"{h:>{w}}" for h, w in COLUMNS)]
-    for r in records:
-        cells = (str(r["step"]), num(r["loss"], ".6f"), num(r["reference_loss"], ".6f"), num(r["difference"], ".2e"),
-                 num(r["step_s"], ".1f", 1e3), num(r["predicted_step_s"], ".1f", 1e3),
-                 num(r["step_vs_predicted"], ".3g", unit="x"), num(r["tokens_per_s"], ".0f"),
-                 num(r["tflops_per_rank"], ".3g"), num(r["mfu"], ".3g", 100, "%"),
-                 num(r["peak_memory_bytes"], ".0f", 1e-6), num(r["predicted_peak_memory_bytes"], ".3g", 1e-6),
-                 num(r["memory_vs_predicted"], ".3g", unit="x"))
-        lines.append(" ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, COLUMNS)))
-    return "\n".join(lines)
-
-
-def _notes(log: dict, world: int, every: int) -> str:
-    """What the table's measured and predicted columns are, wrapped under it."""
-    import textwrap
-
-    cores, flops, ranks = os.cpu_count() or 1, log["model_flops"], f"{world} rank{'s' * (world > 1)}"
-    notes = ["measured: step ms is the parallel step alone (forward, backward, optimizer"
-             + ("; the ranks start it together and the slowest counts" if world > 1 else "")
-             + "), the single-process reference left out"
-             + (f"; each row the mean since the row before (--log-every {every})" if every > 1 else "")
-             + "; peak MB is the largest max RSS over the ranks: the whole process (Python, torch and the "
-             "reference model too), so far above the prediction"]
-    if flops is not None:
-        notes.append(f"MFU: model FLOPs per step ({flops / 1e9:.3g} GFLOP, from the analysis passes, recomputation "
-                     f"excluded) / step time / {ranks}, against the cpu hardware profile's peak of "
-                     f"{log['peak_flops'] / 1e9:.3g} GFLOP/s {log['dtype']} per rank (cost/hardware.py), as the "
-                     f"ranks run on this CPU ({cores} core{'s' * (cores > 1)}, shared by the {ranks} and the "
-                     "reference)")
-    else:
-        notes.append("MFU: - (no model FLOPs: the simulator could not read this model)")
-    if log["predicted_step_s"] is not None:
-        notes.append(f"predicted: the simulator (cost/hybrid.py) for this configuration on 1x{world} cpu: step "
-                     f"{log['predicted_step_s'] * 1e3:.1f} ms, peak memory "
-                     f"{log['predicted_peak_memory_bytes'] / 1e6:.3g} MB per rank (model state and activations)")
-    return "\n".join(textwrap.fill(n, width=118, subsequent_indent="  ") for n in notes)
-
-
-def _write_first(path: str, line: str) -> None:
-    with open(path, "w") as f:
-        f.write(line)
 
 
 def _with_progress(steps: int, call):
@@ -585,7 +478,9 @@ def _from_plan(args: argparse.Namespace) -> tuple:
     if score is not None:
         print(f"  predicted here: step {score.step_time_s * 1e3:.1f} ms, peak memory "
               f"{score.peak_memory_bytes / 1e6:.3g} MB per rank, MFU {100 * score.mfu:.1f}% (the simulator on "
-              f"1x{world} cpu, the built-in cpu estimate)")
+              f"1x{world} cpu, the built-in cpu estimate"
+              + (f", each rank {rank_share(world):.3g} of it: {world} ranks share {os.cpu_count()} cores"
+                 if rank_share(world) < 1 else "") + ")")
     sys.stdout.flush()
     return saved.model, over, cfg, batch, score
 

@@ -14,7 +14,8 @@ import pytest
 from autopar import progress as progress_mod
 from autopar.cli import main
 from autopar.progress import progress, shows
-from autopar.train import COLUMNS, _record, _with_progress, peak_memory_bytes
+from autopar.train import _with_progress
+from autopar.train_metrics import COLUMNS, _record, peak_memory_bytes
 
 STEP_FIELDS = {"step", "loss", "reference_loss", "step_s", "tokens_per_s", "tflops_per_rank", "mfu",
                "peak_memory_bytes", "predicted_step_s", "predicted_peak_memory_bytes"}
@@ -59,7 +60,7 @@ def test_the_table_has_measured_beside_predicted(run):
         assert all(math.isfinite(v) and v > 0 for v in figures), r
         assert r[9].endswith("%") and r[6].endswith("x") and r[12].endswith("x")
         assert _num(r[6]) == pytest.approx(_num(r[4]) / _num(r[5]), rel=0.02)      # measured / predicted
-    assert "MFU: model FLOPs per step" in out and "cpu hardware profile's peak of 100 GFLOP/s fp32" in out
+    assert "MFU: model FLOPs per step" in out and "each rank's peak: 100 GFLOP/s fp32, the cpu hardware profile's" in out
     assert "predicted: the simulator" in out and "max RSS" in out
     assert out.rstrip().splitlines()[-1].startswith("largest relative difference")
 
