@@ -6,8 +6,9 @@
     torchrun --nproc-per-node 2 examples/train_hf.py --plan plan.json --steps 30 --ckpt-dir ckpt --resume
 
 The model is ``transformers``' own, built from a config: ``--config`` names a directory with a
-``config.json`` (read locally, nothing is downloaded) or a model type (``llama``, ``qwen2``,
-``gpt2``, ...) at the library's defaults; ``--set key=value`` overrides fields (the defaults
+``config.json`` (read locally, nothing is downloaded), a config autopar ships
+(``llama3-8b``, ``mixtral-8x7b``, ... in ``autopar/models/configs/``) or a model type
+(``llama``, ``qwen2``, ``gpt2``, ...) at the library's defaults; ``--set key=value`` overrides fields (the defaults
 make it tiny). The same script runs on CPUs (gloo) and on GPUs (NCCL, one GPU per rank);
 everything else is in ``examples/_common.py``.
 """
@@ -26,7 +27,9 @@ TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "nu
 
 def build(spec: str, sets: list[str]) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
-    path = Path(spec)
+
+    from autopar.models.hf import CONFIGS_DIR
+    path = Path(spec) if (Path(spec) / "config.json").is_file() else CONFIGS_DIR / spec
     if (path / "config.json").is_file():
         settings = json.loads((path / "config.json").read_text())
         kind = settings.pop("model_type")
@@ -36,14 +39,15 @@ def build(spec: str, sets: list[str]) -> torch.nn.Module:
         key, _, value = item.partition("=")
         settings[key] = json.loads(value) if value[:1].isdigit() or value in ("true", "false") else value
     settings = {k: v for k, v in settings.items() if k not in ("architectures", "transformers_version")}
-    config = AutoConfig.for_model(kind, **{**settings, "vocab_size": VOCAB})
-    config.bos_token_id = config.eos_token_id = config.pad_token_id = 0     # inside the byte vocabulary
+    ids = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}          # inside the byte vocabulary
+    config = AutoConfig.for_model(kind, **{**settings, "vocab_size": VOCAB, **ids})
     return AutoModelForCausalLM.from_config(config)
 
 
 if __name__ == "__main__":
     ap = arguments(__doc__.splitlines()[0], default_mesh="tp=2")
-    ap.add_argument("--config", default="llama", help="a directory holding config.json, or a model type")
+    ap.add_argument("--config", default="llama", help="a directory holding config.json, a config autopar ships "
+                    "(llama3-8b, qwen1.5-moe-a2.7b, ...), or a model type (llama, qwen2, gpt2, ...)")
     ap.add_argument("--set", action="append", default=[f"{k}={v}" for k, v in TINY.items()],
                     metavar="KEY=VALUE", help="config field overrides (defaults: a tiny model)")
     args = ap.parse_args()
