@@ -275,9 +275,21 @@ def _host_memory_bytes() -> float:
         return BUILTIN_DEVICES["cpu"].memory_bytes
 
 
+# GPU names as the runtime reports them -> the built-in datasheet profile (first match wins:
+# H200 before H100, L40S before L4). PCIe and NVL H100s have other peaks than the SXM sheet.
+_SHEETS = (("H200", "h200-sxm-141gb"), ("H100", "h100-sxm-80gb"), ("A100", "a100-sxm-80gb"),
+           ("B200", "b200-180gb"), ("L40S", "l40s-48gb"), ("L4", "l4-24gb"), ("A10G", "a10g-24gb"),
+           ("V100", "v100-sxm2-32gb"), ("MI300X", "mi300x-192gb"))
+_OTHER_PARTS = ("H100 PCIE", "H100-PCIE", "H100 NVL")
+
+
 def _datasheet_for(device_name: str) -> DeviceSpec | None:
-    for marker, key in (("H100", "h100-sxm-80gb"), ("A100", "a100-sxm-80gb")):
-        if marker in device_name.upper():
+    """The built-in profile whose datasheet describes this GPU, or None (an unknown part)."""
+    upper = device_name.upper()
+    if any(part in upper for part in _OTHER_PARTS):
+        return None
+    for marker, key in _SHEETS:
+        if marker in upper:
             return BUILTIN_DEVICES[key]
     return None
 
@@ -286,7 +298,7 @@ def build_device_spec(device: torch.device, flops: dict[str, float], bandwidth: 
                       overhead: float, attention: dict[str, float] | None = None) -> DeviceSpec:
     """A DeviceSpec from measurements.
 
-    On a GPU this module knows (A100, H100) the datasheet peaks stay and the measured rates
+    On a GPU with a built-in datasheet profile (:data:`_SHEETS`) the datasheet peaks stay and the measured rates
     become efficiencies (clamped to 1). Elsewhere the best measured rate *is* the peak and
     the efficiencies are 1: the figures are achievable rates, not datasheet ones. The
     attention rate (``attention``, FLOP/s by dtype) becomes ``attention_efficiency`` against
@@ -307,7 +319,7 @@ def build_device_spec(device: torch.device, flops: dict[str, float], bandwidth: 
     if sm_count:
         sources["sm_count"] = f"{measured} (the runtime's multiprocessor count)"
     if sheet is not None:
-        key = "bf16" if "bf16" in flops else "fp32"
+        key = next(k for k in ("bf16", "fp16", "fp32") if k in flops and k in sheet.peak_flops)   # V100: fp16
         eff = min(1.0, flops[key] / sheet.peak(key))
         mem_eff = min(1.0, bandwidth / sheet.memory_bandwidth)
         sources.update(sheet.sources)

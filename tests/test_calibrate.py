@@ -91,3 +91,17 @@ def test_bad_profile_is_config_error(tmp_path: Path) -> None:
     bad.write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         load_hardware(str(bad))
+
+
+def test_gpu_names_find_their_datasheet_profile():
+    from autopar.cost.calibrate import _datasheet_for
+    found = {name: (_datasheet_for(name).name if _datasheet_for(name) else None) for name in (
+        "NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA L40S", "NVIDIA L4", "NVIDIA A10G",
+        "Tesla V100-SXM2-32GB", "AMD Instinct MI300X", "NVIDIA B200", "NVIDIA H100 PCIe", "NVIDIA H100 NVL",
+        "NVIDIA GeForce RTX 4090")}
+    assert found == {"NVIDIA H200": "h200-sxm-141gb", "NVIDIA H100 80GB HBM3": "h100-sxm-80gb",
+                     "NVIDIA A100-SXM4-80GB": "a100-sxm-80gb", "NVIDIA L40S": "l40s-48gb", "NVIDIA L4": "l4-24gb",
+                     "NVIDIA A10G": "a10g-24gb", "Tesla V100-SXM2-32GB": "v100-sxm2-32gb",
+                     "AMD Instinct MI300X": "mi300x-192gb", "NVIDIA B200": "b200-180gb",
+                     # other parts than the datasheet's: measured rates become their peaks
+                     "NVIDIA H100 PCIe": None, "NVIDIA H100 NVL": None, "NVIDIA GeForce RTX 4090": None}
