@@ -36,3 +36,15 @@ def fake_world():
     yield start
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# A test module that runs its cases in shared process worlds defines ``_world(size)`` (every
+# case on ``size`` ranks in one world, results by case); these run each world once per module.
+@pytest.fixture(scope="module")
+def world2(request) -> dict:
+    return request.module._world(2)
+
+
+@pytest.fixture(scope="module")
+def world4(request) -> dict:
+    return request.module._world(4)

@@ -180,16 +180,6 @@ def _world(size: int) -> dict:
     return {k: [r[i] for r in results] for i, k in enumerate(mine)}
 
 
-@pytest.fixture(scope="module")
-def world2() -> dict:
-    return _world(2)
-
-
-@pytest.fixture(scope="module")
-def world4() -> dict:
-    return _world(4)
-
-
 def _results(request, key) -> list[dict]:
     c = CASES[key]
     res = request.getfixturevalue(f"world{_size(c)}")[key]

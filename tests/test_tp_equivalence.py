@@ -177,16 +177,6 @@ def _world(size: int) -> dict:
     return {k: [r[i] for r in results] for i, k in enumerate(mine)}
 
 
-@pytest.fixture(scope="module")
-def world2() -> dict:
-    return _world(2)
-
-
-@pytest.fixture(scope="module")
-def world4() -> dict:
-    return _world(4)
-
-
 def _verify(request, key) -> list[dict]:
     c = CASES[key]
     return _check(request.getfixturevalue(f"world{c[2]}")[key], *c)
