@@ -21,6 +21,7 @@ from autopar.errors import (AutoparError, AutoparInternalError, CaptureError, Ch
 from autopar.passes.capture import capture
 from autopar.passes.pipeline import analyze
 from autopar.plans import Plan
+from autopar.dp_mode import DataMode
 from autopar.api import optimizer, parallelize, plan
 from autopar import checkpoint, data
 from autopar.checkpoint import load, save
@@ -33,5 +34,5 @@ __version__ = "0.1.0"
 __all__ = ["AutoparError", "AutoparInternalError", "CaptureError", "CheckpointError", "ConfigError",
            "DoesNotFitError", "InputMismatchError", "MeshError", "OptimizerError", "PeerFailureError",
            "PlanFileError", "ShardingError", "UnsupportedError",
-           "Plan", "ScaledPlan", "analyze", "capture", "checkpoint", "clip_grad_norm_", "data", "init_distributed", "load", "optimizer", "parallelize", "plan", "save", "scale_plan",
+           "DataMode", "Plan", "ScaledPlan", "analyze", "capture", "checkpoint", "clip_grad_norm_", "data", "init_distributed", "load", "optimizer", "parallelize", "plan", "save", "scale_plan",
            "__version__"]

@@ -14,6 +14,7 @@ from torch import nn
 from autopar.agreement import check_agreement
 from autopar.build import build_dense, build_experts, build_pipeline
 from autopar.checks import check_devices, check_fits, memory_bytes
+from autopar.dp_mode import DataMode, check_composes, data_mode
 from autopar.errors import ConfigError, InputMismatchError, OptimizerError
 from autopar.passes.meta import graph_info
 from autopar.plans import Plan
@@ -83,7 +84,7 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
                 loss_fn: Any = None, schedule: str | None = None, microbatches: int | None = None,
                 virtual_stages: int | None = None, calibration: Any = None, expert_placement: str = "balanced",
                 capacity_factor: float | None = None, recompute: str = "none",
-                placements: Mapping[str, str] | None = None):
+                placements: Mapping[str, str] | None = None, dp_mode: Any = None):
     """Split ``model`` over ``mesh`` and return this rank's parallel module (built by
     :mod:`autopar.build`: a :class:`ParallelModule`, or a ``PipelineModule`` with a pp axis).
 
@@ -126,6 +127,12 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
     ``recompute``: ``"none"``, ``"selective"`` (attention cores re-run in backward) or
     ``"full"`` (every layer re-run in backward; forward keeps only each layer's inputs).
 
+    ``dp_mode`` says how the data axis communicates (``autopar/dp_mode.py``): ``"allreduce"``
+    (the default: every gradient averaged every step), ``"local_sgd"``, ``"compressed"``,
+    ``"gossip"`` or ``"async"``, as a name, a dict with the options (``{"kind": "local_sgd",
+    "sync_every": 4}``) or an :class:`autopar.DataMode`; with ZeRO-0 on ``dp`` and ``dp x tp``
+    meshes (``local_sgd`` also with a pipeline).
+
     ``placements`` (dp/tp meshes) forces how parameters are stored on the tensor axis, as in
     :func:`plan`. Bad input raises an :class:`~autopar.errors.AutoparError` subclass before
     any collective: MeshError, PlanFileError, ShardingError, DoesNotFitError, UnsupportedError.
@@ -166,6 +173,11 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
                                                  bucket_bytes=bucket_bytes)),
                    ("expert parallelism", experts, dict(placements=placements, sizes=sizes, bucket_bytes=bucket_bytes)))
     _check_mixed_precision(mixed_precision, plan)
+    mode = _data_mode(dp_mode, plan)
+    check_composes(mode, zero_stage=plan.zero_stage if plan is not None else zero_stage, pipeline=pipelined,
+                   experts=experts, mixed_precision=mixed_precision or (plan.mixed_precision if plan else None))
+    if mode.kind != "allreduce" and zero_stage is None and plan is None:
+        zero_stage = 0            # the other modes step whole parameters
     args = as_args(example_inputs)
     kwargs = {k: v for k, v in (example_kwargs or {}).items() if v is not None}
     check_devices(model, (*args, *kwargs.values()), None)
@@ -180,14 +192,14 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
                                       bucket_bytes=bucket_bytes, mixed_precision=mixed_precision, loss_fn=loss_fn,
                                       schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
                                       expert_placement=expert_placement, capacity_factor=capacity_factor,
-                                      recompute=recompute, placements=placements,
+                                      recompute=recompute, placements=placements, dp_mode=mode.to_dict(),
                                       inputs=[(k, _input_form(v)) for k, v in
                                               [*enumerate(args), *sorted(kwargs.items())]]))
     if pipelined:
         return build_pipeline(model, mesh, args, loss_fn=loss_fn, schedule=schedule, microbatches=microbatches,
                               virtual_stages=virtual_stages, hardware=hardware, memory_budget=memory_budget,
                               sync_params=sync_params, zero_stage=zero_stage, plan=plan, recompute=recompute,
-                              example_kwargs=kwargs, mixed_precision=mixed_precision)
+                              example_kwargs=kwargs, mixed_precision=mixed_precision, dp_mode=mode)
     if experts:
         return build_experts(model, mesh, args, hardware=hardware, memory_budget=memory_budget,
                              sync_params=sync_params, calibration=calibration, placement=expert_placement,
@@ -196,7 +208,20 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
     return build_dense(model, mesh, args, kwargs, plan=plan, dims=dims, hardware=hardware,
                        memory_budget=memory_budget, sizes=sizes, sync_params=sync_params, zero_stage=zero_stage,
                        overlap=overlap, bucket_bytes=bucket_bytes, mixed_precision=mixed_precision,
-                       recompute=recompute, placements=placements)
+                       recompute=recompute, placements=placements, dp_mode=mode)
+
+
+def _data_mode(dp_mode: Any, plan: Plan | None) -> DataMode:
+    """The data-axis mode: ``dp_mode`` as given, else the plan's; both given must agree."""
+    mode = data_mode(dp_mode)
+    if plan is not None and plan.dp_mode:
+        planned = data_mode(plan.dp_mode, where="plan dp_mode")
+        if dp_mode is not None and mode != planned:
+            raise ConfigError("dp_mode= differs from the plan's", where="parallelize(plan=..., dp_mode=...)",
+                              expected=planned.describe(), got=mode.describe(),
+                              fix="drop dp_mode= (the plan's is applied), or re-plan with it")
+        return planned
+    return mode
 
 
 def _input_form(value: Any) -> Any:

@@ -35,6 +35,7 @@ from torch import nn
 
 from autopar.checks import check_fits, check_runtime_dtypes
 from autopar.cost.cluster import Cluster
+from autopar.dp_mode import ALLREDUCE, DataMode
 from autopar.errors import ConfigError, MeshError, PlanFileError
 from autopar.ep import contiguous, ep_axes, place_experts
 from autopar.expert_steps import (calibrated_loads, checked_moe_plans, exchange_experts, expert_side,
@@ -54,7 +55,8 @@ log = logging.getLogger("autopar.build")
 def build_dense(model: nn.Module, mesh: Any, args: tuple, kwargs: dict, *, plan: Plan | None, dims: Any,
                 hardware: str | None, memory_budget: float | None, sizes: Mapping[str, int] | None,
                 sync_params: bool, zero_stage: int | None, overlap: bool, bucket_bytes: int,
-                mixed_precision: str | None, recompute: str, placements: Mapping[str, str] | None):
+                mixed_precision: str | None, recompute: str, placements: Mapping[str, str] | None,
+                dp_mode: DataMode = ALLREDUCE):
     """No pipeline, no experts: the tensor rewrite and the data axis's buckets on the whole
     graph, run by one :class:`~autopar.runtime.tp_module.ParallelModule`."""
     from autopar.runtime.dp import DPRuntime
@@ -98,8 +100,12 @@ def build_dense(model: nn.Module, mesh: Any, args: tuple, kwargs: dict, *, plan:
         for fqns, shapes, flags in data_rewrite(gm, the_plan, cluster, rid=rt.id, trainable=trainable):
             rt.add_bucket(fqns, shapes, flags)
         sync_batch_norms(gm, rt.group_name)     # training statistics over the global batch
+        attach_mode(rt, dp_mode)
     elif compute != master:   # mixed precision without a data axis: fp32 masters, nothing to reduce
         rt = DPRuntime(stage=0, n=1, rank=0, group_name="", device=device, master_dtype=master, compute_dtype=compute)
+    if rt is None or rt.n == 1:
+        unused_mode(dp_mode, the_plan.dp)
+    the_plan = replace(the_plan, dp_mode=dp_mode.to_dict() if rt is not None and rt.modes is not None else {})
     used = {info(n).target_fqn for n in gm.graph.nodes if n.op == "placeholder" and info(n).target_fqn}
     dim_map = input_dims(model, args, dims, kwargs)
     pm = ParallelModule(gm, the_plan.params, {k: v for k, v in tensors.items() if k in used}, trainable, mesh,
@@ -113,7 +119,8 @@ def build_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, loss_fn:
                    virtual_stages: int | None = None, hardware: str | None = None,
                    memory_budget: float | None = None, sync_params: bool = True,
                    zero_stage: int | None = None, plan: Any = None, recompute: str = "none",
-                   example_kwargs: Mapping[str, Any] | None = None, mixed_precision: str | None = None):
+                   example_kwargs: Mapping[str, Any] | None = None, mixed_precision: str | None = None,
+                   dp_mode: DataMode = ALLREDUCE):
     """This rank's :class:`~autopar.runtime.pp.PipelineModule` (see :func:`autopar.parallelize`).
     Without ``loss_fn``, a model that computes its own loss (a ``transformers`` model given
     ``labels``) trains on that loss. ``mixed_precision`` (bf16 / fp16, or the plan's): the
@@ -248,9 +255,15 @@ def build_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, loss_fn:
     grads = MainGrads(1 / choice_m) if compute is not None else None
     data = data_axes(mine, mesh, names, sizes, zero_stage or 0, set(experts), groups, device,
                      compute_dtype=compute, grads=grads)
+    for axis in data:
+        attach_mode(axis.rt, dp_mode)
+    if not data:
+        unused_mode(dp_mode, sizes.get("dp", 1))
     master_init: dict[str, torch.Tensor] = {}
     for st in mine if compute is not None else ():
         master_init.update(st.to_compute_dtype(compute, device.type, sent))
+    if any(axis.rt.modes is not None for axis in data):
+        the_plan = replace(the_plan, dp_mode=dp_mode.to_dict())
     pm = PipelineModule(mine, plan=the_plan, schedule=choice_s, microbatches=choice_m, num_stages=final.stages,
                         loss_fn=loss_fn, pp_group=pp_group, pp_rank=pp_rank, pp_size=p, data=data,
                         grads=grads, master_init=master_init,
@@ -402,6 +415,20 @@ def _graph_data_axes(gm: fx.GraphModule, the_plan: Plan, cluster: Cluster, mesh,
         out.append(rt)
     schedule(gm, overlap=the_plan.overlap)
     return out
+
+
+def attach_mode(rt: Any, mode: DataMode) -> None:
+    """Run data axis ``rt`` in ``mode`` (nothing to attach for all-reduce or a one-rank axis)."""
+    from autopar.runtime.data_modes import ModeState
+    if mode.kind != "allreduce" and rt.n > 1:
+        rt.modes = ModeState(mode, n=rt.n, rank=rt.rank, group_name=rt.group_name)
+
+
+def unused_mode(mode: DataMode, dp: int) -> None:
+    """A mode other than all-reduce with no data axis to run on would be dropped silently."""
+    if mode.kind != "allreduce":
+        raise ConfigError(f"dp_mode {mode.kind!r} needs a data axis of 2 ranks or more", where="parallelize",
+                          got=f"dp={dp}", fix="add a dp axis to the mesh (e.g. {'dp': 4}), or drop dp_mode")
 
 
 def data_axes(mine: list, mesh, names: list[str], sizes: Mapping[str, int], zero_stage: int, experts: set[str],

@@ -72,6 +72,7 @@ class Plan:
     capacity_factor: float | None = None          # MoE capacity factor (None: the model's own)
     shapes: dict[str, list[int]] = field(default_factory=dict)   # the model's parameters, by state_dict key
     fingerprint: str = ""                         # hash of ``shapes``: which model the plan is for
+    dp_mode: dict[str, Any] = field(default_factory=dict)   # data-axis mode (autopar/dp_mode.py); {}: all-reduce
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
@@ -87,6 +88,9 @@ class Plan:
         if self.pp_axis is not None and self.schedule not in ("gpipe", "1f1b", "interleaved", "zb"):
             raise ConfigError("a pipeline plan needs a schedule", where="plan", got=repr(self.schedule),
                               fix="one of gpipe, 1f1b, interleaved, zb")
+        if self.dp_mode:
+            from autopar.dp_mode import data_mode
+            data_mode(self.dp_mode, where="plan dp_mode")     # raises ConfigError on a bad one
         for axis in (self.tp_axis, self.dp_axis, self.pp_axis, self.ep_axis):
             if axis is not None and axis not in self.mesh:
                 raise ConfigError(f"plan axis {axis!r} is not a mesh axis", where="plan", got=str(self.mesh),
@@ -172,6 +176,7 @@ class Plan:
     def summary(self) -> dict[str, Any]:
         sharded = {k: v for k, v in self.params.items() if v != "R"}
         return {"mesh": self.mesh, "tp_axis": self.tp_axis, "dp_axis": self.dp_axis, "zero_stage": self.zero_stage,
+                "dp_mode": self.dp_mode.get("kind", "allreduce"),
                 "mixed_precision": self.mixed_precision, "sharded_params": len(sharded),
                 "replicated_params": len(self.params) - len(sharded), **self.predicted}
 
@@ -224,6 +229,7 @@ def _fields(data: dict, where: str) -> dict[str, Any]:
                                    for x in sj.array(v, f"expert_placement.{k}", **at)]
                                for k, v in sj.mapping(data.get("expert_placement", {}), "expert_placement",
                                                       **at).items()}
+    out["dp_mode"] = dict(sj.mapping(data.get("dp_mode", {}), "dp_mode", **at))
     out["shapes"] = {k: [sj.integer(x, f"shapes.{k}[]", **at) for x in sj.array(v, f"shapes.{k}", **at)]
                      for k, v in sj.mapping(data.get("shapes", {}), "shapes", **at).items()}
     return out

@@ -118,8 +118,10 @@ class Bucket:
                 for i, g in enumerate(grads):
                     if g is not None:
                         buf[self.flat_offsets[i]:self.flat_offsets[i + 1]] = g.reshape(-1)
-            buf.div_(rt.divisor)
-            self._pending = _c10d.all_reduce_(buf, "sum", rt.group_name)
+            if rt.modes is None:
+                self._pending = _c10d.all_reduce_(buf.div_(rt.divisor), "sum", rt.group_name)
+            else:          # another data-axis mode: runtime/data_modes.py (a local step keeps the mean)
+                self._pending = rt.modes.issue(self.index, buf if rt.modes.local_step() else buf.div_(rt.divisor))
         else:
             rows = self.to_rows(list(grads), rt.reduce_dtype).div_(rt.divisor)
             self._pending = _c10d.reduce_scatter_tensor(rows.view(-1), "sum", rt.n, rt.group_name)
@@ -130,7 +132,14 @@ class Bucket:
         rt = self.rt
         if self._pending is None:
             return (None,) * len(self.fqns)
-        got = _c10d.wait_tensor(self._pending)
+        if rt.modes is None:
+            got = _c10d.wait_tensor(self._pending)
+        elif rt.modes.mode.kind == "async" and self._pending[0] == "allreduce":
+            rt.modes.defer(self.index, self._pending)     # applied staleness steps later
+            self._pending = None
+            return (None,) * len(self.fqns)
+        else:
+            got = rt.modes.finish(self._pending)
         self._pending = None
         if rt.stage == 0:
             grads = [got[self.flat_offsets[i]:self.flat_offsets[i + 1]].view(s) for i, s in enumerate(self.shapes)]
@@ -251,6 +260,7 @@ class DPRuntime:
         self.sinks: dict[str, torch.Tensor] = {}              # fqn -> accumulated fp32 gradient (or shard)
         self.shard_params: dict[str, torch.Tensor] = {}       # ZeRO-3: fqn -> this rank's flat shard
         self._live: dict[int, tuple[weakref.ref, int, int]] = {}   # storage -> (whole param, bucket, index)
+        self.modes = None        # a data-axis mode other than all-reduce (runtime/data_modes.py), ZeRO-0 only
 
     def add_bucket(self, fqns: list[str], shapes: list[tuple[int, ...]], trainable: list[bool]) -> Bucket:
         b = Bucket(self, len(self.buckets), fqns, shapes, trainable)
@@ -263,6 +273,11 @@ class DPRuntime:
         have = self.sinks.get(fqn)
         dtype = torch.promote_types(torch.float32, self.reduce_dtype)    # fp32, or fp64 for a float64 model
         self.sinks[fqn] = g.to(dtype).clone() if have is None else have.add_(g)
+
+    def grads_of(self, b: Bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``b``'s trainable parameters' pieces of a flat (ZeRO-0 layout) bucket gradient."""
+        return {f: flat[b.flat_offsets[i]:b.flat_offsets[i + 1]].view(b.shapes[i])
+                for i, f in enumerate(b.fqns) if b.trainable[i]}
 
     def shards_of(self, b: Bucket) -> tuple[torch.Tensor, ...]:
         return tuple(self.shard_params[f] for f in b.fqns)

@@ -173,6 +173,10 @@ class ShardedOptimizer:
         out = None
         if finite:
             out = self.inner.step()
+        for rt in self.rts:        # local SGD / gossip average what was stepped; every mode counts the step
+            if rt.modes is not None:
+                rt.modes.after_step([self.masters[f] for b in rt.buckets for f in b.fqns if f in self.masters])
+        if finite:
             self.refresh_params()
         if self.stage == 1 or self.mixed:      # the fp32 gradients were only needed for this step
             for m in self.masters.values():
@@ -191,8 +195,15 @@ class ShardedOptimizer:
         if self.stage == 1:
             self._reduce_scatter_grads()
         named = self._named()
+        delayed = self._delayed_grads()
+        if delayed is False:       # async: no gradient old enough yet, the step changes nothing
+            self._ready = False
+            return False
         for fqn, m in self.masters.items():
             rt = self._rt_of.get(fqn)
+            if delayed and fqn in delayed:
+                m.grad = delayed[fqn].to(m.dtype)
+                continue
             if m is named[fqn] or (self.stage == 1 and rt is not None):
                 continue     # autograd, ZeRO-3's scatter or the reduce-scatter above left its gradient on it
             g = rt.sinks.get(fqn) if rt is not None else None    # reduced in fp32: ZeRO-2, mixed ZeRO-0
@@ -201,6 +212,20 @@ class ShardedOptimizer:
             m.grad = g.reshape(-1)[:m.numel()].view(m.shape).to(m.dtype) if g is not None else None
         self._ready = self._unscaled_finite()
         return self._ready
+
+    def _delayed_grads(self) -> dict[str, torch.Tensor] | bool | None:
+        """``async``: fqn -> the averaged gradient ``staleness`` steps old; False while none is
+        that old; None under the other modes."""
+        out: dict[str, torch.Tensor] = {}
+        for rt in self.rts:
+            if rt.modes is None or rt.modes.mode.kind != "async":
+                continue
+            got = rt.modes.take_delayed()
+            if got is None:
+                return False
+            for b, flat in got.items():
+                out.update(rt.grads_of(rt.buckets[b], flat))
+        return out or None
 
     def _unscaled_finite(self) -> bool:
         """fp16: unscale the masters' gradients; False (the step is skipped, on every rank) when

@@ -138,6 +138,8 @@ class StageDataAxis:
         grads = [self.grad(f) for f in b.fqns]
         if self.zero_stage == 1 or all(g is None for g in grads):
             return
+        if rt.modes is not None and rt.modes.local_step():    # local SGD: the optimizer averages parameters
+            return
         if self.zero_stage == 0:
             flat = torch.cat([(g if g is not None else torch.zeros(s, dtype=rt.reduce_dtype, device=rt.device))
                               .reshape(-1).to(rt.reduce_dtype) for s, g in zip(b.shapes, grads)]).div_(rt.divisor)

@@ -1,0 +1,271 @@
+"""The runtime of the data-axis modes other than all-reduce (``autopar/dp_mode.py`` says what
+each one computes).
+
+A :class:`ModeState` hangs on the data axis's :class:`~autopar.runtime.dp.DPRuntime`. The
+graph's gradient nodes stay where the data rewrite put them (``grad_reduce_issue`` as each
+bucket's gradients are ready in backward, ``grad_reduce_wait`` where they are needed); what
+they do is asked of the mode:
+
+- :meth:`ModeState.issue` starts a bucket's exchange: a plain all-reduce, a compressed
+  exchange (all-gather of top-k values and indices or of quantized entries, all-reduce of the
+  rand-k entries every rank drew alike), or nothing when the rank steps on its own gradient;
+- :meth:`ModeState.finish` waits for it and returns the bucket's averaged (or local) flat
+  gradient, or, under ``async``, queues the pending all-reduce for a later step and returns None;
+- the optimizer (``runtime/optim.py``) takes ``async``'s delayed gradients with
+  :meth:`ModeState.take_delayed` and, after each step, calls :meth:`ModeState.after_step`,
+  which averages the stepped parameters (``local_sgd`` every ``sync_every`` steps,
+  ``gossip`` with the neighbours every step).
+
+Compressors are plain functions of a flat tensor, tested against their definitions.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autopar.dp_mode import DataMode
+
+_c10d = torch.ops._c10d_functional
+
+
+# -- compressors ------------------------------------------------------------------------------
+
+def keep_count(numel: int, ratio: float) -> int:
+    """How many entries top-k / rand-k send of ``numel``: ``ceil(ratio x numel)``, at least 1."""
+    return max(1, min(numel, math.ceil(ratio * numel - 1e-9)))
+
+
+def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` entries of flat ``x`` with the largest magnitude: (values, int64 indices)."""
+    idx = torch.topk(x.abs(), k, sorted=False).indices
+    return x[idx], idx
+
+
+def randk_indices(numel: int, k: int, generator: torch.Generator) -> torch.Tensor:
+    """``k`` distinct indices of ``numel``, drawn from ``generator`` (alike on every rank that
+    seeds it alike), sorted."""
+    return torch.randperm(numel, generator=generator)[:k].sort().values
+
+
+def quantize(x: torch.Tensor, levels: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random rounding of ``|x| / ||x||`` to ``levels`` levels: (norm, int8 signed levels).
+    An entry at ``a`` levels (``l <= a < l + 1``) becomes ``l + 1`` with probability ``a - l``,
+    else ``l``, so :func:`dequantize` is unbiased: its expectation is ``x``."""
+    norm = torch.linalg.vector_norm(x)
+    if norm == 0:
+        return norm.reshape(1), torch.zeros(x.shape, dtype=torch.int8, device=x.device)
+    a = x.abs() / norm * levels
+    low = a.floor()
+    up = torch.rand(x.shape, generator=generator, dtype=a.dtype).to(x.device) < (a - low)
+    q = (low + up.to(a.dtype)).clamp_(max=levels) * x.sign()
+    return norm.reshape(1), q.to(torch.int8)
+
+
+def dequantize(norm: torch.Tensor, q: torch.Tensor, levels: int, dtype: torch.dtype) -> torch.Tensor:
+    return q.to(dtype) * (norm.to(dtype) / levels)
+
+
+# -- gossip topologies -----------------------------------------------------------------------
+
+def grid_shape(n: int) -> tuple[int, int]:
+    """Rows x columns of the 2-D torus over ``n`` ranks: the most square factorisation."""
+    rows = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
+    return rows, n // rows
+
+
+def neighbours(topology: str, n: int, rank: int) -> list[int]:
+    """The other ranks ``rank`` averages with (sorted, without itself). Every topology is
+    undirected and regular, so uniform weights ``1 / (degree + 1)`` make the mixing matrix
+    symmetric and doubly stochastic: gossip keeps the average of the parameters."""
+    if topology == "full":
+        peers = set(range(n))
+    elif topology == "ring":
+        peers = {(rank - 1) % n, (rank + 1) % n}
+    elif topology == "exponential":
+        peers = set()
+        hop = 1
+        while hop < n:
+            peers |= {(rank + hop) % n, (rank - hop) % n}
+            hop *= 2
+    elif topology == "grid":
+        rows, cols = grid_shape(n)
+        r, c = divmod(rank, cols)
+        peers = {((r - 1) % rows) * cols + c, ((r + 1) % rows) * cols + c,
+                 r * cols + (c - 1) % cols, r * cols + (c + 1) % cols}
+    else:
+        raise ValueError(topology)
+    peers.discard(rank)
+    return sorted(peers)
+
+
+def mixing_matrix(topology: str, n: int) -> torch.Tensor:
+    """The ``n x n`` gossip weights (row ``i``: what rank ``i`` averages)."""
+    w = torch.zeros(n, n, dtype=torch.float64)
+    for i in range(n):
+        group = [i, *neighbours(topology, n, i)]
+        w[i, group] = 1.0 / len(group)
+    return w
+
+
+# -- wire accounting (bytes each rank sends; also what cost/dp_modes.py prices) ----------------
+
+def ring_allreduce_bytes(nbytes: float, n: int) -> float:
+    return 2.0 * (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+def allgather_bytes(local_nbytes: float, n: int) -> float:
+    return (n - 1) * local_nbytes if n > 1 else 0.0
+
+
+# -- the per-axis state ------------------------------------------------------------------------
+
+class ModeState:
+    """One data axis's mode: step count, error-feedback memory, queued async reductions and the
+    bytes this rank sent (``sent_bytes``, cumulative: benchmarks read it)."""
+
+    def __init__(self, mode: DataMode, *, n: int, rank: int, group_name: str) -> None:
+        self.mode, self.n, self.rank, self.group_name = mode, n, rank, group_name
+        self.steps = 0                                     # optimizer steps taken
+        self.memory: dict[int, torch.Tensor] = {}          # bucket -> error-feedback residual
+        self.issued: dict[int, int] = {}                   # bucket -> exchanges so far (seeds draws)
+        self.queued: list[tuple[int, int, Any]] = []       # async: (step, bucket, pending all-reduce)
+        self.sent_bytes = 0.0
+
+    # -- in the graph ---------------------------------------------------------------------
+    def local_step(self) -> bool:
+        """Whether this step's gradients stay on the rank (parameters are averaged after it)."""
+        m = self.mode
+        return m.kind == "gossip" or (m.kind == "local_sgd" and self.steps >= m.warmup)
+
+    def issue(self, bucket: int, buf: torch.Tensor) -> Any:
+        """Start the exchange of one bucket's flat gradient ``buf`` (already divided by the
+        axis size unless :meth:`local_step`); a handle for :meth:`finish`."""
+        m = self.mode
+        if self.local_step():
+            return ("local", buf)
+        if m.kind != "compressed":
+            self.sent_bytes += ring_allreduce_bytes(buf.numel() * buf.element_size(), self.n)
+            return ("allreduce", _c10d.all_reduce_(buf, "sum", self.group_name))
+        count = self.issued.get(bucket, 0)
+        self.issued[bucket] = count + 1
+        gen = torch.Generator().manual_seed((m.seed * 1_000_003 + bucket) * 1_000_003 + count)
+        if m.error_feedback:
+            have = self.memory.get(bucket)
+            p = buf if have is None else buf + have
+        else:
+            p = buf
+        if m.compressor == "quantize":
+            norm, q = quantize(p, m.levels, gen)
+            sent = dequantize(norm, q, m.levels, p.dtype)
+            self._remember(bucket, p, sent)
+            self.sent_bytes += allgather_bytes(q.numel() + norm.numel() * norm.element_size(), self.n)
+            return ("quantize", _c10d.all_gather_into_tensor(norm.to(torch.float64), self.n, self.group_name),
+                    _c10d.all_gather_into_tensor(q, self.n, self.group_name), p.numel(), p.dtype)
+        k = keep_count(p.numel(), m.ratio)
+        if m.compressor == "randk":
+            idx = randk_indices(p.numel(), k, gen).to(p.device)
+            vals = p[idx]
+            self._remember(bucket, p, torch.zeros_like(p).index_copy_(0, idx, vals))
+            self.sent_bytes += ring_allreduce_bytes(vals.numel() * vals.element_size(), self.n)
+            return ("randk", _c10d.all_reduce_(vals.contiguous(), "sum", self.group_name), idx, p.numel())
+        vals, idx = topk(p, k)
+        self._remember(bucket, p, torch.zeros_like(p).index_copy_(0, idx, vals))
+        self.sent_bytes += allgather_bytes(k * (vals.element_size() + 4), self.n)   # int32 indices on the wire
+        return ("topk", _c10d.all_gather_into_tensor(vals.contiguous(), self.n, self.group_name),
+                _c10d.all_gather_into_tensor(idx.to(torch.int32), self.n, self.group_name), p.numel())
+
+    def _remember(self, bucket: int, p: torch.Tensor, sent: torch.Tensor) -> None:
+        if self.mode.error_feedback:
+            self.memory[bucket] = p - sent
+
+    def finish(self, handle: Any) -> torch.Tensor:
+        """The bucket's flat gradient once ``handle``'s exchange is done: the sum over the axis
+        of the (pre-divided) gradients, or this rank's own one."""
+        kind = handle[0]
+        if kind == "local":
+            return handle[1]
+        if kind == "allreduce":
+            return _c10d.wait_tensor(handle[1])
+        if kind == "randk":
+            _, pending, idx, numel = handle
+            vals = _c10d.wait_tensor(pending)
+            return torch.zeros(numel, dtype=vals.dtype, device=vals.device).index_copy_(0, idx, vals)
+        if kind == "topk":
+            _, vals, idx, numel = handle
+            vals, idx = _c10d.wait_tensor(vals), _c10d.wait_tensor(idx)
+            return torch.zeros(numel, dtype=vals.dtype, device=vals.device).index_add_(0, idx.long(), vals)
+        _, norms, qs, numel, dtype = handle
+        norms, qs = _c10d.wait_tensor(norms), _c10d.wait_tensor(qs).view(self.n, numel)
+        out = torch.zeros(numel, dtype=dtype, device=qs.device)
+        for r in range(self.n):      # rank order, so every rank sums alike
+            out += dequantize(norms[r], qs[r], self.mode.levels, dtype)
+        return out
+
+    # -- async --------------------------------------------------------------------------------
+    def defer(self, bucket: int, handle: Any) -> None:
+        """Queue an issued all-reduce for the step ``staleness`` steps on."""
+        self.queued.append((self.steps, bucket, handle))
+
+    def take_delayed(self) -> dict[int, torch.Tensor] | None:
+        """``async``: bucket -> the averaged flat gradient of step ``steps - staleness`` (summed
+        over that step's backwards), waited for now; None while no step is old enough."""
+        due = self.steps - self.mode.staleness
+        ready = [q for q in self.queued if q[0] <= due]
+        self.queued = [q for q in self.queued if q[0] > due]
+        if not ready:
+            return None
+        out: dict[int, torch.Tensor] = {}
+        for _, bucket, handle in ready:
+            g = self.finish(handle)
+            out[bucket] = g if bucket not in out else out[bucket] + g
+        return out
+
+    # -- after the optimizer's step -----------------------------------------------------------
+    @torch.no_grad()
+    def after_step(self, params: list[torch.Tensor]) -> None:
+        """Average the stepped ``params`` as the mode says, then count the step."""
+        m = self.mode
+        self.steps += 1
+        if not params or self.n == 1:
+            return
+        if m.kind == "local_sgd" and self.steps > m.warmup and (self.steps - m.warmup) % m.sync_every == 0:
+            self._average(params)
+        elif m.kind == "gossip":
+            if m.global_every and self.steps % m.global_every == 0:
+                self._average(params)
+            else:
+                self._gossip(params)
+
+    def _flat(self, params: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in params])
+
+    def _write(self, params: list[torch.Tensor], flat: torch.Tensor) -> None:
+        at = 0
+        for p in params:
+            p.copy_(flat[at:at + p.numel()].view_as(p))
+            at += p.numel()
+
+    def _average(self, params: list[torch.Tensor]) -> None:
+        flat = self._flat(params)
+        self.sent_bytes += ring_allreduce_bytes(flat.numel() * flat.element_size(), self.n)
+        summed = _c10d.wait_tensor(_c10d.all_reduce_(flat, "sum", self.group_name))
+        self._write(params, summed.div_(self.n))
+
+    def _gossip(self, params: list[torch.Tensor]) -> None:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        group = _resolve_process_group(self.group_name)
+        peers = neighbours(self.mode.topology, self.n, self.rank)
+        flat = self._flat(params)
+        got = {p: torch.empty_like(flat) for p in peers}
+        ops = [dist.P2POp(dist.isend, flat, group=group, group_peer=p) for p in peers]
+        ops += [dist.P2POp(dist.irecv, got[p], group=group, group_peer=p) for p in peers]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        self.sent_bytes += len(peers) * flat.numel() * flat.element_size()
+        total = flat.clone()
+        for p in peers:        # in rank order, so ranks with the same neighbourhood sum alike
+            total += got[p]
+        self._write(params, total.div_(len(peers) + 1))
