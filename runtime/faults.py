@@ -169,8 +169,12 @@ def _internal(filename: str) -> bool:
 
 
 def main_thread_at() -> str:
-    """The innermost line of the main thread outside torch and autopar ("train.py:40 in main")."""
-    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    """The innermost line of the calling thread outside torch and autopar ("train.py:40 in main").
+
+    Only the main thread calls it (at each step, ``health.note_step``): on CPython 3.11 walking
+    another thread's frames (``sys._current_frames()`` then ``f_back``) while that thread runs
+    can crash the process, which is how the heartbeat thread used to learn this."""
+    frame = sys._getframe(1)
     inner = frame
     while frame is not None and _internal(frame.f_code.co_filename):
         frame = frame.f_back

@@ -85,6 +85,7 @@ __all__ = ["DEFAULT_TIMEOUT_S", "EXIT_PEER_FAILED", "EXIT_STALLED", "TIMEOUT_ENV
 
 _STORE_OP_S = 2.0   # the longest one store call of the monitor waits
 _step = 0                                   # this rank's step (note_step)
+_where = "?"                                # where the main thread started that step (note_step)
 PER_STEP_BEATS_UP_TO = 64                   # larger worlds beat at most once per beat_s (Monitor.beat)
 STORE_WRITES_PER_S = 1000                   # the heartbeat writes all ranks together send the store, at most
 
@@ -104,8 +105,9 @@ def note_step() -> None:
     also write the heartbeat (one store write, 5-20 us on one node), so that a rank that
     dies is named with its exact step. The first step of a multi-rank group without a monitor starts one, so that a
     script that made its own process group gets the diagnosis too."""
-    global _step, _auto_started
+    global _step, _auto_started, _where
     _step += 1
+    _where = main_thread_at()       # read here, on the main thread: the heartbeat thread only copies it
     if _monitor is not None:
         _monitor.beat(on_step=True)
     elif not _auto_started:
@@ -220,7 +222,7 @@ class Monitor:
         self._last_write = now
         self._beats += 1
         ok = self._set(f"hb/{self.rank}", {"beat": self._beats, "step": _step, "pid": os.getpid(),
-                                           "node": self._node, "where": main_thread_at()})
+                                           "node": self._node, "where": _where})
         if ok and self._host_beat is None and self._store_host not in (None, self.rank):
             try:   # the store host's pid, as soon as it has written it (see _reachable)
                 self._host_beat = self._read(f"hb/{self._store_host}")
