@@ -221,7 +221,15 @@ def _dp_outcome(args: argparse.Namespace, w, gm, cluster, result, experts, plann
                        notes=notes, none_why="no other dp x tp x ZeRO configuration",
                        experts={"chosen": experts[0].as_dict(), "alternatives": [c.as_dict() for c in experts[1:]]}
                        if experts else None, experts_text=_experts_text(experts) if experts else "",
-                       block_rows=lambda: _graph_block_rows(gm, b.tp))
+                       block_rows=lambda: _graph_block_rows(gm, b.tp), dp_grad_numel=_trainable_numel(gm) / b.tp)
+
+
+def _trainable_numel(gm) -> float:
+    """The captured graph's parameter entries (the data-axis modes' price divides them by tp:
+    a rough share, tensor-replicated parameters counted split)."""
+    from autopar.passes.meta import evaluate, info
+    return sum(float(evaluate(info(n).values[0].numel, {})) for n in gm.graph.nodes
+               if n.op == "placeholder" and info(n).kind == "param")
 
 
 def _graph_block_rows(gm, tp: int) -> list[dict]:
@@ -361,7 +369,8 @@ def _plan_pipeline(args: argparse.Namespace, w, gm, cluster, tp: int) -> int:
                       detail_data={"stage_starts": list(best.cuts.start_nodes),
                                                     "stage_time_s": list(best.cuts.stage_time_s)},
                       notes=notes, none_why="--pp N plans one layout; --pp auto compares layouts",
-                      timeline_svg=svg, block_rows=lambda: _graph_block_rows(gm, tp))
+                      timeline_svg=svg, block_rows=lambda: _graph_block_rows(gm, tp),
+                      dp_modes_why="--pp N does not price the data axis (see notes)")
     return emit_plan(args, w.name, cluster, out)
 
 

@@ -60,6 +60,8 @@ class PlanOutcome:
     none_why: str = ""                 # when there are no alternatives: why
     timeline_svg: Any = None           # () -> SVG of the simulated schedule (None: no pipeline to draw)
     block_rows: Any = None             # () -> rows of one block's ops with their layout
+    dp_grad_numel: float | None = None  # gradient entries one data-axis rank reduces (None: modes not priced)
+    dp_modes_why: str = ""             # when dp_grad_numel is None: why the data-axis modes are not priced
 
 
 def emit_plan(args: argparse.Namespace, name: str, cluster, out: PlanOutcome) -> int:
@@ -83,6 +85,7 @@ def plan_json(args: argparse.Namespace, name: str, cluster, out: PlanOutcome) ->
             "search": out.search, **out.best.as_dict(), "planner_time_s": out.planner_s,
             "configurations_scored": out.scored, "memory_budget_bytes": out.budget,
             "alternatives": [o.as_dict() for o in out.others], "stages": list(out.stages), "experts": out.experts,
+            "dp_mode_alternatives": dp_mode_alternatives(args, cluster, out),
             "details": dict(out.detail_data), "notes": list(out.notes)}
 
 
@@ -124,10 +127,70 @@ def plan_text(args: argparse.Namespace, name: str, cluster, out: PlanOutcome) ->
         lines.append(f"  (none{': ' + out.none_why if out.none_why else ''})")
     if out.experts_text:
         lines.append(out.experts_text)
+    lines += dp_mode_text(dp_mode_alternatives(args, cluster, out))
     if out.notes:
         lines.append("notes:")
         lines += [f"  - {n}" for n in out.notes]
     return "\n".join(lines)
+
+
+DP_MODE_THRESHOLD = 0.10     # a data-axis mode is shown when it shortens the step by more than this share
+
+
+def dp_mode_alternatives(args: argparse.Namespace, cluster, out: PlanOutcome) -> dict:
+    """The data-axis modes (``autopar/dp_mode.py``) priced for the chosen plan's data axis by
+    ``cost/dp_modes.py``: ``shown`` those that would shorten its step by more than
+    :data:`DP_MODE_THRESHOLD`, ``priced`` every one that composes with it. They are offered,
+    never chosen: each changes the optimisation, so the plan (and ``--save-plan``) keeps all-reduce."""
+    from autopar.cost.dp_modes import price_modes, worth_showing
+    from autopar.dp_mode import check_composes
+    best, c = out.best, out.best.config
+    data = {"dp": c.dp, "threshold": DP_MODE_THRESHOLD, "step_time_s": best.step_time_s, "grad_numel": None,
+            "plan_zero_stage": c.zero_stage, "shown": [], "priced": [], "none_why": ""}
+    why = ("no data axis (dp=1)" if c.dp == 1 else "only all-reduce composes with experts (ep > 1)" if c.ep > 1
+           else out.dp_modes_why or "not priced by this planner" if out.dp_grad_numel is None else "")
+    if why:
+        return data | {"none_why": why}
+    prices = price_modes(int(out.dp_grad_numel), c.dp, cluster, inner=c.tp,
+                         step_compute_s=max(0.0, best.step_time_s - best.exposed_comm_s),
+                         allreduce_exposed_s=best.exposed_comm_s,
+                         exchanges_per_step=best.microbatches if c.pp == 1 else 1)
+    usable = []
+    for p in prices[1:]:
+        try:
+            check_composes(p.mode, zero_stage=0, pipeline=c.pp > 1, mixed_precision=args.dtype)
+        except ConfigError:
+            continue
+        usable.append(p)
+    shown = sorted((p for p in usable if worth_showing(p, best.step_time_s, DP_MODE_THRESHOLD)),
+                   key=lambda p: -p.saving_s)
+    data.update(grad_numel=out.dp_grad_numel, allreduce=prices[0].as_dict(), priced=[p.as_dict() for p in usable],
+                shown=[p.as_dict() | {"step_saving_fraction": p.saving_s / best.step_time_s} for p in shown])
+    if not shown:
+        top = max(usable, key=lambda p: p.saving_s, default=None)
+        data["none_why"] = (f"none would shorten the step by more than {100 * DP_MODE_THRESHOLD:.0f} %"
+                            + (f" (best: {_mode_line(top.as_dict(), best.step_time_s, prices[0].exposed_s)})"
+                               if top is not None else ""))
+    return data
+
+
+def _mode_line(p: dict, step_s: float, allreduce_s: float) -> str:
+    from autopar.dump import seconds
+    return (f"{p['label']}: data-axis communication {seconds(allreduce_s)} -> {seconds(p['exposed_s'])} per step "
+            f"({'-' if p['saving_s'] >= 0 else '+'}{seconds(abs(p['saving_s']))}, "
+            f"{-100 * p['saving_s'] / step_s:+.0f} % step)")
+
+
+def dp_mode_text(data: dict) -> list[str]:
+    """The ``data-axis modes`` section of ``autopar plan``'s text."""
+    head = "data-axis modes (offered, never chosen: each changes the optimisation; the plan keeps all-reduce"
+    if data["none_why"]:
+        return [f"{head}): {data['none_why']}"]
+    ar = data["allreduce"]["exposed_s"]
+    zero = data["plan_zero_stage"]
+    lines = [head + (f"; each needs ZeRO-0, the plan has ZeRO-{zero}: memory not re-checked" if zero else "") + "):"]
+    lines += [f"  {_mode_line(p, data['step_time_s'], ar)}; {p['note']}" for p in data["shown"]]
+    return lines
 
 
 def _write_report(args: argparse.Namespace, name: str, cluster, out: PlanOutcome) -> None:
@@ -224,8 +287,22 @@ def _plan_hybrid(args: argparse.Namespace, w, planned, cluster, start: float) ->
     out = PlanOutcome(mode="auto", search="joint search of dp x tp x pp x ep, ZeRO, recompute, micro-batch and "
                       "schedule", best=best, others=list(others), planner_s=planner_s, scored=scored,
                       budget=_budget(args, cluster), stages=_hybrid_stages(best), notes=notes,
-                      timeline_svg=svg, block_rows=lambda: _block_rows(facts, cluster, best.config))
+                      timeline_svg=svg, block_rows=lambda: _block_rows(facts, cluster, best.config),
+                      dp_grad_numel=_dp_grad_numel(facts, cluster, best))
     return emit_plan(args, w.name, cluster, out)
+
+
+def _dp_grad_numel(facts, cluster, best) -> float:
+    """The gradient entries the busiest data-axis rank of ``best`` reduces: its pipeline
+    device's stages' parameters per tensor rank, as :func:`autopar.cost.hybrid.simulate` counts
+    them (without experts: no data-axis mode but all-reduce composes with them)."""
+    c = best.config
+    _, strategies = facts.parts(c.tp, c.micro_batch, cluster, (("pp", c.pp), ("dp", c.dp), ("tp", c.tp)))
+    numel = facts.param_numel(c.tp, strategies)
+    counts = best.parts.get("stage_layers") or [facts.layers]
+    last = len(counts) - 1
+    return max(sum(counts[s] * numel["block"] + (numel["pre"] if s == 0 else 0.0)
+                   + (numel["post"] if s == last else 0.0) for s in range(d, len(counts), c.pp)) for d in range(c.pp))
 
 
 def _check_layouts(args: argparse.Namespace, facts, cluster, tp: int | None) -> None:
