@@ -184,13 +184,18 @@ def _mode_line(p: dict, step_s: float, allreduce_s: float) -> str:
 def dp_mode_text(data: dict) -> list[str]:
     """The ``data-axis modes`` section of ``autopar plan``'s text."""
     head = "data-axis modes (offered, never chosen: each changes the optimisation; the plan keeps all-reduce"
+    from autopar.dump import seconds
+    shown = {p["label"] for p in data["shown"]}
+    rest = [p for p in data.get("priced", []) if p["label"] not in shown]
+    under = ("  the others, per step (- saves, + costs): " + ", ".join(
+        f"{p['label']} {'-' if p['saving_s'] >= 0 else '+'}{seconds(abs(p['saving_s']))}" for p in rest)) if rest else ""
     if data["none_why"]:
-        return [f"{head}): {data['none_why']}"]
+        return [f"{head}): {data['none_why']}"] + ([under] if under else [])
     ar = data["allreduce"]["exposed_s"]
     zero = data["plan_zero_stage"]
     lines = [head + (f"; each needs ZeRO-0, the plan has ZeRO-{zero}: memory not re-checked" if zero else "") + "):"]
     lines += [f"  {_mode_line(p, data['step_time_s'], ar)}; {p['note']}" for p in data["shown"]]
-    return lines
+    return lines + ([under] if under else [])
 
 
 def _write_report(args: argparse.Namespace, name: str, cluster, out: PlanOutcome) -> None:

@@ -186,7 +186,9 @@ def test_plan_section_lists_the_winners(tmp_path):
     assert "local_sgd(sync_every=16)" in shown and "gossip(topology=exponential)" not in shown
     assert data["none_why"] == "" and out.best.config == c
     lines = dp_mode_text(data)
-    assert len(lines) == 1 + len(shown)
+    assert len(lines) == 2 + len(shown)
+    rest = [p["label"] for p in data["priced"] if p["label"] not in shown]
+    assert lines[-1].startswith("  the others, per step") and all(label in lines[-1] for label in rest)
     first = data["shown"][0]
     assert lines[1].startswith(f"  {first['label']}: data-axis communication ")
     assert f"{-100 * first['step_saving_fraction']:+.0f} % step" in lines[1]
