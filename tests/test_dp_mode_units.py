@@ -1,0 +1,134 @@
+"""The data-axis modes' pieces against their definitions, in one process: compressors,
+error-feedback memory, gossip topologies, the mode's options and the errors for what does not
+compose (raised before any collective)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import autopar
+from autopar.dp_mode import DataMode, data_mode
+from autopar.errors import ConfigError, PlanFileError
+from autopar.plans import Plan
+from autopar.runtime import data_modes as dm
+
+
+def test_topk_keeps_exactly_the_k_largest_magnitudes():
+    x = torch.tensor([0.5, -3.0, 0.1, 2.0, -0.2, 1.0, -1.5])
+    vals, idx = dm.topk(x, 3)
+    assert len(idx) == 3 and sorted(idx.tolist()) == [1, 3, 6]
+    torch.testing.assert_close(vals, x[idx])
+    assert dm.keep_count(1000, 0.01) == 10 and dm.keep_count(7, 0.01) == 1 and dm.keep_count(7, 1.0) == 7
+
+
+def test_randk_draws_distinct_indices_alike_for_the_same_seed():
+    a = dm.randk_indices(100, 10, torch.Generator().manual_seed(3))
+    b = dm.randk_indices(100, 10, torch.Generator().manual_seed(3))
+    c = dm.randk_indices(100, 10, torch.Generator().manual_seed(4))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert len(set(a.tolist())) == 10 and a.max() < 100
+
+
+def test_random_quantization_is_unbiased_and_on_its_levels():
+    torch.manual_seed(0)
+    x = torch.randn(16, dtype=torch.float64)
+    levels, draws = 5, 20000
+    g = torch.Generator().manual_seed(0)
+    total = torch.zeros_like(x)
+    for _ in range(draws):
+        norm, q = dm.quantize(x, levels, g)
+        assert q.dtype == torch.int8 and q.abs().max() <= levels
+        assert torch.equal(q.sign() * x.sign() >= 0, torch.ones(16, dtype=torch.bool))   # signs kept
+        total += dm.dequantize(norm, q, levels, torch.float64)
+    # each entry's rounding has variance <= (norm / levels)^2 / 4: 5 standard errors of the mean
+    bound = 5 * (x.norm() / levels / 2) / draws ** 0.5
+    assert (total / draws - x).abs().max() < bound
+    assert (dm.dequantize(*dm.quantize(x, levels, g), levels, torch.float64) - x).abs().max() > 0   # not exact
+    zero_norm, zero_q = dm.quantize(torch.zeros(4), levels, g)
+    assert zero_norm.item() == 0 and not zero_q.any()
+
+
+@pytest.mark.parametrize("compressor", ["topk", "randk", "quantize"])
+def test_error_feedback_memory_keeps_exactly_what_was_not_sent(fake_world, compressor):
+    fake_world(2)
+    state = dm.ModeState(DataMode("compressed", compressor=compressor, ratio=0.25), n=2, rank=0,
+                         group_name=dist.group.WORLD.group_name)
+    g = torch.Generator().manual_seed(0)
+    carried = torch.zeros(40, dtype=torch.float64)
+    for _ in range(3):
+        buf = torch.randn(40, generator=g, dtype=torch.float64)
+        state.issue(0, buf.clone())
+        memory, p = state.memory[0], buf + carried      # p: the gradient with the carried residual
+        sent = p - memory                                  # what the memory says was sent
+        if compressor == "quantize":    # whole multiples of ||p|| / levels, at most levels of them
+            steps = sent / (p.norm() / 5)
+            torch.testing.assert_close(steps, steps.round(), rtol=0, atol=1e-9)
+            assert steps.abs().max() <= 5 and (steps.round() != 0).any()
+        else:                           # exactly k = 25 % of 40 entries, p's own values there
+            kept = sent != 0
+            assert int(kept.sum()) == 10 and torch.equal(sent[kept], p[kept])
+            if compressor == "topk":
+                assert p[kept].abs().min() >= p[~kept].abs().max()
+        carried = memory
+
+
+@pytest.mark.parametrize("topology", ["ring", "grid", "exponential", "full"])
+@pytest.mark.parametrize("n", [2, 3, 4, 6, 8, 9, 16])
+def test_every_topology_mixes_with_a_symmetric_doubly_stochastic_matrix(topology, n):
+    w = dm.mixing_matrix(topology, n)
+    torch.testing.assert_close(w, w.T)
+    torch.testing.assert_close(w.sum(0), torch.ones(n, dtype=torch.float64))
+    torch.testing.assert_close(w.sum(1), torch.ones(n, dtype=torch.float64))
+    # connected: repeated mixing reaches the average
+    torch.testing.assert_close(torch.linalg.matrix_power(w, 2000), torch.full((n, n), 1.0 / n, dtype=torch.float64))
+
+
+def test_neighbourhoods():
+    assert dm.neighbours("ring", 8, 0) == [1, 7]
+    assert dm.neighbours("exponential", 8, 0) == [1, 2, 4, 6, 7]
+    assert dm.grid_shape(16) == (4, 4) and dm.neighbours("grid", 16, 5) == [1, 4, 6, 9]
+    assert dm.neighbours("ring", 2, 1) == [0] and dm.neighbours("full", 4, 2) == [0, 1, 3]
+
+
+def test_mode_options_are_checked():
+    assert data_mode(None).kind == "allreduce"
+    assert data_mode({"kind": "local_sgd", "sync_every": 4}) == DataMode("local_sgd", sync_every=4)
+    assert DataMode("gossip").to_dict() == {"kind": "gossip", "topology": "ring", "global_every": 0}
+    with pytest.raises(ConfigError, match="did you mean 'gossip'"):
+        data_mode("gosip")
+    with pytest.raises(ConfigError, match="(?s)sync_every do not apply to dp_mode 'gossip'.*local_sgd"):
+        DataMode("gossip", sync_every=3)
+    with pytest.raises(ConfigError, match="ratio must be a fraction"):
+        DataMode("compressed", ratio=0.0)
+    with pytest.raises(ConfigError, match="unknown dp_mode option 'sync'"):
+        data_mode({"kind": "local_sgd", "sync": 2})
+    with pytest.raises(ConfigError, match="needs its kind"):
+        data_mode({"sync_every": 2})
+
+
+def test_a_plan_file_carries_its_mode_and_refuses_a_bad_one():
+    plan = Plan(mesh={"dp": 2}, tp_axis=None, params={}, nodes={}, dp_axis="dp", dp_mode={"kind": "local_sgd", "sync_every": 8, "warmup": 0})
+    again = Plan.from_json(plan.to_json())
+    assert again.dp_mode == plan.dp_mode and again.summary()["dp_mode"] == "local_sgd"
+    text = plan.to_json().replace('"sync_every": 8', '"sync_every": 0')
+    with pytest.raises(PlanFileError, match="sync_every"):
+        Plan.from_json(text)
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(2, 4)
+
+
+@pytest.mark.parametrize("mesh, options, message", [
+    ({"dp": 2}, dict(dp_mode="gossip", zero_stage=3), "needs zero_stage=0"),
+    ({"dp": 2}, dict(dp_mode={"kind": "async"}, mixed_precision="fp16"), "fp16 loss scaling"),
+    ({"pp": 2}, dict(dp_mode="gossip"), "does not compose with a pipeline"),
+    ({"dp": 2, "ep": 2}, dict(dp_mode="compressed"), "does not compose with expert parallelism"),
+    ({"dp": 2}, dict(dp_mode="local_sgd_"), "did you mean 'local_sgd'"),
+])
+def test_modes_that_do_not_compose_are_refused_before_any_collective(mesh, options, message):
+    assert not dist.is_initialized()
+    with pytest.raises(ConfigError, match=message):
+        autopar.parallelize(nn.Linear(4, 4), mesh, (_x(),), **options)
