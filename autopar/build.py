@@ -421,7 +421,7 @@ def attach_mode(rt: Any, mode: DataMode) -> None:
     """Run data axis ``rt`` in ``mode`` (nothing to attach for all-reduce or a one-rank axis)."""
     from autopar.runtime.data_modes import ModeState
     if mode.kind != "allreduce" and rt.n > 1:
-        rt.modes = ModeState(mode, n=rt.n, rank=rt.rank, group_name=rt.group_name)
+        rt.modes = ModeState(mode, n=rt.n, rank=rt.rank, group_name=rt.group_name, device=rt.device)
 
 
 def unused_mode(mode: DataMode, dp: int) -> None:

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar import ckpt_integrity as integrity
+from autopar import ckpt_integrity as integrity, ckpt_modes
 from autopar.ckpt_integrity import latest
 from autopar.errors import AutoparInternalError, CheckpointError
 
@@ -332,8 +332,11 @@ def _write_items(model: nn.Module, optimizer: Any) -> tuple[dict, list, dict[str
     tensors: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
     items: list[WriteItem] = []
     objects: dict[str, Any] = {}
+    mode = ckpt_modes.mode_state(model)     # a data-axis mode: one replica per data-axis rank
 
     def add(key: str, lay: Layout, t: torch.Tensor) -> None:
+        if key.startswith(("model/", "optim/")):
+            lay, t = ckpt_modes.replica(mode, lay, t)
         t = t.detach()
         for offsets, sizes, view in lay.pieces(t):
             if (key, offsets) in tensors:
@@ -357,6 +360,7 @@ def _write_items(model: nn.Module, optimizer: Any) -> tuple[dict, list, dict[str
                 else:
                     objects[skey] = v
         objects["optim/param_groups"] = _groups_of(inner, entries)
+    ckpt_modes.save_items(mode, add, objects)
     return tensors, items, objects
 
 
@@ -385,10 +389,19 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike) -> dict:
     problems: list[str] = []
     after: list[Any] = []
 
+    mode = ckpt_modes.mode_state(model)
+
     def want(key: str, lay: Layout, t: torch.Tensor) -> None:
         saved = md.get(key)
         if not isinstance(saved, TensorStorageMetadata):
             problems.append(f"{key} is missing")
+            return
+        replicas = len(saved.size) == len(lay.shape) + 1 and tuple(saved.size)[1:] == tuple(lay.shape)
+        if replicas and mode is not None and key.startswith(("model/", "optim/")):
+            lay, t = ckpt_modes.replica(mode, lay, t)      # this data-axis rank's own copy
+        elif replicas:
+            problems.append(f"{key} holds {saved.size[0]} data-axis replicas (saved under a dp_mode other than "
+                            "all-reduce): load it under that dp_mode and data axis")
             return
         if tuple(saved.size) != tuple(lay.shape):
             problems.append(f"{key} is {list(saved.size)} there, {list(lay.shape)} here")
@@ -427,11 +440,13 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike) -> dict:
                         after.append((state, sname, prefix + sname))
                 inner.state[m] = state
             objects_wanted.append("optim/param_groups")
+        restore_mode = ckpt_modes.load_plan(mode, md, want, objects_wanted, problems)
         for key in objects_wanted:
             if key not in md:
                 problems.append(f"{key} is missing")
         _agree(problems, target, distributed)
         objects = integrity.read(reader, target, md, dests, objects_wanted, distributed)
+        restore_mode(objects)
         for state, sname, key in after:
             state[sname] = objects[key]
         if optimizer is not None:

@@ -126,8 +126,9 @@ class ModeState:
     """One data axis's mode: step count, error-feedback memory, queued async reductions and the
     bytes this rank sent (``sent_bytes``, cumulative: benchmarks read it)."""
 
-    def __init__(self, mode: DataMode, *, n: int, rank: int, group_name: str) -> None:
-        self.mode, self.n, self.rank, self.group_name = mode, n, rank, group_name
+    def __init__(self, mode: DataMode, *, n: int, rank: int, group_name: str,
+                 device: torch.device = torch.device("cpu")) -> None:
+        self.mode, self.n, self.rank, self.group_name, self.device = mode, n, rank, group_name, device
         self.steps = 0                                     # optimizer steps taken
         self.memory: dict[int, torch.Tensor] = {}          # bucket -> error-feedback residual
         self.issued: dict[int, int] = {}                   # bucket -> exchanges so far (seeds draws)
@@ -185,7 +186,7 @@ class ModeState:
         """The bucket's flat gradient once ``handle``'s exchange is done: the sum over the axis
         of the (pre-divided) gradients, or this rank's own one."""
         kind = handle[0]
-        if kind == "local":
+        if kind in ("local", "done"):       # a local gradient; an async one a checkpoint waited for
             return handle[1]
         if kind == "allreduce":
             return _c10d.wait_tensor(handle[1])

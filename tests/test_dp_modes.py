@@ -136,11 +136,51 @@ def _train(rank: int, world: int, mesh: dict, mode, placements=None) -> dict:
             "sent": rt.modes.sent_bytes if rt.modes is not None else None}
 
 
-def _cases2(rank: int, world: int) -> dict:
+def _cases2(rank: int, world: int, ckpt_dir: str) -> dict:
     out = {}
     for name, mode in CASES2.items():
         out[name] = _train(rank, world, {"dp": 2}, mode)
+    for name, mode in RESUME.items():
+        out[f"resume_{name}"] = _resume(rank, mode, f"{ckpt_dir}/{name}")
     return out
+
+
+RESUME = {"local_sgd": {"kind": "local_sgd", "sync_every": 3},
+          "topk": {"kind": "compressed", "compressor": "topk", "ratio": 0.3},
+          "async": {"kind": "async", "staleness": 2}}
+
+
+def _resume(rank: int, mode: dict, path: str) -> dict:
+    """Two steps, a checkpoint, two more; then a fresh model loads the checkpoint and takes the
+    same two steps: both must end with the same parameters, bit for bit."""
+    x, y = _data()
+    share = slice(rank * ROWS // 2, (rank + 1) * ROWS // 2)
+
+    def build():
+        pm = autopar.parallelize(_model(), {"dp": 2}, (x[0, share],), dp_mode=mode, zero_stage=0)
+        return pm, autopar.optimizer(pm, torch.optim.SGD, lr=LR, momentum=MOMENTUM)
+
+    def steps(pm, opt, ts):
+        for t in ts:
+            opt.zero_grad()
+            _mse(pm(x[t, share]), y[t, share]).backward()
+            opt.step()
+
+    pm, opt = build()
+    steps(pm, opt, [0, 1])
+    autopar.save(pm, opt, path, step=2)
+    steps(pm, opt, [2, 3])
+    again, again_opt = build()
+    autopar.load(again, again_opt, path)
+    steps(again, again_opt, [2, 3])
+    plain = autopar.parallelize(_model(), {"dp": 2}, (x[0, share],), zero_stage=0)
+    try:
+        autopar.load(plain, autopar.optimizer(plain, torch.optim.SGD, lr=LR), path)
+        refused = ""
+    except autopar.CheckpointError as e:
+        refused = str(e)
+    return {"first": {k: p.detach().clone() for k, p in pm.named_parameters()},
+            "resumed": {k: p.detach().clone() for k, p in again.named_parameters()}, "refused": refused}
 
 
 CASES2 = {
@@ -157,7 +197,9 @@ CASES2 = {
 
 def _world(size: int) -> dict:
     if size == 2:
-        return run_ranks(_cases2, 2, timeout_s=300)
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            return run_ranks(_cases2, 2, tmp, timeout_s=300)
     return run_ranks(_cases4, 4, timeout_s=300)
 
 
@@ -187,6 +229,17 @@ def test_modes_equal_their_simulation(world2, case):
         assert not torch.equal(world2[0][case]["local"]["up.weight"], world2[1][case]["local"]["up.weight"])
     plain = simulate({"kind": "allreduce"}, 1)[0]
     assert (sims[0]["up.weight"] - plain["up.weight"]).abs().max() > 1e-4     # the mode changed training
+
+
+@pytest.mark.parametrize("mode", sorted(RESUME))
+def test_a_checkpoint_resumes_every_replica_and_the_mode_state_exactly(world2, mode):
+    for rank in (0, 1):
+        got = world2[rank][f"resume_{mode}"]
+        _close(got["resumed"], got["first"], rtol=0)
+        assert "data-axis replicas" in got["refused"]
+    if mode == "local_sgd":       # saved between averages: the two replicas differed, and both came back
+        assert not torch.equal(world2[0]["resume_local_sgd"]["first"]["up.weight"],
+                               world2[1]["resume_local_sgd"]["first"]["up.weight"])
 
 
 def test_bytes_sent_follow_the_mode(world2):
