@@ -41,6 +41,7 @@ slowest rank's time. Every topology is regular and symmetric, so a rank receives
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -48,7 +49,7 @@ from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
 from autopar.dp_mode import DataMode
 from autopar.errors import ConfigError
-from autopar.runtime.data_modes import allgather_bytes, keep_count, neighbours, ring_allreduce_bytes
+from autopar.runtime.data_modes import QUANT_CHUNK, allgather_bytes, keep_count, neighbours, ring_allreduce_bytes
 
 DEFAULT_MODES: tuple[DataMode, ...] = (
     DataMode("local_sgd", sync_every=4), DataMode("local_sgd", sync_every=16),
@@ -191,10 +192,11 @@ def _price(mode: DataMode, lay: _Layout, m: int, grads: float, params: float, nu
                 f"gradients applied {mode.staleness} step(s) late; {UNMODELLED}", {})
     if mode.kind == "compressed":
         if mode.compressor == "quantize":
-            # an int8 per entry and one norm (the runtime's accounting), in two all-gathers
-            nbytes = allgather_bytes(numel + width, dp)
-            comm = lay.coll("all_gather", dp * float(numel)) + lay.coll("all_gather", dp * width)
-            calls, what = 2.0, f"{mode.levels} levels, an int8 per entry"
+            # an int8 per entry and an fp32 norm per QUANT_CHUNK entries (the runtime's accounting)
+            norms = 4.0 * math.ceil(numel / QUANT_CHUNK)
+            nbytes = allgather_bytes(numel + norms, dp)
+            comm = lay.coll("all_gather", dp * float(numel)) + lay.coll("all_gather", dp * norms)
+            calls, what = 2.0, f"{mode.levels} levels, an int8 per entry and a norm per {QUANT_CHUNK}"
         elif mode.compressor == "topk":
             k = keep_count(numel, mode.ratio) if numel else 0
             nbytes = allgather_bytes(k * (width + 4), dp)    # values and int32 indices

@@ -46,26 +46,56 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def randk_indices(numel: int, k: int, generator: torch.Generator) -> torch.Tensor:
     """``k`` distinct indices of ``numel``, drawn from ``generator`` (alike on every rank that
-    seeds it alike), sorted."""
+    seeds it alike), sorted. Draws a few more than ``k`` with replacement and keeps ``k`` of the
+    distinct ones at random (O(k log k), not a permutation of the whole bucket); falls back to a
+    permutation when too few were distinct."""
+    if 4 * k < numel:
+        drawn = torch.randint(numel, (k + k // 8 + 8,), generator=generator).unique()
+        if len(drawn) >= k:
+            return drawn[torch.randperm(len(drawn), generator=generator)[:k]].sort().values
     return torch.randperm(numel, generator=generator)[:k].sort().values
 
 
+QUANT_CHUNK = 512     # entries per norm: QSGD's bucketed norms keep the rounding's variance small
+
+
 def quantize(x: torch.Tensor, levels: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random rounding of ``|x| / ||x||`` to ``levels`` levels: (norm, int8 signed levels).
-    An entry at ``a`` levels (``l <= a < l + 1``) becomes ``l + 1`` with probability ``a - l``,
-    else ``l``, so :func:`dequantize` is unbiased: its expectation is ``x``."""
-    norm = torch.linalg.vector_norm(x)
-    if norm == 0:
-        return norm.reshape(1), torch.zeros(x.shape, dtype=torch.int8, device=x.device)
-    a = x.abs() / norm * levels
-    low = a.floor()
-    up = torch.rand(x.shape, generator=generator, dtype=a.dtype).to(x.device) < (a - low)
-    q = (low + up.to(a.dtype)).clamp_(max=levels) * x.sign()
-    return norm.reshape(1), q.to(torch.int8)
+    """Random rounding of ``|x| / ||chunk||`` to ``levels`` levels, chunk by chunk of
+    :data:`QUANT_CHUNK` entries: (one norm per chunk, int8 signed levels). An entry at ``a``
+    levels (``l <= a < l + 1``) becomes ``l + 1`` with probability ``a - l``, else ``l``, so
+    :func:`dequantize` is unbiased: its expectation is ``x``."""
+    n = x.numel()
+    chunks = -(-n // QUANT_CHUNK)
+    v = x.reshape(-1)
+    if n != chunks * QUANT_CHUNK:          # zeros after the last entry fill the last chunk
+        v = torch.cat([v, v.new_zeros(chunks * QUANT_CHUNK - n)])
+    v = v.view(chunks, QUANT_CHUNK)
+    norms = torch.linalg.vector_norm(v, dim=1)
+    scale = torch.where(norms > 0, levels / norms, torch.zeros_like(norms))
+    a = v.abs().mul_(scale[:, None])       # levels, as a real number
+    # floor(a + u), u uniform in [0, 1): l + 1 with probability a - l, else l
+    a.add_(torch.rand(a.shape, generator=generator, dtype=a.dtype).to(x.device)).floor_()
+    return norms, a.clamp_(max=levels).copysign_(v).view(-1)[:n].to(torch.int8)
 
 
-def dequantize(norm: torch.Tensor, q: torch.Tensor, levels: int, dtype: torch.dtype) -> torch.Tensor:
-    return q.to(dtype) * (norm.to(dtype) / levels)
+def dequantize(norms: torch.Tensor, q: torch.Tensor, levels: int, dtype: torch.dtype) -> torch.Tensor:
+    """The values ``q`` (from :func:`quantize`, with its per-chunk ``norms``) stand for."""
+    return dequantize_sum(norms.reshape(1, -1), q.reshape(1, -1), levels, dtype)
+
+
+def dequantize_sum(norms: torch.Tensor, qs: torch.Tensor, levels: int, dtype: torch.dtype) -> torch.Tensor:
+    """The sum over rows (ranks, in order) of what each row of ``qs`` with its row of ``norms``
+    stands for: one multiply-add per rank, chunk by chunk."""
+    numel, c = qs.shape[1], QUANT_CHUNK
+    full = numel // c
+    out = torch.zeros(numel, dtype=dtype, device=qs.device)
+    body, tail = out[:full * c].view(full, c), out[full * c:]
+    for r in range(qs.shape[0]):
+        scale = norms[r].to(dtype) / levels
+        body.addcmul_(qs[r, :full * c].view(full, c).to(dtype), scale[:full, None])
+        if len(tail):
+            tail.add_(qs[r, full * c:].to(dtype) * scale[full])
+    return out
 
 
 # -- gossip topologies -----------------------------------------------------------------------
@@ -160,10 +190,11 @@ class ModeState:
             p = buf
         if m.compressor == "quantize":
             norm, q = quantize(p, m.levels, gen)
+            norm = norm.to(torch.float32)       # as the others receive it: the residual is exact
             sent = dequantize(norm, q, m.levels, p.dtype)
             self._remember(bucket, p, sent)
-            self.sent_bytes += allgather_bytes(q.numel() + norm.numel() * norm.element_size(), self.n)
-            return ("quantize", _c10d.all_gather_into_tensor(norm.to(torch.float64), self.n, self.group_name),
+            self.sent_bytes += allgather_bytes(q.numel() + norm.numel() * 4, self.n)    # fp32 norms on the wire
+            return ("quantize", _c10d.all_gather_into_tensor(norm.to(torch.float32), self.n, self.group_name),
                     _c10d.all_gather_into_tensor(q, self.n, self.group_name), p.numel(), p.dtype)
         k = keep_count(p.numel(), m.ratio)
         if m.compressor == "randk":
@@ -199,11 +230,8 @@ class ModeState:
             vals, idx = _c10d.wait_tensor(vals), _c10d.wait_tensor(idx)
             return torch.zeros(numel, dtype=vals.dtype, device=vals.device).index_add_(0, idx.long(), vals)
         _, norms, qs, numel, dtype = handle
-        norms, qs = _c10d.wait_tensor(norms), _c10d.wait_tensor(qs).view(self.n, numel)
-        out = torch.zeros(numel, dtype=dtype, device=qs.device)
-        for r in range(self.n):      # rank order, so every rank sums alike
-            out += dequantize(norms[r], qs[r], self.mode.levels, dtype)
-        return out
+        norms, qs = _c10d.wait_tensor(norms).view(self.n, -1), _c10d.wait_tensor(qs).view(self.n, numel)
+        return dequantize_sum(norms, qs, self.mode.levels, dtype)      # in rank order: alike everywhere
 
     # -- async --------------------------------------------------------------------------------
     def defer(self, bucket: int, handle: Any) -> None:

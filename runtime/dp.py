@@ -221,14 +221,20 @@ class _Token:
     offset: int
 
 
-def row_weight(rows: int, rt: "DPRuntime") -> torch.Tensor | None:
+def row_count_issue(rows: int, rt: "DPRuntime") -> torch.Tensor:
+    """Start summing the ranks' row counts (for :func:`row_weight`): issued before forward
+    runs, it travels while forward computes."""
+    counts = torch.tensor([float(rows)], dtype=torch.float64, device=rt.device)
+    return _c10d.all_reduce_(counts, "sum", rt.group_name)
+
+
+def row_weight(rows: int, rt: "DPRuntime", pending: torch.Tensor | None = None) -> torch.Tensor | None:
     """The weight of a rank holding ``rows`` of the batch among ``rt``'s ranks: ``rows * n /
     total rows``, so that averaging gradients over the ranks gives the global batch's mean
-    when each rank's loss is the mean over its rows (one small all-reduce). None when every
-    rank holds as many rows (known without waiting on a CPU group; on GPUs the weight stays a
-    device tensor, 1.0 when even)."""
-    counts = torch.tensor([float(rows)], dtype=torch.float64, device=rt.device)
-    counts = _c10d.wait_tensor(_c10d.all_reduce_(counts, "sum", rt.group_name))
+    when each rank's loss is the mean over its rows (one small all-reduce, ``pending`` when
+    :func:`row_count_issue` started it). None when every rank holds as many rows (known
+    without waiting on a CPU group; on GPUs the weight stays a device tensor, 1.0 when even)."""
+    counts = _c10d.wait_tensor(pending if pending is not None else row_count_issue(rows, rt))
     weight = (counts.reciprocal() * (rows * rt.n)).reshape(())
     if weight.device.type == "cpu" and weight.item() == 1.0:
         return None

@@ -28,7 +28,7 @@ from torch.distributed.tensor import Shard as DShard
 from torch.utils import _pytree as pytree
 
 from autopar.errors import InputMismatchError
-from autopar.runtime.dp import DPRuntime, row_weight, shard_range
+from autopar.runtime.dp import DPRuntime, row_count_issue, row_weight, shard_range
 from autopar.runtime.health import note_step
 from autopar.passes.meta import evaluate, graph_info, info
 from autopar.placement import Shard, parse
@@ -159,6 +159,7 @@ class ParallelModule(nn.Module):
         state.update(dict(self.named_buffers(remove_duplicate=False)))
         inputs = iter(flat)
         call = [state[fqn] if kind in ("param", "buffer", "constant") else next(inputs) for _, kind, fqn in self._order]
+        counting = self._row_count(flat)      # the ranks' rows, summed while forward runs
         with contextlib.ExitStack() as stack:
             for rt in self._dps:          # ZeRO-3: whole parameters autograd saves become tokens
                 stack.enter_context(rt.saving())
@@ -166,7 +167,7 @@ class ParallelModule(nn.Module):
                 stack.enter_context(torch.autocast(self._dps[0].device.type, dtype=self._dps[0].compute_dtype))
             outs = self._run(gm, call)
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-        weight = self._row_weight(flat)
+        weight = row_weight(counting[0], counting[1], counting[2]) if counting is not None else None
         if weight is not None:
             outs = [_weighted(o, weight) for o in outs]
         user = []
@@ -178,11 +179,13 @@ class ParallelModule(nn.Module):
                 user.append(value)
         return pytree.tree_unflatten(user, ginfo.out_spec) if ginfo.out_spec is not None else tuple(user)
 
-    def _row_weight(self, flat: list) -> torch.Tensor | None:
+    def _row_count(self, flat: list) -> tuple | None:
         """Uneven shares of the batch: the data axis averages gradients over ranks, which is the
         mean over rows only when every rank has as many. Each rank's gradients are weighted by
         ``rows * ranks / total rows`` (applied to the gradients reaching its outputs), so the
-        average is the global batch's mean, as one process computes it. None when even."""
+        average is the global batch's mean, as one process computes it. Returns (rows, runtime,
+        the pending sum of rows) for :func:`~autopar.runtime.dp.row_weight` after forward; None
+        without a data axis or gradients."""
         rt = max(self._dps, key=lambda r: r.n, default=None)
         if rt is None or rt.n == 1 or not torch.is_grad_enabled():
             return None
@@ -191,7 +194,7 @@ class ParallelModule(nn.Module):
             rows = flat[where[0]].shape[where[1]]
         else:
             rows = next((t.shape[0] for t in flat if isinstance(t, torch.Tensor) and t.dim()), 1)
-        return row_weight(rows, rt)
+        return rows, rt, row_count_issue(rows, rt)
 
     def _flatten(self, ginfo: Any, args: tuple, kwargs: dict) -> list:
         """The call's leaves in the order the graph takes them: keyword inputs in the captured

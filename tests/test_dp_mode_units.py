@@ -33,21 +33,31 @@ def test_randk_draws_distinct_indices_alike_for_the_same_seed():
 
 def test_random_quantization_is_unbiased_and_on_its_levels():
     torch.manual_seed(0)
-    x = torch.randn(16, dtype=torch.float64)
-    levels, draws = 5, 20000
+    n, levels, draws = 2 * dm.QUANT_CHUNK + 100, 5, 3000        # two whole chunks and a partial one
+    x = torch.randn(n, dtype=torch.float64)
+    chunks = [x[i:i + dm.QUANT_CHUNK] for i in range(0, n, dm.QUANT_CHUNK)]
     g = torch.Generator().manual_seed(0)
     total = torch.zeros_like(x)
-    for _ in range(draws):
-        norm, q = dm.quantize(x, levels, g)
-        assert q.dtype == torch.int8 and q.abs().max() <= levels
-        assert torch.equal(q.sign() * x.sign() >= 0, torch.ones(16, dtype=torch.bool))   # signs kept
-        total += dm.dequantize(norm, q, levels, torch.float64)
-    # each entry's rounding has variance <= (norm / levels)^2 / 4: 5 standard errors of the mean
-    bound = 5 * (x.norm() / levels / 2) / draws ** 0.5
-    assert (total / draws - x).abs().max() < bound
+    for i in range(draws):
+        norms, q = dm.quantize(x, levels, g)
+        total += dm.dequantize(norms, q, levels, torch.float64)
+        if i == 0:       # one norm per chunk; levels in [-levels, levels], signs kept
+            torch.testing.assert_close(norms, torch.stack([c.norm() for c in chunks]))
+            assert q.dtype == torch.int8 and q.abs().max() <= levels and bool((q * x.sign() >= 0).all())
+    # each entry's rounding has variance <= (its chunk's norm / levels)^2 / 4: 5 standard errors
+    bound = torch.cat([torch.full_like(c, 5 * c.norm().item() / levels / 2 / draws ** 0.5) for c in chunks])
+    assert bool(((total / draws - x).abs() < bound).all())
     assert (dm.dequantize(*dm.quantize(x, levels, g), levels, torch.float64) - x).abs().max() > 0   # not exact
     zero_norm, zero_q = dm.quantize(torch.zeros(4), levels, g)
     assert zero_norm.item() == 0 and not zero_q.any()
+
+
+def test_randk_indices_stay_uniform():
+    g = torch.Generator().manual_seed(0)
+    hits = torch.zeros(1000)
+    for _ in range(400):
+        hits[dm.randk_indices(1000, 10, g)] += 1
+    assert hits.sum() == 4000 and hits.max() <= 14      # about 4 each: no index favoured
 
 
 @pytest.mark.parametrize("compressor", ["topk", "randk", "quantize"])
@@ -59,11 +69,11 @@ def test_error_feedback_memory_keeps_exactly_what_was_not_sent(fake_world, compr
     carried = torch.zeros(40, dtype=torch.float64)
     for _ in range(3):
         buf = torch.randn(40, generator=g, dtype=torch.float64)
-        state.issue(0, buf.clone())
+        state.finish(state.issue(0, buf.clone()))     # the fake group answers at once
         memory, p = state.memory[0], buf + carried      # p: the gradient with the carried residual
         sent = p - memory                                  # what the memory says was sent
         if compressor == "quantize":    # whole multiples of ||p|| / levels, at most levels of them
-            steps = sent / (p.norm() / 5)
+            steps = sent / (p.norm().float().double() / 5)      # one chunk of 40; its norm travels in fp32
             torch.testing.assert_close(steps, steps.round(), rtol=0, atol=1e-9)
             assert steps.abs().max() <= 5 and (steps.round() != 0).any()
         else:                           # exactly k = 25 % of 40 entries, p's own values there
