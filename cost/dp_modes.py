@@ -262,7 +262,7 @@ def worth_showing(price: ModePrice, step_time_s: float, threshold: float = 0.10)
 # ResNet-50 (torchvision): 25,557,032 parameters
 RESNET50_NUMEL = 25_557_032
 PUBLISHED_RESNET50 = {"allreduce_s": 0.278, "partial_average_s": 0.150,
-                      "source": "figures quoted in the issue from the decentralized SGD literature: ResNet-50 on "
+                      "source": "published figures from the decentralized SGD literature: ResNet-50 on "
                                 "256 GPUs, ring all-reduce vs a partial (gossip) average, per iteration"}
 
 
