@@ -256,7 +256,12 @@ def test_bytes_sent_follow_the_mode(world2):
 CASES4 = {
     "gossip_full4": {"kind": "gossip", "topology": "full"},
     "gossip_ring4": {"kind": "gossip", "topology": "ring"},
-    "gossip_grid4_pga": {"kind": "gossip", "topology": "exponential", "global_every": 3},
+    "gossip_grid4_pga": {"kind": "gossip", "topology": "grid", "global_every": 3},   # 2 x 2 torus: 2 neighbours
+}
+TP_EXACT = {   # on dp 2 x tp 2, each equal to plain data parallelism
+    "gossip_tp": {"kind": "gossip", "topology": "ring"},
+    "topk_tp": {"kind": "compressed", "compressor": "topk", "ratio": 1.0},
+    "async_tp": {"kind": "async", "staleness": 0},
 }
 TP_SPLIT = {"up.weight": "S(0)", "up.bias": "S(0)", "down.weight": "S(1)"}
 GPT = {"layers": 2, "hidden": 16, "heads": 2, "vocab": 32, "max_seq": 8}
@@ -292,6 +297,8 @@ def _cases4(rank: int, world: int) -> dict:
     out = {name: _train(rank, world, {"dp": 4}, mode) for name, mode in CASES4.items()}
     out["local_sgd_tp"] = _train(rank, world, {"dp": 2, "tp": 2}, {"kind": "local_sgd", "sync_every": 2},
                                  placements=TP_SPLIT)
+    for name, mode in TP_EXACT.items():
+        out[name] = _train(rank, world, {"dp": 2, "tp": 2}, mode, placements=TP_SPLIT)
     out["pp_h1"] = _pipeline(rank, 1)
     out["pp_h3"] = _pipeline(rank, 3)
     out["converge"] = _converge_all(rank, world)
@@ -309,8 +316,10 @@ def test_gossip_equals_its_mixing_simulation(world4, case):
     sims = simulate(CASES4[case], 4)
     for rank in range(4):
         _close(world4[rank][case]["local"], sims[rank])
-    # a ring of four mixes only neighbours: rank 0 and rank 2 still differ after every step
-    assert not torch.equal(world4[0][case]["local"]["up.weight"], world4[2][case]["local"]["up.weight"])
+    # rank 0 does not mix with rank 2 (ring) or rank 3 (2 x 2 torus) directly: they still differ
+    far = 2 if case == "gossip_ring4" else 3
+    gap = (world4[0][case]["local"]["up.weight"] - world4[far][case]["local"]["up.weight"]).abs().max()
+    assert gap > 1e-4
 
 
 def test_local_sgd_composes_with_a_split_tensor_axis(world4):
@@ -320,6 +329,15 @@ def test_local_sgd_composes_with_a_split_tensor_axis(world4):
         assert got["local"]["up.weight"].shape == (4, FEATURES)       # split on tp: 8 rows / 2
         assert got["local"]["down.weight"].shape == (1, 4)
         _close(got["state"], sims[rank // 2])          # whole values, as the rank's dp copy holds them
+
+
+@pytest.mark.parametrize("case", sorted(TP_EXACT))
+def test_the_other_modes_compose_with_a_split_tensor_axis(world4, case):
+    ref = simulate({"kind": "allreduce"}, 1)[0]
+    for rank in range(4):
+        got = world4[rank][case]
+        assert got["local"]["up.weight"].shape == (4, FEATURES)
+        _close(got["state"], ref)
 
 
 def test_local_sgd_composes_with_a_pipeline(world4):
