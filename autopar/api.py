@@ -14,6 +14,7 @@ from torch import nn
 from autopar.agreement import check_agreement
 from autopar.build import build_dense, build_experts, build_pipeline
 from autopar.checks import check_devices, check_fits, memory_bytes
+from autopar.runtime.compiled import backend_of, check_compile
 from autopar.dp_mode import DataMode, check_composes, data_mode
 from autopar.errors import ConfigError, InputMismatchError, OptimizerError
 from autopar.passes.meta import graph_info
@@ -84,7 +85,7 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
                 loss_fn: Any = None, schedule: str | None = None, microbatches: int | None = None,
                 virtual_stages: int | None = None, calibration: Any = None, expert_placement: str = "balanced",
                 capacity_factor: float | None = None, recompute: str = "none",
-                placements: Mapping[str, str] | None = None, dp_mode: Any = None):
+                placements: Mapping[str, str] | None = None, dp_mode: Any = None, compile: Any = False):
     """Split ``model`` over ``mesh`` and return this rank's parallel module (built by
     :mod:`autopar.build`: a :class:`ParallelModule`, or a ``PipelineModule`` with a pp axis).
 
@@ -133,6 +134,11 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
     "sync_every": 4}``) or an :class:`autopar.DataMode`; with ZeRO-0 on ``dp`` and ``dp x tp``
     meshes (``local_sgd`` also with a pipeline).
 
+    ``compile=True`` runs each rank's rewritten graph (each pipeline stage's) through
+    ``torch.compile`` with inductor (``"aot_eager"`` or ``"eager"`` name another backend): the
+    tensor axis's collectives stay in the compiled graph, the data axis's run eagerly between
+    compiled pieces (``runtime/compiled.py``); not with ``recompute``.
+
     ``placements`` (dp/tp meshes) forces how parameters are stored on the tensor axis, as in
     :func:`plan`. Bad input raises an :class:`~autopar.errors.AutoparError` subclass before
     any collective: MeshError, PlanFileError, ShardingError, DoesNotFitError, UnsupportedError.
@@ -173,6 +179,8 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
                                                  bucket_bytes=bucket_bytes)),
                    ("expert parallelism", experts, dict(placements=placements, sizes=sizes, bucket_bytes=bucket_bytes)))
     _check_mixed_precision(mixed_precision, plan)
+    backend = backend_of(compile)
+    check_compile(backend, recompute)
     mode = _data_mode(dp_mode, plan)
     check_composes(mode, zero_stage=plan.zero_stage if plan is not None else zero_stage, pipeline=pipelined,
                    experts=experts, mixed_precision=mixed_precision or (plan.mixed_precision if plan else None))
@@ -193,22 +201,33 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
                                       schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
                                       expert_placement=expert_placement, capacity_factor=capacity_factor,
                                       recompute=recompute, placements=placements, dp_mode=mode.to_dict(),
+                                      compile=backend,
                                       inputs=[(k, _input_form(v)) for k, v in
                                               [*enumerate(args), *sorted(kwargs.items())]]))
     if pipelined:
-        return build_pipeline(model, mesh, args, loss_fn=loss_fn, schedule=schedule, microbatches=microbatches,
-                              virtual_stages=virtual_stages, hardware=hardware, memory_budget=memory_budget,
-                              sync_params=sync_params, zero_stage=zero_stage, plan=plan, recompute=recompute,
-                              example_kwargs=kwargs, mixed_precision=mixed_precision, dp_mode=mode)
-    if experts:
-        return build_experts(model, mesh, args, hardware=hardware, memory_budget=memory_budget,
-                             sync_params=sync_params, calibration=calibration, placement=expert_placement,
-                             dims=dims, capacity_factor=capacity_factor, example_kwargs=kwargs, plan=plan,
-                             zero_stage=zero_stage, recompute=recompute, mixed_precision=mixed_precision)
-    return build_dense(model, mesh, args, kwargs, plan=plan, dims=dims, hardware=hardware,
-                       memory_budget=memory_budget, sizes=sizes, sync_params=sync_params, zero_stage=zero_stage,
-                       overlap=overlap, bucket_bytes=bucket_bytes, mixed_precision=mixed_precision,
-                       recompute=recompute, placements=placements, dp_mode=mode)
+        pm = build_pipeline(model, mesh, args, loss_fn=loss_fn, schedule=schedule, microbatches=microbatches,
+                            virtual_stages=virtual_stages, hardware=hardware, memory_budget=memory_budget,
+                            sync_params=sync_params, zero_stage=zero_stage, plan=plan, recompute=recompute,
+                            example_kwargs=kwargs, mixed_precision=mixed_precision, dp_mode=mode)
+    elif experts:
+        pm = build_experts(model, mesh, args, hardware=hardware, memory_budget=memory_budget,
+                           sync_params=sync_params, calibration=calibration, placement=expert_placement,
+                           dims=dims, capacity_factor=capacity_factor, example_kwargs=kwargs, plan=plan,
+                           zero_stage=zero_stage, recompute=recompute, mixed_precision=mixed_precision)
+    else:
+        pm = build_dense(model, mesh, args, kwargs, plan=plan, dims=dims, hardware=hardware,
+                         memory_budget=memory_budget, sizes=sizes, sync_params=sync_params, zero_stage=zero_stage,
+                         overlap=overlap, bucket_bytes=bucket_bytes, mixed_precision=mixed_precision,
+                         recompute=recompute, placements=placements, dp_mode=mode)
+    return _compiled(pm, backend)
+
+
+def _compiled(pm: Any, backend: str | None) -> Any:
+    """The built module with its graphs (a pipeline's stage graphs) compiled with ``backend``."""
+    if backend is not None:
+        for part in getattr(pm, "stages", None) or [pm]:
+            part.set_compile(backend)
+    return pm
 
 
 def _data_mode(dp_mode: Any, plan: Plan | None) -> DataMode:

@@ -93,6 +93,11 @@ class StageModule(nn.Module):
     def graph_module(self) -> fx.GraphModule:
         return self._graph[0]
 
+    def set_compile(self, backend: str | None) -> None:
+        """Run this stage's graph through ``torch.compile`` (runtime/compiled.py)."""
+        from autopar.runtime.compiled import compile_graph
+        self._compiled = compile_graph(self.graph_module, backend) if backend else None
+
     def set_recompute(self, mode: str, layers: Sequence[str] = ()) -> None:
         """Checkpoint this stage's share of ``layers`` (``full``) or its attention cores
         (``selective``); see runtime/recompute.py."""
@@ -153,6 +158,8 @@ class StageModule(nn.Module):
             if self._recompute:
                 from autopar.runtime.recompute import run
                 outs = run(self.graph_module, call, self._recompute)
+            elif getattr(self, "_compiled", None) is not None:
+                outs = self._compiled(*call)
             else:
                 outs = self.graph_module(*call)
         outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)

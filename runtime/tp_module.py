@@ -228,9 +228,17 @@ class ParallelModule(nn.Module):
         when backward recomputes them."""
         where = getattr(self, "_recompute", None)
         if not where:
-            return gm(*call)
+            compiled = getattr(self, "_compiled", None)
+            return compiled(*call) if compiled is not None else gm(*call)
         from autopar.runtime.recompute import run
         return run(gm, call, where, [rt for rt in self._dps if rt.stage == 3])
+
+    def set_compile(self, backend: str | None) -> None:
+        """Run the graph through ``torch.compile`` with ``backend`` (None: eagerly); see
+        runtime/compiled.py."""
+        from autopar.runtime.compiled import compile_graph
+        self._compiled = compile_graph(self.graph_module, backend) if backend else None
+        self.compiled = backend
 
     def set_recompute(self, mode: str) -> None:
         """``none``, ``selective`` (attention cores) or ``full`` (every layer) recomputation."""

@@ -1,0 +1,78 @@
+"""``parallelize(..., compile=True)``: each rank's rewritten graph through ``torch.compile``.
+
+What a rank runs is already one ATen graph with its communication as nodes, so it is handed to
+``torch.compile`` as it is (inductor by default: C++/OpenMP kernels on CPU, Triton on GPUs):
+
+- the tensor axis's ``autopar::redistribute`` is a registered custom op (a fake
+  implementation and a backward), so it stays inside the compiled graph as one opaque node and
+  its collectives run where the graph puts them;
+- the data axis's nodes (``grad_reduce_issue``/``wait``, ZeRO-3's ``param_gather_*``), expert
+  exchanges and synchronised BatchNorm are Python functions with side effects on a runtime
+  (buckets, queues, tokens); each runs eagerly between compiled pieces (``torch._dynamo.disable``
+  on a copy of the graph, so the eager graph and every pass that reads it are untouched);
+- recomputation is not compiled: ``compile=True`` with ``recompute`` other than ``"none"``
+  raises (its regions run through an interpreter that checkpoints them one by one).
+
+Compilation happens on the first call of each input shape (``dynamic=False``: a new shape, an
+uneven last batch, compiles once more). Fusion may reorder floating-point sums; in float64 the
+compiled model still equals the single-process one to round-off (``tests/test_compile.py``).
+"""
+from __future__ import annotations
+
+import types
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from autopar.errors import ConfigError
+
+BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+def backend_of(compile: Any) -> str | None:
+    """The ``torch.compile`` backend ``parallelize(compile=...)`` asks for: None for False."""
+    if compile is False or compile is None:
+        return None
+    if compile is True:
+        return "inductor"
+    if compile in BACKENDS:
+        return compile
+    raise ConfigError("compile must be True, False or a torch.compile backend name", where="parallelize(compile=...)",
+                      expected=" | ".join(("True", "False", *BACKENDS)), got=repr(compile),
+                      fix="compile=True compiles with inductor; 'aot_eager' traces without generating kernels")
+
+
+def _traced(fn: Any) -> bool:
+    """Whether dynamo may trace into ``fn``: pure tensor code (autopar's local ops), not the
+    runtime functions with side effects."""
+    from autopar.runtime.collectives import LOCAL_OPS
+    return fn in LOCAL_OPS.values()
+
+
+def eager_islands(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose autopar Python functions run eagerly under ``torch.compile``."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        new = graph.node_copy(node, lambda n: env[n])
+        target = node.target
+        if (node.op == "call_function" and isinstance(target, types.FunctionType)
+                and target.__module__.startswith("autopar") and not _traced(target)):
+            new.target = torch._dynamo.disable(target)
+        env[node] = new
+    out = fx.GraphModule(gm, graph)
+    out.meta = dict(getattr(gm, "meta", {}))
+    return out
+
+
+def compile_graph(gm: fx.GraphModule, backend: str) -> Callable:
+    """``gm`` compiled with ``backend`` (see the module docstring): called like ``gm``."""
+    return torch.compile(eager_islands(gm), backend=backend, dynamic=False)
+
+
+def check_compile(backend: str | None, recompute: str) -> None:
+    if backend is not None and recompute != "none":
+        raise ConfigError("compile=True does not compose with recomputation", where="parallelize(compile=...)",
+                          got=f"recompute={recompute!r}", fix="use recompute='none' with compile=True, or leave "
+                          "compile off to recompute (its regions run through autopar's checkpointing interpreter)")
