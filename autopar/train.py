@@ -204,7 +204,7 @@ def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: i
     pipeline = dict(loss_fn=_loss, schedule=cfg["schedule"], microbatches=batch // dp // cfg["micro_batch"],
                     virtual_stages=cfg["virtual"] if cfg["schedule"] == "interleaved" else None) if pp > 1 else {}
     pm = autopar.parallelize(model, mesh, local, zero_stage=cfg["zero_stage"], recompute=cfg["recompute"],
-                             mixed_precision=cfg.get("precision"),
+                             mixed_precision=cfg.get("precision"), compile=cfg.get("compile", False),
                              memory_budget=budget, **pipeline)
     opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
@@ -305,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                     "reference_loss, step_s, tokens_per_s, tflops_per_rank, mfu, peak_memory_bytes, "
                     "predicted_step_s, predicted_peak_memory_bytes, ...), after a first line "
                     '{"kind": "config", ...} with the configuration; each line is flushed as its step ends')
+    ap.add_argument("--compile", action="store_true", help="run each rank's graph through torch.compile "
+                    "(inductor); the first step then includes the compilation")
     ap.add_argument("-q", "--quiet", action="store_true",
                     help="no progress bar nor progress lines, and no warnings, on stderr (errors still print; the "
                     "bar is only drawn when stderr is a terminal)")
@@ -326,6 +328,12 @@ def _train(args: argparse.Namespace) -> int:
     from autopar.runtime.launch import run_ranks
 
     name, over, cfg, batch, score = _from_plan(args) if args.plan else _from_search(args)
+    if args.compile:
+        if cfg["recompute"] != "none":
+            raise ConfigError("--compile does not compose with the plan's recomputation", where="autopar train --compile",
+                              got=f"recompute={cfg['recompute']}", fix="drop --compile, or use a plan without "
+                              "recomputation (autopar plan ... --recompute none --save-plan)")
+        cfg["compile"] = True        # the first step includes inductor's compilation
     world = cfg["dp"] * cfg["tp"] * cfg["pp"]
     save = os.path.abspath(args.save) if args.save else None
     resume = os.path.abspath(args.resume) if args.resume else None
