@@ -89,12 +89,6 @@ class DataMode:
                               fix=f"drop them, or pick the mode they belong to "
                                   f"({', '.join(sorted({m for k in given for m, o in OPTIONS.items() if k in o}))})")
 
-    @property
-    def exact(self) -> bool:
-        """Whether this mode computes what all-reduce computes (its degenerate settings)."""
-        return (self.kind == "allreduce" or (self.kind == "local_sgd" and self.sync_every == 1)
-                or (self.kind == "async" and self.staleness == 0))
-
     def to_dict(self) -> dict[str, Any]:
         """The kind and the options it reads (what a plan file stores)."""
         return {"kind": self.kind, **{k: getattr(self, k) for k in OPTIONS[self.kind]}}
