@@ -120,8 +120,14 @@ def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, group_
     """Look up ``indices`` in this rank's rows ``[r*V/n, (r+1)*V/n)`` of the embedding;
     ids owned by other ranks give zeros. Summed over ranks (a ``Partial`` value) this is
     the whole embedding lookup."""
+    return vocab_parallel_embedding_at(weight, indices, _group_rank(group_name))
+
+
+def vocab_parallel_embedding_at(weight: torch.Tensor, indices: torch.Tensor, rank: int) -> torch.Tensor:
+    """:func:`vocab_parallel_embedding` on the rank ``rank`` of its group (what a compiled graph
+    calls: the rank is a constant there, so tracing needs no process-group lookup)."""
     rows = weight.shape[0]
-    start = _group_rank(group_name) * rows
+    start = rank * rows
     owned = (indices >= start) & (indices < start + rows)
     local = torch.where(owned, indices - start, torch.zeros_like(indices))
     return torch.nn.functional.embedding(local, weight) * owned.unsqueeze(-1).to(weight.dtype)

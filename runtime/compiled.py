@@ -54,10 +54,14 @@ def eager_islands(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` whose autopar Python functions run eagerly under ``torch.compile``."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
+    from autopar.runtime.collectives import _group_rank, vocab_parallel_embedding, vocab_parallel_embedding_at
     for node in gm.graph.nodes:
         new = graph.node_copy(node, lambda n: env[n])
         target = node.target
-        if (node.op == "call_function" and isinstance(target, types.FunctionType)
+        if target is vocab_parallel_embedding:      # its group's rank, looked up once, is a constant
+            new.target = vocab_parallel_embedding_at
+            new.args = (*new.args[:2], _group_rank(node.args[2]))
+        elif (node.op == "call_function" and isinstance(target, types.FunctionType)
                 and target.__module__.startswith("autopar") and not _traced(target)):
             new.target = torch._dynamo.disable(target)
         env[node] = new

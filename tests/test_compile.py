@@ -1,8 +1,9 @@
 """``parallelize(..., compile=True)`` (``runtime/compiled.py``): each rank's graph through
 inductor on real gloo ranks computes what one process computes.
 
-One 2-rank world runs every case: the data axis at ZeRO-0 and ZeRO-3, a tensor axis with
-forced weight splits, a pipeline and an expert axis. Each trains three SGD-momentum steps in
+One 2-rank world runs every case: the data axis at ZeRO-0 and ZeRO-3, a tensor axis with every
+weight split that can be (the embedding by vocabulary rows too: the tensor-axis graph compiles
+without a break), a pipeline and an expert axis. Each trains three SGD-momentum steps in
 float64 beside a single-process copy on the whole batch; the losses and every parameter after
 the steps must agree to 1e-10 relative (fusion may reorder floating-point sums: in float64 that
 is round-off far below the bound), 1e-6 for the expert model, whose router runs in float32. Each case also checks that inductor really compiled the
@@ -32,15 +33,16 @@ def _ce(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out.flatten(0, -2), target.flatten())
 
 
-def _counts() -> tuple[int, int]:
+def _counts() -> tuple[int, int, int]:
     from torch._dynamo.utils import counters
-    return counters["stats"]["unique_graphs"], sum(counters["inductor"].values())
+    return (counters["stats"]["unique_graphs"], sum(counters["inductor"].values()),
+            sum(counters["graph_break"].values()))
 
 
 def _case(name: str) -> dict:
     rank = dist.get_rank()
     torch.manual_seed(0)
-    kind = {"pp": "gpt", "ep": "moe"}.get(name, "mlp")
+    kind = {"pp": "gpt", "tp": "gpt", "ep": "moe"}.get(name, "mlp")
     if kind == "mlp":
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8)).double()
         x, target = torch.randn(4, 8, dtype=torch.float64), torch.randint(0, 8, (4,))
@@ -52,7 +54,7 @@ def _case(name: str) -> dict:
     mesh, options = {
         "dp0": ({"dp": 2}, dict(zero_stage=0)),
         "dp3": ({"dp": 2}, dict(zero_stage=3)),
-        "tp": ({"tp": 2}, dict(placements={"0.weight": "S(0)", "0.bias": "S(0)", "2.weight": "S(1)"})),
+        "tp": ({"tp": 2}, dict(memory_budget=1)),          # every weight that can split does, the vocabulary too
         "pp": ({"pp": 2}, dict(loss_fn=_ce, schedule="1f1b", microbatches=2)),
         "ep": ({"ep": 2}, {}),
     }[name]
@@ -95,7 +97,7 @@ def _case(name: str) -> dict:
     split = sum(1 for fqn, _ in pm.named_parameters() if str(pm.placement_of(fqn)).startswith("S(")) \
         if name == "tp" else None
     return {"loss_err": loss_err, "param_err": param_err, "graphs": after[0] - before[0],
-            "inductor": after[1] - before[1], "split": split}
+            "inductor": after[1] - before[1], "breaks": after[2] - before[2], "split": split}
 
 
 CASES = ["dp0", "dp3", "tp", "pp", "ep"]
@@ -122,8 +124,8 @@ def test_compiled_ranks_match_one_process(results, name):
         got = r[name]
         assert got["loss_err"] < TOL[name] and got["param_err"] < TOL[name], got
         assert got["graphs"] >= 1 and got["inductor"] >= 1, got     # dynamo captured, inductor compiled
-    if name == "tp":
-        assert results[0]["tp"]["split"] == 3
+    if name == "tp":     # the vocabulary-sharded embedding and every collective inside one graph
+        assert results[0]["tp"]["split"] >= 8 and all(r["tp"]["breaks"] == 0 for r in results), results[0]["tp"]
 
 
 def test_compile_refuses_what_it_cannot_do():
