@@ -123,9 +123,9 @@ def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, group_
     return vocab_parallel_embedding_at(weight, indices, _group_rank(group_name))
 
 
-def vocab_parallel_embedding_at(weight: torch.Tensor, indices: torch.Tensor, rank: int) -> torch.Tensor:
+def vocab_parallel_embedding_at(weight: torch.Tensor, indices: torch.Tensor, rank: int | torch.Tensor) -> torch.Tensor:
     """:func:`vocab_parallel_embedding` on the rank ``rank`` of its group (what a compiled graph
-    calls: the rank is a constant there, so tracing needs no process-group lookup)."""
+    calls, with the rank in a buffer: tracing needs no process-group lookup)."""
     rows = weight.shape[0]
     start = rank * rows
     owned = (indices >= start) & (indices < start + rows)

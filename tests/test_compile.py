@@ -2,8 +2,10 @@
 inductor on real gloo ranks computes what one process computes.
 
 One 2-rank world runs every case: the data axis at ZeRO-0 and ZeRO-3, a tensor axis with every
-weight split that can be (the embedding by vocabulary rows too: the tensor-axis graph compiles
-without a break), a pipeline and an expert axis. Each trains three SGD-momentum steps in
+weight split that can be (the embedding by vocabulary rows too), a pipeline and an expert axis.
+With the tensor axis's collectives inside the compiled graph, inductor computed this GPT's
+steps wrong (loss 1.7 %, parameters 200 % off); they are graph breaks now, and this case is
+what would catch it again. Each trains three SGD-momentum steps in
 float64 beside a single-process copy on the whole batch; the losses and every parameter after
 the steps must agree to 1e-10 relative (fusion may reorder floating-point sums: in float64 that
 is round-off far below the bound), 1e-6 for the expert model, whose router runs in float32. Each case also checks that inductor really compiled the
@@ -124,8 +126,8 @@ def test_compiled_ranks_match_one_process(results, name):
         got = r[name]
         assert got["loss_err"] < TOL[name] and got["param_err"] < TOL[name], got
         assert got["graphs"] >= 1 and got["inductor"] >= 1, got     # dynamo captured, inductor compiled
-    if name == "tp":     # the vocabulary-sharded embedding and every collective inside one graph
-        assert results[0]["tp"]["split"] >= 8 and all(r["tp"]["breaks"] == 0 for r in results), results[0]["tp"]
+    if name == "tp":     # every weight that can split did; compiled pieces between the collectives
+        assert results[0]["tp"]["split"] >= 8 and all(r["tp"]["graphs"] >= 2 for r in results), results[0]["tp"]
 
 
 def test_compile_refuses_what_it_cannot_do():
