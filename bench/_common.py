@@ -53,3 +53,14 @@ def timed_step(module, opt, args: tuple, measure=None) -> tuple[list[float], flo
     opt.zero_grad(set_to_none=True)
     t3 = time.perf_counter()
     return [t1 - t0, t2 - t1, t3 - t2, time.process_time() - c0], float(loss.detach())
+
+
+def local_attn_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """GPTAttention.forward for torch's tensor parallelism: the local head count in the view,
+    (b, s, -1) at the end (the zoo's forward reshapes to the whole hidden size)."""
+    b, s, _ = x.shape
+    q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+    k = self.k_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+    v = self.v_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+    y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))

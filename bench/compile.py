@@ -54,7 +54,6 @@ import warnings
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 import torch  # noqa: E402 - after the filter above
-import torch.nn.functional as F  # noqa: E402
 
 import _common as common  # noqa: E402 - bench/ is the script directory
 
@@ -82,16 +81,6 @@ def _args(cfg: dict, batch: int, seq: int, rank: int, shared: bool) -> tuple:
     torch.manual_seed(1)
     args, _ = models.example_inputs(_build(cfg), batch * WORLD, seq, device="cpu")
     return args if shared else tuple(a.chunk(WORLD)[rank].contiguous() for a in args)
-
-
-def _local_attn_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """GPTAttention.forward for DTensor TP: the local head count in the view, (b, s, -1) at the end."""
-    b, s, _ = x.shape
-    q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-    k = self.k_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-    v = self.v_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
 def _wrap(variant: str, model, args: tuple):
@@ -124,7 +113,7 @@ def _wrap(variant: str, model, args: tuple):
                 "attn.v_proj": ColwiseParallel(), "attn.o_proj": RowwiseParallel(),
                 "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
             block.attn.heads = model.config.heads // WORLD
-            block.attn.forward = types.MethodType(_local_attn_forward, block.attn)
+            block.attn.forward = types.MethodType(common.local_attn_forward, block.attn)
     else:
         raise ValueError(variant)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)

@@ -39,6 +39,8 @@ import torch.nn.functional as F
 import warnings
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
+import _common as common  # noqa: E402 - bench/ is the script directory
+
 
 def _config(a: argparse.Namespace) -> dict:
     return {"layers": a.layers, "hidden": a.hidden, "heads": a.heads, "vocab": a.vocab, "max_seq": a.seq}
@@ -59,16 +61,6 @@ def _data(model, batch: int, seq: int, vocab: int, device: str = "cpu"):
     return args, targets
 
 
-def _local_attn_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """GPTAttention.forward for torch TP: the local head count in the view, (b, s, -1) at the end."""
-    b, s, _ = x.shape
-    q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-    k = self.k_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-    v = self.v_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
-
-
 def _torch_tp(model, world: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -81,7 +73,7 @@ def _torch_tp(model, world: int):
             "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel(),
         })
         block.attn.heads = model.config.heads // world
-        block.attn.forward = types.MethodType(_local_attn_forward, block.attn)
+        block.attn.forward = types.MethodType(common.local_attn_forward, block.attn)
     return model
 
 
