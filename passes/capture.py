@@ -33,6 +33,8 @@ from torch.export.graph_signature import InputKind, TensorArgument
 
 import autopar
 from autopar.errors import AutoparError, CaptureError, InputMismatchError, UnsupportedError
+from autopar.passes import capture_cache
+from autopar.passes.capture_key import capture_key
 from autopar.passes.meta import META_KEY, GraphInfo, NodeInfo, graph_info, set_info, symbol
 
 log = logging.getLogger("autopar.capture")
@@ -44,7 +46,8 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 
 def capture(model: nn.Module, example_inputs: Any = (), *, kwargs: Mapping[str, Any] | None = None,
             dims: DimLabels | Mapping[str, Mapping[int, str]] | None = None,
-            max_sizes: Mapping[str, int] | None = None) -> fx.GraphModule:
+            max_sizes: Mapping[str, int] | None = None,
+            cache: "capture_cache.CaptureCache | bool | None" = True) -> fx.GraphModule:
     """Capture ``model`` called on ``example_inputs`` (and keyword inputs ``kwargs``) into an
     annotated ATen graph.
 
@@ -56,12 +59,20 @@ def capture(model: nn.Module, example_inputs: Any = (), *, kwargs: Mapping[str, 
     with it off: a training graph never returns cache objects. Tied parameters (one tensor
     under several names) become one placeholder under the first name. A model that cannot be
     captured raises :class:`CaptureError` naming the module and source line that failed.
+    ``cache``: where an equal capture is looked up and kept (:mod:`autopar.passes.capture_cache`;
+    True: the process's cache, None: none).
     """
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     kwargs = {k: v for k, v in (kwargs or {}).items() if v is not None}
     _check_inputs(model, args, dims, kwargs)
     flat_dims = flat_labels(model, args, kwargs, dims)
     dynamic_shapes = _dynamic_shapes(model, args, kwargs, flat_dims, max_sizes or {}) if dims else None
+    cache = capture_cache.current() if cache is True else cache or None
+    key = capture_key(model, args, kwargs, flat_dims if dims else None, max_sizes) if cache else None
+    if key:
+        cached = capture_cache.load(cache, key)
+        if cached is not None:
+            return cached
     with _module_tracker(model) as stack, training_config(model):
         try:
             with warnings.catch_warnings(), _quiet_export():
@@ -80,6 +91,8 @@ def capture(model: nn.Module, example_inputs: Any = (), *, kwargs: Mapping[str, 
     _check_dtypes(gm)
     log.info("capture: %d nodes, %d parameters, symbols %s%s", len(gm.graph.nodes),
              len(ginfo.param_fqns), sorted(ginfo.symbols), " (use_cache off)" if ginfo.without_cache else "")
+    if key:
+        capture_cache.store(cache, key, gm)
     return gm
 
 

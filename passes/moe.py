@@ -125,7 +125,7 @@ def _routed_params(nodes: list[fx.Node], router: set[fx.Node], topk: fx.Node,
     router_params = set(_params_used(list(router)).values())
     after = _descendants_within(topk_indices(topk), region)
     out: dict[str, fx.Node] = {}
-    for n in after:
+    for n in (n for n in nodes if n in after):          # graph order: the same names, in the same order, every run
         for a in n.all_input_nodes:
             p = _param_of(a)
             if p is not None and p not in router_params:
@@ -142,7 +142,7 @@ def _ancestors_within(node: fx.Node, region: set[fx.Node]) -> list[fx.Node]:
             continue
         seen.add(n)
         todo.extend(n.all_input_nodes)
-    return [n for n in region if n in seen]
+    return [n for n in node.graph.nodes if n in seen]      # graph order (a set's order changes run to run)
 
 
 def _assign_roles(nodes: list[fx.Node], router: set[fx.Node], expert_params: set[fx.Node],

@@ -1,6 +1,9 @@
 """Shared helpers for autopar's tests."""
 from __future__ import annotations
 
+import os
+import tempfile
+
 import torch
 import torch.distributed as dist
 import pytest
@@ -11,6 +14,9 @@ from autopar import models
 
 
 TOKEN_DIMS = ({0: "batch", 1: "seq"},)
+
+# One capture cache for the session (every rank process inherits it), never the user's.
+os.environ.setdefault("AUTOPAR_CACHE_DIR", tempfile.mkdtemp(prefix="autopar-test-cache-"))
 
 
 def small(name: str, **overrides):
