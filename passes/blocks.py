@@ -25,8 +25,9 @@ def block_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """Group structurally identical module instances into block classes."""
     regions = _regions(gm)
     by_print: dict[str, list[str]] = defaultdict(list)
+    values: dict[fx.Node, str] = {}          # a node's value text, once (it is in every enclosing region)
     for fqn, nodes in regions.items():
-        by_print[_fingerprint(nodes)].append(fqn)
+        by_print[_fingerprint(nodes, values)].append(fqn)
     groups = [(fp, members) for fp, members in by_print.items() if len(members) > 1]
     groups.sort(key=lambda g: (-len(regions[g[1][0]]), g[1][0]))
     taken: list[str] = []
@@ -59,14 +60,16 @@ def _regions(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
     return dict(regions)
 
 
-def _fingerprint(nodes: list[fx.Node]) -> str:
+def _fingerprint(nodes: list[fx.Node], values: dict[fx.Node, str]) -> str:
     """A hash of the region's structure: ops, internal wiring, shapes; never names."""
     local = {n: i for i, n in enumerate(nodes)}
     external: dict[fx.Node, int] = {}
     parts = []
     for n in nodes:
         args = fx.node.map_arg((n.args, n.kwargs), lambda a: _ref(a, local, external))
-        vals = [(tuple(str(s) for s in v.shape), str(v.dtype)) for v in info(n).values]
+        vals = values.get(n)
+        if vals is None:
+            vals = values[n] = str([(tuple(str(s) for s in v.shape), str(v.dtype)) for v in info(n).values])
         parts.append(f"{n.target}|{args}|{vals}")
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()
 

@@ -22,7 +22,7 @@ import traceback
 import warnings
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import sympy
 import torch
@@ -33,9 +33,9 @@ from torch.export.graph_signature import InputKind, TensorArgument
 
 import autopar
 from autopar.errors import AutoparError, CaptureError, InputMismatchError, UnsupportedError
-from autopar.passes import capture_cache
+from autopar.passes import capture_cache, replicate
 from autopar.passes.capture_key import capture_key
-from autopar.passes.meta import META_KEY, GraphInfo, NodeInfo, graph_info, set_info, symbol
+from autopar.passes.meta import META_KEY, GraphInfo, NodeInfo, graph_info, number_ops, set_info, symbol
 
 log = logging.getLogger("autopar.capture")
 
@@ -47,7 +47,7 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 def capture(model: nn.Module, example_inputs: Any = (), *, kwargs: Mapping[str, Any] | None = None,
             dims: DimLabels | Mapping[str, Mapping[int, str]] | None = None,
             max_sizes: Mapping[str, int] | None = None,
-            cache: "capture_cache.CaptureCache | bool | None" = True) -> fx.GraphModule:
+            cache: "capture_cache.CaptureCache | bool | None" = True, per_block: bool = True) -> fx.GraphModule:
     """Capture ``model`` called on ``example_inputs`` (and keyword inputs ``kwargs``) into an
     annotated ATen graph.
 
@@ -60,7 +60,9 @@ def capture(model: nn.Module, example_inputs: Any = (), *, kwargs: Mapping[str, 
     under several names) become one placeholder under the first name. A model that cannot be
     captured raises :class:`CaptureError` naming the module and source line that failed.
     ``cache``: where an equal capture is looked up and kept (:mod:`autopar.passes.capture_cache`;
-    True: the process's cache, None: none).
+    True: the process's cache, None: none). ``per_block``: a model whose layers repeat a
+    pattern autopar reads from its config is exported with three periods of its layers and the
+    rest copied (:mod:`autopar.passes.replicate`); False exports every layer.
     """
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     kwargs = {k: v for k, v in (kwargs or {}).items() if v is not None}
@@ -69,10 +71,36 @@ def capture(model: nn.Module, example_inputs: Any = (), *, kwargs: Mapping[str, 
     dynamic_shapes = _dynamic_shapes(model, args, kwargs, flat_dims, max_sizes or {}) if dims else None
     cache = capture_cache.current() if cache is True else cache or None
     key = capture_key(model, args, kwargs, flat_dims if dims else None, max_sizes) if cache else None
+
+    def exported() -> fx.GraphModule:
+        return _export(model, args, kwargs, flat_dims if dims else None, dynamic_shapes)
+    run = replicate.find_run(model) if per_block else None
+    if run is not None:
+        def exported_shallow() -> fx.GraphModule:
+            with replicate.shallow(run):
+                return exported()
+        whole = replicate.expand(_cached(cache, key and key + ".blocks", exported_shallow), run, model)
+        if whole is not None:
+            return whole
+    return _cached(cache, key, exported)
+
+
+def _cached(cache: "capture_cache.CaptureCache | None", key: str | None,
+            make: "Callable[[], fx.GraphModule]") -> fx.GraphModule:
+    """The graph kept under ``key``, or ``make()``'s, kept."""
     if key:
-        cached = capture_cache.load(cache, key)
-        if cached is not None:
-            return cached
+        got = capture_cache.load(cache, key)
+        if got is not None:
+            return got
+    gm = make()
+    if key:
+        capture_cache.store(cache, key, gm)
+    return gm
+
+
+def _export(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], flat_dims: list[dict[int, str]] | None,
+            dynamic_shapes: Any) -> fx.GraphModule:
+    """``torch.export`` of the model, annotated (see :func:`capture`)."""
     with _module_tracker(model) as stack, training_config(model):
         try:
             with warnings.catch_warnings(), _quiet_export():
@@ -82,7 +110,8 @@ def capture(model: nn.Module, example_inputs: Any = (), *, kwargs: Mapping[str, 
             raise _capture_error(model, args, exc, list(stack), kwargs) from exc
     gm = ep.graph_module
     aliases = _untie(gm, ep, model)
-    _annotate(gm, ep, model, [*args, *kwargs.values()], flat_dims if dims else None)
+    number_ops(gm)
+    _annotate(gm, ep, model, [*args, *kwargs.values()], flat_dims)
     ginfo = graph_info(gm)
     ginfo.param_aliases = aliases
     ginfo.constants = _lifted_constants(ep)
@@ -91,8 +120,6 @@ def capture(model: nn.Module, example_inputs: Any = (), *, kwargs: Mapping[str, 
     _check_dtypes(gm)
     log.info("capture: %d nodes, %d parameters, symbols %s%s", len(gm.graph.nodes),
              len(ginfo.param_fqns), sorted(ginfo.symbols), " (use_cache off)" if ginfo.without_cache else "")
-    if key:
-        capture_cache.store(cache, key, gm)
     return gm
 
 

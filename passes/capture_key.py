@@ -96,13 +96,15 @@ def _torch_state() -> dict[str, Any]:
             "autocast_cuda_dtype": str(torch.get_autocast_dtype("cuda"))}
 
 
-def _model(model: nn.Module) -> dict[str, Any]:
+def _model(model: nn.Module, ignore: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The model's modules (fqn, class, attributes but those named in ``ignore``), parameters
+    and buffers."""
     fqn_of = {id(m): fqn for fqn, m in model.named_modules(remove_duplicate=False)}
     modules = []
     for fqn, m in model.named_modules(remove_duplicate=False):
         attrs = {k: _value(list(v.values()) if "hook" in k and isinstance(v, Mapping) else v, fqn_of, 0,
                            where=f"{fqn or '<root>'}.{k}")        # hook dicts: keyed by process-wide counters
-                 for k, v in sorted(m.__dict__.items()) if k not in _SKIP_MODULE_ATTRS}
+                 for k, v in sorted(m.__dict__.items()) if k not in _SKIP_MODULE_ATTRS and k not in ignore}
         modules.append([fqn, _qualname(type(m)), attrs, sorted(m._non_persistent_buffers_set)])
     first: dict[int, str] = {}
     params = [[name, list(p.shape), str(p.dtype), p.device.type, p.requires_grad, type(p).__name__,

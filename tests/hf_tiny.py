@@ -55,9 +55,13 @@ def configs():
     }
 
 
-def build(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
-    """The architecture's tiny model, deterministic weights, in ``dtype``."""
+def build(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, layers: int | None = None) -> torch.nn.Module:
+    """The architecture's tiny model, deterministic weights, in ``dtype`` (with ``layers``
+    layers instead of 2: the config rebuilt, so per-layer fields follow)."""
     cls, cfg = configs()[arch]
+    if layers is not None:
+        fields = {k: v for k, v in cfg.to_dict().items() if k != "layer_types"}
+        cfg = type(cfg)(**{**fields, "num_hidden_layers": layers})
     torch.manual_seed(seed)
     return cls(cfg).to(dtype)
 

@@ -86,6 +86,12 @@ def layer_kinds(config: Any) -> list[Hashable] | None:
     return _hf_kinds(config.config, n)
 
 
+def config_layer_kinds(config: Any, n: int) -> list[Hashable] | None:
+    """One kind per layer of a ``transformers`` config with ``n`` layers (None when its
+    pattern is not understood): what :mod:`autopar.passes.replicate` trusts too."""
+    return _hf_kinds(config, n)
+
+
 def _hf_kinds(config: Any, n: int) -> list[Hashable] | None:
     fields = config.to_dict()
     count_key = (getattr(config, "attribute_map", None) or {}).get("num_hidden_layers", "num_hidden_layers")
@@ -201,4 +207,4 @@ def _with_layers(config: Any, indices: tuple[int, ...], n: int) -> Any:
     return hf.with_overrides(config, over)
 
 
-__all__ = ["Shrunk", "layer_count", "layer_kinds", "periodic_run", "shrink"]
+__all__ = ["Shrunk", "config_layer_kinds", "layer_count", "layer_kinds", "periodic_run", "shrink"]
