@@ -35,7 +35,7 @@ import autopar
 from autopar.errors import AutoparError, CaptureError, InputMismatchError, UnsupportedError
 from autopar.passes import capture_cache, replicate
 from autopar.passes.capture_key import capture_key
-from autopar.passes.meta import META_KEY, GraphInfo, NodeInfo, graph_info, number_ops, set_info, symbol
+from autopar.passes.meta import META_KEY, GraphInfo, NodeInfo, graph_info, number_ops, paused_gc, set_info, symbol
 
 log = logging.getLogger("autopar.capture")
 
@@ -69,6 +69,12 @@ def capture(model: nn.Module, example_inputs: Any = (), *, kwargs: Mapping[str, 
     _check_inputs(model, args, dims, kwargs)
     flat_dims = flat_labels(model, args, kwargs, dims)
     dynamic_shapes = _dynamic_shapes(model, args, kwargs, flat_dims, max_sizes or {}) if dims else None
+    with paused_gc():
+        return _capture(model, args, kwargs, dims, flat_dims, dynamic_shapes, max_sizes, cache, per_block)
+
+
+def _capture(model: nn.Module, args: tuple, kwargs: dict, dims: Any, flat_dims: list, dynamic_shapes: Any,
+             max_sizes: Mapping[str, int] | None, cache: Any, per_block: bool) -> fx.GraphModule:
     cache = capture_cache.current() if cache is True else cache or None
     key = capture_key(model, args, kwargs, flat_dims if dims else None, max_sizes) if cache else None
 

@@ -179,16 +179,16 @@ def _liveness(gm: fx.GraphModule, saved: set[fx.Node]) -> None:
         for a in node.all_input_nodes:
             last_use[_base(a)] = i
     live: dict[fx.Node, sympy.Expr] = {}
-    total = ZERO
+    total = ZERO                 # a sum of expanded terms stays expanded: no expand() per node
     for i, node in enumerate(nodes):
         rec = info(node)
         if node.op == "call_function" and not is_view_like(node):
-            live[node] = rec.out_bytes
-            total += rec.out_bytes
+            live[node] = sympy.expand(rec.out_bytes)
+            total += live[node]
         for a in set(_base(x) for x in node.all_input_nodes):
             if a in live and last_use.get(a) == i and a not in saved:
                 total -= live.pop(a)
-        rec.live_bytes = sympy.expand(total)
+        rec.live_bytes = total
 
 
 # ---- parameters, gradients and optimizer state ------------------------------------------

@@ -15,7 +15,7 @@ from autopar.errors import AutoparInternalError
 from autopar.passes.blocks import block_pass
 from autopar.passes.flops import flop_pass
 from autopar.passes.memory import memory_pass
-from autopar.passes.meta import META_KEY, graph_info
+from autopar.passes.meta import META_KEY, graph_info, paused_gc
 from autopar.passes.moe import moe_pass
 from autopar.passes.shapes import shape_pass
 
@@ -57,7 +57,8 @@ def analyze(gm: fx.GraphModule, *, upto: str | None = None) -> fx.GraphModule:
         raise AutoparInternalError(f"no analysis pass named {upto!r}; passes are {names}")
     for name, fn, _ in ANALYSIS_PASSES:
         start = time.perf_counter()
-        out = fn(gm)
+        with paused_gc():
+            out = fn(gm)
         if out is not gm:
             raise AutoparInternalError(f"analysis pass {name!r} returned a new graph; analysis passes annotate in place")
         check_invariants(gm, after=name)
