@@ -19,8 +19,9 @@ from autopar.errors import ConfigError, PlanFileError
 from autopar.passes.sharding import Strategy
 from autopar.placement import Spec
 
-PLAN_VERSION = 3
-_READABLE = (1, 2, 3)   # older plans read with data-axis / pipeline defaults
+PLAN_VERSION = 4
+_READABLE = (1, 2, 3, 4)   # older plans read with data-axis / pipeline defaults
+_NODE_NAMES_SINCE = 4      # op nodes numbered per stem in graph order (passes/meta.py:number_ops)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,6 +124,12 @@ class Plan:
                                 expected=f"version {', '.join(map(str, _READABLE))}",
                                 got=repr(data.get("version") if isinstance(data, dict) else data)[:80],
                                 fix="re-plan with this autopar version (autopar.plan(...).save(path))")
+        if data["version"] < _NODE_NAMES_SINCE and data.get("nodes"):
+            raise PlanFileError("plan names graph nodes as an older autopar numbered them", where=f"{where}: nodes",
+                                expected=f"a version {_NODE_NAMES_SINCE} plan (op nodes numbered per name in graph "
+                                         "order)", got=f"version {data['version']} with {len(data['nodes'])} nodes",
+                                fix="re-plan with this autopar version (autopar.plan(...).save(path)); the "
+                                    "placements it chooses are the same")
         try:
             return cls(**_fields(data, where))
         except ConfigError as exc:

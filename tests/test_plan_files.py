@@ -69,5 +69,20 @@ def test_version_2_plans_still_read(saved):
                 "ep_axis", "expert_placement", "capacity_factor"):
         data.pop(key)
     data["version"] = 2
+    data["nodes"] = {}          # older node names are refused (next test); placements still read
     old = Plan.from_json(json.dumps(data))
     assert old.params == plan.params and old.shapes == {}
+
+
+def test_a_plan_naming_nodes_by_the_older_numbering_is_refused(saved, tmp_path):
+    """Before version 4, node names were export's own numbering, which depends on the model's
+    depth; such a plan's node names could point at other nodes now, so it is re-planned."""
+    plan, path = saved
+    data = json.loads(path.read_text())
+    assert data["version"] == 4 and data["nodes"]
+    old = tmp_path / "v3.json"
+    old.write_text(json.dumps({**data, "version": 3}))
+    with pytest.raises(autopar.PlanFileError, match="older autopar numbered"):
+        Plan.load(old)
+    old.write_text(json.dumps({**data, "version": 3, "nodes": {}}))
+    assert Plan.load(old).nodes == {}
