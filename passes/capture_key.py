@@ -7,9 +7,10 @@
   name, shape, dtype, device, ``requires_grad``, persistence and which names share a tensor;
 - the call: each input's shape, dtype, device and ``requires_grad`` (non-tensor inputs by
   value), keyword names, the symbolic-size labels and their bounds;
-- the code that runs: the source of every file that defines a class in the model and of
-  every imported module outside the Python installation (the user's code, autopar itself,
-  editable installs), and the versions of Python, torch and ``transformers``;
+- the code that runs: the source of every file that defines a class in the model and of the
+  modules those files use outside the Python installation (the user's code, autopar itself,
+  editable installs), the code of what a module without a file defines (a notebook's
+  ``__main__``), and the versions of Python, torch and ``transformers``;
 - torch's global state that tracing reads: default dtype, grad mode, autocast.
 
 Anything it cannot describe faithfully (an object with no ``__dict__``, a cycle deeper than
@@ -221,6 +222,7 @@ def _code_files(model: nn.Module) -> dict[str, str]:
     outside the Python installation, and every file of autopar itself."""
     library = _library_dirs()
     files: set[str] = set(_autopar_files())
+    fileless: dict[str, str] = {}
     todo = [sys.modules.get(cls.__module__) for m in model.modules() for cls in type(m).__mro__]
     seen: set[int] = set()
     while todo:
@@ -229,17 +231,34 @@ def _code_files(model: nn.Module) -> dict[str, str]:
             continue
         seen.add(id(mod))
         f = getattr(mod, "__file__", None)
-        if not f:
-            continue
-        files.add(f)
-        if os.path.realpath(f).startswith(library):
+        if not f:                         # a notebook's __main__: the code of what it defines
+            fileless[f"<module {mod.__name__}>"] = _module_code(mod)
+        elif os.path.realpath(f).startswith(library):
+            files.add(f)
             continue                      # installed code: its package's version is in the key
+        else:
+            files.add(f)
         for v in list(vars(mod).values()):
             if isinstance(v, types.ModuleType):
                 todo.append(v)
             elif isinstance(v, (type, types.FunctionType)):
                 todo.append(sys.modules.get(getattr(v, "__module__", None) or ""))
-    return {f: _file_hash(f) for f in sorted(files)}
+    return {**{f: _file_hash(f) for f in sorted(files)}, **fileless}
+
+
+def _module_code(mod: types.ModuleType) -> str:
+    """A digest of the code of the functions and classes a module without a file defines (a
+    notebook's cells redefine them in place)."""
+    h = hashlib.sha256()
+    for name, v in sorted(vars(mod).items(), key=lambda kv: kv[0]):
+        if isinstance(v, types.FunctionType) and v.__module__ == mod.__name__:
+            h.update(f"{name}:{_code(v.__code__)}".encode())
+        elif isinstance(v, type) and v.__module__ == mod.__name__:
+            for attr, f in sorted(vars(v).items(), key=lambda kv: kv[0]):
+                f = getattr(f, "__func__", getattr(f, "fget", f))
+                if isinstance(f, types.FunctionType):
+                    h.update(f"{name}.{attr}:{_code(f.__code__)}".encode())
+    return h.hexdigest()
 
 
 _AUTOPAR_FILES: list[str] = []

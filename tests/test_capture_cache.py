@@ -207,3 +207,18 @@ def test_the_directory_is_kept_under_its_size_limit(tmp_path):
     for layers in (1, 2):
         capture(small("gpt", layers=layers, vocab=64), (_tokens(),), dims=TOKEN_DIMS, cache=cache)
     assert len(list(tmp_path.glob("capture-*.json.z"))) <= 1
+
+
+def test_the_key_follows_code_redefined_in_a_module_without_a_file(monkeypatch):
+    """A notebook's cells redefine a model class in ``__main__``, which has no file to hash."""
+    import types
+    mod = types.ModuleType("notebook_like")
+    monkeypatch.setitem(sys.modules, "notebook_like", mod)
+    keys = []
+    for expr in ("self.lin(x)", "self.lin(x) * 2"):
+        exec("import torch\nclass M(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+             f"        self.lin = torch.nn.Linear(4, 4)\n    def forward(self, x):\n        return {expr}\n",
+             mod.__dict__)
+        mod.M.__module__ = "notebook_like"
+        keys.append(_key(mod.M(), (torch.randn(2, 4),), dims=None))
+    assert None not in keys and keys[0] != keys[1]
