@@ -14,11 +14,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
-import os
-import linecache
 import logging
 import re
-import traceback
 import warnings
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
@@ -31,18 +28,15 @@ from torch import nn
 from torch.export import Dim
 from torch.export.graph_signature import InputKind, TensorArgument
 
-import autopar
-from autopar.errors import AutoparError, CaptureError, InputMismatchError, UnsupportedError
+from autopar.errors import InputMismatchError, UnsupportedError
 from autopar.passes import capture_cache, replicate
+from autopar.passes.capture_errors import capture_error, describe, module_tracker, source_of, user_line
 from autopar.passes.capture_key import capture_key
 from autopar.passes.meta import META_KEY, GraphInfo, NodeInfo, graph_info, number_ops, paused_gc, set_info, symbol
 
 log = logging.getLogger("autopar.capture")
 
 DimLabels = Sequence[Mapping[int, str]]
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
-
 
 def capture(model: nn.Module, example_inputs: Any = (), *, kwargs: Mapping[str, Any] | None = None,
             dims: DimLabels | Mapping[str, Mapping[int, str]] | None = None,
@@ -107,13 +101,13 @@ def _cached(cache: "capture_cache.CaptureCache | None", key: str | None,
 def _export(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], flat_dims: list[dict[int, str]] | None,
             dynamic_shapes: Any) -> fx.GraphModule:
     """``torch.export`` of the model, annotated (see :func:`capture`)."""
-    with _module_tracker(model) as stack, training_config(model):
+    with module_tracker(model) as stack, training_config(model):
         try:
             with warnings.catch_warnings(), _quiet_export():
                 warnings.simplefilter("ignore")
                 ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a CaptureError or InputMismatchError
-            raise _capture_error(model, args, exc, list(stack), kwargs) from exc
+            raise capture_error(model, args, exc, list(stack), kwargs) from exc
     gm = ep.graph_module
     aliases = _untie(gm, ep, model)
     number_ops(gm)
@@ -259,12 +253,12 @@ def _check_inputs(model: nn.Module, args: tuple, dims: Any, kwargs: Mapping[str,
     try:
         inspect.signature(model.forward).bind(*args, **kwargs)
     except TypeError as exc:
-        got = [f"{len(args)} positional input(s): {', '.join(_describe(a) for a in args)}"]
+        got = [f"{len(args)} positional input(s): {', '.join(describe(a) for a in args)}"]
         if kwargs:
-            got.append("keywords " + ", ".join(f"{k}={_describe(v)}" for k, v in kwargs.items()))
+            got.append("keywords " + ", ".join(f"{k}={describe(v)}" for k, v in kwargs.items()))
         raise InputMismatchError(
             f"example inputs do not match {type(model).__name__}.forward: {exc}",
-            where=_source_of(model.forward),
+            where=source_of(model.forward),
             expected=f"forward{inspect.signature(model.forward)}",
             got="; ".join(got),
             fix="pass one example value per argument of forward (positional in example_inputs, by name in "
@@ -283,7 +277,7 @@ def _check_labels(inputs: Sequence[Any], labels: Sequence[Mapping[int, str]]) ->
         for d, name in dims.items():
             if not isinstance(arg, torch.Tensor) or d >= arg.dim():
                 raise InputMismatchError(f"dims labels dim {d} of input {i} as {name!r}, which it lacks",
-                                         got=_describe(arg), fix="label only dims the input has")
+                                         got=describe(arg), fix="label only dims the input has")
             if arg.shape[d] < 2:
                 raise InputMismatchError(
                     f"input {i} dim {d} ({name!r}) has example size {arg.shape[d]}; a symbolic size "
@@ -326,7 +320,7 @@ def _check_dtypes(gm: fx.GraphModule) -> None:
         if len(dtypes) > 1:
             stack = node.meta.get("nn_module_stack") or {}
             fqn = _clean_fqn(list(stack.values())[-1][0]) if stack else ""
-            line = _user_line(node.meta.get("stack_trace") or "")
+            line = user_line(node.meta.get("stack_trace") or "")
             shown = ", ".join(f"{a.name}: {str(v.dtype).replace('torch.', '')}"
                               for a, v in zip(operands, vals) if isinstance(v, torch.Tensor))
             raise InputMismatchError(f"{name} in module {fqn or '<root>'} gets tensors of different dtypes",
@@ -456,145 +450,6 @@ def to_expr(size: Any, rename: Mapping[sympy.Symbol, sympy.Symbol]) -> sympy.Exp
         expr = size.node.expr
         return expr.xreplace(rename) if rename else expr
     return sympy.Integer(int(size))
-
-
-# ---- errors ---------------------------------------------------------------------------
-
-@contextmanager
-def _module_tracker(model: nn.Module) -> Iterator[list[str]]:
-    """Keep the stack of module fqns being run, so a failure can name its module."""
-    stack: list[str] = []
-    handles = []
-
-    def pop(module: nn.Module, args: Any, output: Any) -> None:
-        if stack:
-            stack.pop()
-
-    for fqn, mod in model.named_modules():
-        handles.append(mod.register_forward_pre_hook(lambda m, a, fqn=fqn: stack.append(fqn) and None))
-        handles.append(mod.register_forward_hook(pop))
-    try:
-        yield stack
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def _user_line(stack_trace: str) -> str:
-    """``file:line: code`` of the innermost frame of a node's stack trace outside torch."""
-    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', stack_trace)
-    for filename, lineno, code in reversed(frames):
-        if not filename.startswith(_TORCH_DIR):
-            return f"{filename}:{lineno}: {code.strip()}"
-    return ""
-
-
-def _capture_error(model: nn.Module, args: tuple, exc: Exception, stack: list[str],
-                   kwargs: Mapping[str, Any] | None = None) -> AutoparError:
-    """A CaptureError naming the module and source line, or an InputMismatchError when the
-    model itself fails on these inputs (eagerly, without torch.export)."""
-    kwargs = dict(kwargs or {})
-    on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
-    # a model on the meta device cannot run eagerly (library code may read values): export's error stands
-    eager = None if _is_tracing_limit(exc) or on_meta else _eager_failure(model, args, kwargs)
-    if eager is not None:
-        exc, stack = eager
-    fqn = stack[-1] if stack else ""
-    mods = dict(model.named_modules())
-    mod_name = f"{fqn or '<root>'} ({type(mods.get(fqn, model)).__name__})"
-    frame = _user_frame(exc)
-    where = f"module {mod_name}"
-    if frame is not None:
-        line = linecache.getline(frame.filename, frame.lineno).strip()
-        where += f", {frame.filename}:{frame.lineno}: {line}"
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if eager is not None:
-        return InputMismatchError(
-            f"the model fails on its example inputs: {type(exc).__name__}: {first[:300]}", where=where,
-            expected=f"inputs {type(model).__name__}.forward{_signature(model)} accepts (shapes, dtypes, devices)",
-            got=", ".join(_describe(a) for a in args),
-            fix="pass example inputs the model runs on: check each input's shape and dtype against the line above")
-    return CaptureError(
-        f"torch.export could not capture the model: {type(exc).__name__}: {first[:300]}",
-        where=where,
-        fix=_fix_hint(exc))
-
-
-def _is_tracing_limit(exc: Exception) -> bool:
-    """A failure of tracing itself (data-dependent control flow, a size the model pins), not of the model."""
-    msg = str(exc)
-    names = {c.__name__ for c in type(exc).__mro__}
-    return bool(names & {"GuardOnDataDependentSymNode", "UserError", "Unsupported", "TorchRuntimeError"}) \
-        or "data-dependent" in msg or "Constraints violated" in msg
-
-
-def _eager_failure(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> tuple[Exception, list[str]] | None:
-    """Run the model eagerly (no grad, buffers and RNG restored): the exception and module stack
-    it fails with, or None when it runs."""
-    saved = {k: b.detach().clone() for k, b in model.named_buffers()}
-    with _module_tracker(model) as stack:
-        try:
-            with torch.random.fork_rng(devices=[]), torch.no_grad(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                with training_config(model):
-                    model(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - any failure of the model itself
-            return exc, list(stack)
-        finally:
-            with torch.no_grad():
-                for k, b in model.named_buffers():
-                    if k in saved and not b.is_meta:
-                        b.copy_(saved[k])
-    return None
-
-
-def _signature(model: nn.Module) -> str:
-    try:
-        return str(inspect.signature(model.forward))
-    except (TypeError, ValueError):
-        return "(...)"
-
-
-def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
-    """The innermost traceback frame outside torch and autopar: the user's line."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    ours = (os.path.dirname(__file__), os.path.dirname(autopar.__file__), _TORCH_DIR)
-    for fs in reversed(frames):
-        if not fs.filename.startswith(ours) and not fs.filename.startswith("<"):
-            return fs
-    return None
-
-
-def _fix_hint(exc: Exception) -> str:
-    msg = str(exc)
-    if "Found <class" in msg and "output" in msg:
-        return ("forward returns an object torch.export cannot flatten; return tensors, tuples, dicts or a "
-                "transformers ModelOutput (an inference cache is never part of a training graph)")
-    if "data-dependent" in msg or "GuardOnDataDependent" in type(exc).__name__ or ".item()" in msg:
-        return ("the forward branches on or sizes by tensor values; rewrite it with shape-static "
-                "ops (torch.where, masks, fixed capacities) so the graph does not depend on data")
-    if "leaf Variable that requires grad is being used in an in-place operation" in msg:
-        return ("forward changes a parameter in place, which autograd cannot differentiate: compute a new "
-                "tensor instead (w = w * 0.5, not w.mul_(0.5)), or change the parameter outside forward under "
-                "torch.no_grad()")
-    if "Constraints violated" in msg or "specializ" in msg:
-        return ("the model fixes a size that was marked symbolic; capture without dims=, or remove "
-                "the code that pins that size")
-    return ("make forward traceable by torch.export(strict=False): no data-dependent Python control "
-            "flow, no calls torch cannot trace; see the line above")
-
-
-def _source_of(fn: Any) -> str:
-    try:
-        return f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
-    except (OSError, TypeError):
-        return getattr(fn, "__qualname__", repr(fn))
-
-
-def _describe(arg: Any) -> str:
-    if isinstance(arg, torch.Tensor):
-        return f"Tensor{tuple(arg.shape)} {str(arg.dtype).replace('torch.', '')} on {arg.device}"
-    return type(arg).__name__
 
 
 def wrap_graph(gm: fx.GraphModule, *, params: Mapping[str, str] | None = None,
