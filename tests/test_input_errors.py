@@ -269,3 +269,10 @@ def test_the_long_pipeline_costs_the_same_at_any_micro_batch_count():
 
 def test_train_refuses_a_model_without_tokens_by_name(capsys):
     _refused(capsys, "train", "--model", "mlp", "--ranks", "2", "--steps", "1", needle="'mlp' takes no tokens")
+
+
+def test_train_refuses_a_model_file_with_a_typed_error(capsys, tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("import torch\ndef factory():\n    return torch.nn.Linear(4, 4), (torch.randn(2, 4),)\n")
+    _refused(capsys, "train", "--model", f"{path}:factory", "--ranks", "2", "--steps", "1",
+             needle="autopar train builds zoo models")
