@@ -154,6 +154,7 @@ class _Expansion:
     def __init__(self, gm: fx.GraphModule, run: Run, model: nn.Module) -> None:
         self.gm, self.run, self.model = gm, run, model
         self.nodes = list(gm.graph.nodes)
+        self.by_name = {n.name: n for n in self.nodes}
         self.pos = {n: i for i, n in enumerate(self.nodes)}
         self.segments = self._segments()
         p = run.period
@@ -166,12 +167,8 @@ class _Expansion:
     # -- reading the exported graph --
 
     def _layer_of(self, n: fx.Node) -> int | None:
-        fqn = info(n).fqn
-        head = self.run.prefix + "." if self.run.prefix else ""
-        if not fqn.startswith(head):
-            return None
-        idx = fqn[len(head):].split(".", 1)[0]
-        return int(idx) if idx.isdigit() else None
+        """The layer index in the module path of the node that made ``n``."""
+        return _layer_index(info(n).fqn, self.run.prefix)
 
     def _segments(self) -> list[list[fx.Node]]:
         """Per exported layer, its op nodes: from its first node to the next layer's first (what
@@ -301,7 +298,7 @@ class _Expansion:
                 inputs = []
                 for ref in rb:
                     if ref[0] == "abs":
-                        inputs.append(env[self._by_name(ref[1])])
+                        inputs.append(env[self.by_name[ref[1]]])
                     elif ref[0] == "own":
                         inputs.append(placeholders[(layer, ref[1], ref[2])])
                     else:
@@ -312,11 +309,6 @@ class _Expansion:
                                         fx.node.map_arg(n.kwargs, lookup.__getitem__), name=name_stem(n.name))
                 new.meta = _moved_meta(n, self.run.prefix, t_layer, layer)
                 made[(layer, q)] = new
-
-    def _by_name(self, name: str) -> fx.Node:
-        if not hasattr(self, "_names"):
-            self._names = {n.name: n for n in self.nodes}
-        return self._names[name]
 
     def _placeholders(self, graph: fx.Graph, env: dict) -> dict[tuple[int, str, str], fx.Node]:
         """Every placeholder, and the copied layers' parameters and buffers right after the last
@@ -347,17 +339,11 @@ class _Expansion:
                 ph = graph.placeholder(name)
                 if ph.name != name:
                     raise _NoCopy(f"placeholder name {name} is taken")
-                ph.meta = _moved_meta(template, run.prefix, self._layer_of_target(template), layer)
+                ph.meta = _moved_meta(template, run.prefix, _layer_index(info(template).target_fqn or "", run.prefix), layer)
                 ph.meta[META_KEY] = replace(info(template), target_fqn=target,
                                             fqn=target.rsplit(".", 1)[0] if "." in target else "")
                 new[(layer, kind, rel)] = ph
         return new
-
-    def _layer_of_target(self, n: fx.Node) -> int | None:
-        t = info(n).target_fqn or ""
-        head = self.run.prefix + "." if self.run.prefix else ""
-        idx = t[len(head):].split(".", 1)[0] if t.startswith(head) else ""
-        return int(idx) if idx.isdigit() else None
 
     def _graph_info(self, placeholders: dict) -> Any:
         """The exported graph's record with the copied layers' placeholders, in the order
@@ -386,6 +372,13 @@ def _moved_meta(n: fx.Node, prefix: str, src: int, dst: int) -> dict[str, Any]:
         meta["nn_module_stack"] = {k: (move(path), cls) for k, (path, cls) in meta["nn_module_stack"].items()}
     meta[META_KEY] = replace(info(n), fqn=move(info(n).fqn))
     return meta
+
+
+def _layer_index(path: str, prefix: str) -> int | None:
+    """The layer index right after ``prefix`` in a module or parameter path (``layers.3.attn`` -> 3)."""
+    head = prefix + "." if prefix else ""
+    idx = path[len(head):].split(".", 1)[0] if path.startswith(head) else ""
+    return int(idx) if idx.isdigit() else None
 
 
 def _rel(fqn: str, prefix: str) -> str:
