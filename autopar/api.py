@@ -31,7 +31,7 @@ def plan(model: nn.Module, mesh: Any, example_inputs: Any = (), *, example_kwarg
          memory_budget: float | str | None = None, sizes: Mapping[str, int] | None = None,
          dtype: str | None = None, zero_stage: int | None = None, overlap: bool = True,
          mixed_precision: str | None = None, bucket_bytes: int = 0,
-         placements: Mapping[str, str] | None = None) -> Plan:
+         placements: Mapping[str, str] | None = None, sequence_parallel: bool | None = None) -> Plan:
     """Find a plan for ``model`` on ``mesh`` without building anything (the model may live on
     the meta device). ``sizes`` overrides the planning sizes (e.g. ``{"batch": 8, "seq": 2048}``);
     ``memory_budget`` bounds per-device bytes (a number of bytes, or a size: ``"40GB"``, ``"40 GiB"``;
@@ -40,12 +40,17 @@ def plan(model: nn.Module, mesh: Any, example_inputs: Any = (), *, example_kwarg
     choose the ZeRO stage on a data axis (the lowest one that fits the budget);
     ``placements`` forces how parameters are stored on the tensor axis, e.g.
     ``{"fc1.weight": "S(0)", "fc2.weight": "R"}`` (:class:`ShardingError` if a split dim does
-    not divide by the axis)."""
+    not divide by the axis). ``sequence_parallel`` decides whether activations between the
+    tensor-parallel regions are split along the sequence (Megatron's sequence parallelism):
+    ``None`` lets the cost model choose per value, ``False`` keeps every activation whole along
+    its sequence dim (fewer, larger collectives: one all-reduce where a split needs an
+    all-gather and a reduce-scatter), ``True`` leaves no activation with a sequence dim whole
+    on every rank. The sequence dim is the one named ``"seq"`` in ``dims``."""
     memory_budget = memory_bytes(memory_budget)
     axes = mesh_axes(mesh)
     gm = capture_model(model, example_inputs, dims, example_kwargs)
     sol, cluster = solve_tensor_axis(gm, axes, hardware=hardware, memory_budget=memory_budget, sizes=sizes, dtype=dtype,
-                          placements=placements)
+                          placements=placements, sequence_parallel=sequence_parallel)
     the_plan = plan_of(gm, sol, axes, type(model).__name__, zero_stage=zero_stage or 0, overlap=overlap,
                         mixed_precision=mixed_precision, bucket_bytes=bucket_bytes)
     the_plan = with_memory(gm, the_plan, cluster, memory_budget, choose_stage=zero_stage is None)
@@ -85,7 +90,8 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
                 loss_fn: Any = None, schedule: str | None = None, microbatches: int | None = None,
                 virtual_stages: int | None = None, calibration: Any = None, expert_placement: str = "balanced",
                 capacity_factor: float | None = None, recompute: str = "none",
-                placements: Mapping[str, str] | None = None, dp_mode: Any = None, compile: Any = False):
+                placements: Mapping[str, str] | None = None, dp_mode: Any = None, compile: Any = False,
+                sequence_parallel: bool | None = None):
     """Split ``model`` over ``mesh`` and return this rank's parallel module (built by
     :mod:`autopar.build`: a :class:`ParallelModule`, or a ``PipelineModule`` with a pp axis).
 
@@ -139,8 +145,8 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
     tensor axis's collectives stay in the compiled graph, the data axis's run eagerly between
     compiled pieces (``runtime/compiled.py``); not with ``recompute``.
 
-    ``placements`` (dp/tp meshes) forces how parameters are stored on the tensor axis, as in
-    :func:`plan`. Bad input raises an :class:`~autopar.errors.AutoparError` subclass before
+    ``placements`` (dp/tp meshes) forces how parameters are stored on the tensor axis, and
+    ``sequence_parallel`` whether activations are split along the sequence, as in :func:`plan`. Bad input raises an :class:`~autopar.errors.AutoparError` subclass before
     any collective: MeshError, PlanFileError, ShardingError, DoesNotFitError, UnsupportedError.
     ``memory_budget`` is bytes or a size, as in :func:`plan`."""
 
@@ -166,6 +172,10 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
     if plan is not None and placements:
         raise ConfigError("placements= and plan= are both given", where="parallelize", got=str(dict(placements)),
                           fix="put the placements in the plan (autopar.plan(..., placements=...)), or drop plan=")
+    if plan is not None and sequence_parallel is not None:
+        raise ConfigError("sequence_parallel= and plan= are both given", where="parallelize",
+                          got=f"sequence_parallel={sequence_parallel!r}",
+                          fix="plan with it (autopar.plan(..., sequence_parallel=...)), or drop plan=")
     mesh = mesh if plan is None or not isinstance(mesh, int) else plan.mesh     # an int with a plan: the plan's
     if mesh is None:
         if plan is None:
@@ -176,8 +186,9 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
     pipelined = has_axis(mesh, "pp") or (plan is not None and plan.pp_axis is not None)
     experts = has_axis(mesh, "ep") or (plan is not None and plan.ep_axis is not None)
     _refuse_unused(("a pipeline", pipelined, dict(calibration=calibration, placements=placements, sizes=sizes,
-                                                 bucket_bytes=bucket_bytes)),
-                   ("expert parallelism", experts, dict(placements=placements, sizes=sizes, bucket_bytes=bucket_bytes)))
+                                                 bucket_bytes=bucket_bytes, sequence_parallel=sequence_parallel)),
+                   ("expert parallelism", experts, dict(placements=placements, sizes=sizes, bucket_bytes=bucket_bytes,
+                                                        sequence_parallel=sequence_parallel)))
     _check_mixed_precision(mixed_precision, plan)
     backend = backend_of(compile)
     check_compile(backend, recompute)
@@ -201,7 +212,7 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
                                       schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
                                       expert_placement=expert_placement, capacity_factor=capacity_factor,
                                       recompute=recompute, placements=placements, dp_mode=mode.to_dict(),
-                                      compile=backend,
+                                      compile=backend, sequence_parallel=sequence_parallel,
                                       inputs=[(k, _input_form(v)) for k, v in
                                               [*enumerate(args), *sorted(kwargs.items())]]))
     if pipelined:
@@ -218,7 +229,8 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
         pm = build_dense(model, mesh, args, kwargs, plan=plan, dims=dims, hardware=hardware,
                          memory_budget=memory_budget, sizes=sizes, sync_params=sync_params, zero_stage=zero_stage,
                          overlap=overlap, bucket_bytes=bucket_bytes, mixed_precision=mixed_precision,
-                         recompute=recompute, placements=placements, dp_mode=mode)
+                         recompute=recompute, placements=placements, dp_mode=mode,
+                         sequence_parallel=sequence_parallel)
     return _compiled(pm, backend)
 
 
@@ -255,7 +267,7 @@ def _refuse_unused(*cases: tuple[str, bool, dict[str, Any]]) -> None:
     """Options a build does not use must keep their defaults: a given one would be silently dropped."""
     for what, applies, options in cases:
         given = sorted(k for k, v in options.items()
-                       if v is not None and not (isinstance(v, (int, float, Mapping)) and not v))
+                       if v is not None and (isinstance(v, bool) or not (isinstance(v, (int, float, Mapping)) and not v)))
         if applies and given:
             raise ConfigError(f"{', '.join(given)} cannot be used with {what}", where="parallelize",
                               got=", ".join(f"{k}={options[k]!r}" for k in given),

@@ -56,7 +56,7 @@ def build_dense(model: nn.Module, mesh: Any, args: tuple, kwargs: dict, *, plan:
                 hardware: str | None, memory_budget: float | None, sizes: Mapping[str, int] | None,
                 sync_params: bool, zero_stage: int | None, overlap: bool, bucket_bytes: int,
                 mixed_precision: str | None, recompute: str, placements: Mapping[str, str] | None,
-                dp_mode: DataMode = ALLREDUCE):
+                dp_mode: DataMode = ALLREDUCE, sequence_parallel: bool | None = None):
     """No pipeline, no experts: the tensor rewrite and the data axis's buckets on the whole
     graph, run by one :class:`~autopar.runtime.tp_module.ParallelModule`."""
     from autopar.runtime.dp import DPRuntime
@@ -74,7 +74,8 @@ def build_dense(model: nn.Module, mesh: Any, args: tuple, kwargs: dict, *, plan:
                                  memory_budget=memory_budget, sizes=sizes, after="rewrite",
                                  group_name=tp_group.group_name if tp_group is not None else "tp",
                                  zero_stage=zero_stage, overlap=overlap, bucket_bytes=bucket_bytes,
-                                 mixed_precision=mixed_precision, placements=placements, modes=True)
+                                 mixed_precision=mixed_precision, placements=placements, modes=True,
+                                 sequence_parallel=sequence_parallel)
     if plan is None:
         check_fits(gm, the_plan, memory_budget, {**graph_info(gm).example_sizes, **dict(sizes or {})})
     check_runtime_dtypes(model, gm, the_plan)

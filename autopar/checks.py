@@ -5,6 +5,7 @@ mistake: what, where (parameter, node, module), expected, got, and how to fix it
 - :func:`check_options`: planning sizes and memory budget (ConfigError);
 - :func:`memory_bytes`: a memory budget as bytes, from a number or a string like "40GB" (ConfigError);
 - :func:`forced_placements`: ``placements=`` the user forces (ShardingError, MeshError);
+- :func:`check_sequence_option`: ``sequence_parallel=`` needs a dim named ``seq`` (ConfigError);
 - :func:`check_plan_placements`: a given plan splits only dims the tensor axis divides (ShardingError);
 - :func:`check_fits`: the plan's memory within an explicit ``memory_budget`` (DoesNotFitError);
 - :func:`check_devices`: real tensors on the process group's device (UnsupportedError);
@@ -27,6 +28,23 @@ from autopar.placement import Partial, Shard, normalize, parse
 
 log = logging.getLogger("autopar")
 MAX_DEVICES = 4096    # how far check_fits looks for a device count that fits
+
+
+def check_sequence_option(gm: fx.GraphModule, sequence_parallel: Any) -> None:
+    """``sequence_parallel`` is None or a bool, and a bool needs a sequence dim to act on: an
+    input dim named ``"seq"`` (the tensor-axis solver splits, or keeps whole, the dims of every
+    activation whose size involves it)."""
+    if sequence_parallel is None:
+        return
+    if not isinstance(sequence_parallel, bool):
+        raise ConfigError("sequence_parallel must be None, True or False", where="sequence_parallel",
+                          expected="None (the cost model chooses), True or False", got=repr(sequence_parallel),
+                          fix="e.g. sequence_parallel=False to keep activations whole along the sequence")
+    if "seq" not in graph_info(gm).example_sizes:
+        raise ConfigError("sequence_parallel needs a sequence dim, and no input dim is named 'seq'",
+                          where="sequence_parallel", got=f"input dims named {sorted(graph_info(gm).example_sizes)}",
+                          fix='name it: dims=({0: "batch", 1: "seq"},) for one [batch, seq] input, or leave '
+                              'sequence_parallel=None')
 
 
 def check_options(sizes: Mapping[str, int] | None, memory_budget: float | None) -> None:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from autopar.checks import check_options, check_plan_placements, forced_placements
+from autopar.checks import check_options, check_plan_placements, check_sequence_option, forced_placements
 from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
 from autopar.cost.plan_sizes import dtype_of, local_numels, local_shape, param_bytes
@@ -125,10 +125,13 @@ def capture_model(model: nn.Module, example_inputs: Any, dims: Any,
 
 def solve_tensor_axis(gm: fx.GraphModule, axes: tuple[tuple[str, int], ...], *, hardware: str | None,
            memory_budget: float | None, sizes: Mapping[str, int] | None, dtype: str | None,
-           pinned: Any = None, placements: Mapping[str, str] | None = None) -> tuple[Solution, Cluster]:
+           pinned: Any = None, placements: Mapping[str, str] | None = None,
+           sequence_parallel: bool | None = None) -> tuple[Solution, Cluster]:
     """Tensor-axis strategies for ``axes`` (an empty solution when there is no tensor axis),
-    with the parameters in ``placements`` stored as forced."""
+    with the parameters in ``placements`` stored as forced and activations split along the
+    sequence or not as ``sequence_parallel`` says (None: as the cost says)."""
     check_options(sizes, memory_budget)
+    check_sequence_option(gm, sequence_parallel)
     forced = forced_placements(gm, placements, axes) if placements else {}
     world = 1
     for _, size in axes:
@@ -141,7 +144,8 @@ def solve_tensor_axis(gm: fx.GraphModule, axes: tuple[tuple[str, int], ...], *, 
     ginfo = graph_info(gm)
     plan_sizes = {**ginfo.example_sizes, **dict(sizes or {})}
     cfg = SolverConfig(n=n, cluster=cluster, mesh_axes=axes, axis=axis, sizes=plan_sizes,
-                       dtype=dtype or dtype_of(gm), memory_budget=memory_budget, pinned=pinned, forced=forced)
+                       dtype=dtype or dtype_of(gm), memory_budget=memory_budget, pinned=pinned, forced=forced,
+                       sequence=sequence_parallel)
     return solve(gm, cfg), cluster
 
 
@@ -208,7 +212,7 @@ def planned_graph(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
                   group_name: str = "tp", zero_stage: int | None = None, overlap: bool = True,
                   bucket_bytes: int = 0, mixed_precision: str | None = None,
                   pinned: Any = None, placements: Mapping[str, str] | None = None,
-                  modes: bool = False) -> tuple[fx.GraphModule, Plan]:
+                  modes: bool = False, sequence_parallel: bool | None = None) -> tuple[fx.GraphModule, Plan]:
     """Capture, plan (or take ``plan``) and annotate every node with its placement; ``after``
     = ``"rewrite"`` (or ``rewrite=True``) also produces the per-rank graph and ``"schedule"``
     additionally inserts the data-axis collectives and schedules them (what ``autopar dump
@@ -217,7 +221,8 @@ def planned_graph(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
     axes = mesh_axes(mesh)
     gm = capture_model(model, example_inputs, dims, example_kwargs, modes=modes)
     sol, cluster = solve_tensor_axis(gm, axes if plan is None else (), hardware=hardware, memory_budget=memory_budget,
-                          sizes=sizes, dtype=None, pinned=pinned, placements=placements)
+                          sizes=sizes, dtype=None, pinned=pinned, placements=placements,
+                          sequence_parallel=sequence_parallel)
     if plan is None:
         the_plan = plan_of(gm, sol, axes, type(model).__name__, zero_stage=zero_stage or 0, overlap=overlap,
                             bucket_bytes=bucket_bytes, mixed_precision=mixed_precision)

@@ -1,25 +1,35 @@
-"""Benchmark: autopar tensor-parallel training step vs torch's own DTensor tensor parallel.
+"""Benchmark: autopar tensor-parallel training step vs torch's DTensor tensor parallel, two layouts.
 
 Command:  python bench/tp.py [--worlds 2,4] [--steps 20] [--layers 2 --hidden 256 --heads 8
-                              --vocab 512 --batch 4 --seq 128]
+                              --vocab 512 --batch 4 --seq 128] [--variants ...]
 Same GPT model, same weights, same inputs and targets, gloo on this machine's CPU. For each
 world size, in the same processes, it times a full training step (forward, cross-entropy,
-backward, AdamW step, zero_grad) of
-  autopar: ``autopar.parallelize(model, world, args, plan=plan)``, the plan found by
-           ``autopar.plan`` at the benchmark's sizes (printed below), and
-  torch:   ``parallelize_module`` with the hand-written Megatron plan: ColwiseParallel for
-           attn q/k/v and mlp fc, RowwiseParallel for attn o_proj and mlp proj; embeddings,
-           norms and the tied head stay replicated plain tensors,
-alternating A/B step by step (2 warm-up steps each) and reports the ratio of median step
-times (goal <= 1.05) and of per-rank parameter bytes (goal 1.00). A step's time is the
-slowest rank's. The losses of both variants (and of the unsplit model at step 0) are
-compared as a sanity check.
+backward, AdamW step, zero_grad) of five variants, rotating their order step by step:
+  torch-basic:  ``parallelize_module`` with Megatron's plan without sequence parallelism:
+                ColwiseParallel for attn q/k/v and mlp fc, RowwiseParallel for attn o_proj and
+                mlp proj; embeddings, norms and the tied head replicated plain tensors;
+  torch-sp:     the sequence-parallel plan (torchtitan's layout for this model): the token and
+                position embeddings RowwiseParallel (vocabulary / position rows split, output
+                split along the sequence), norms SequenceParallel, attention and MLP inputs
+                gathered by PrepareModuleInput, o_proj / proj RowwiseParallel back to a sequence
+                split, the tied head column-parallel over the vocabulary (input gathered,
+                logits gathered);
+  autopar-free: ``autopar.parallelize`` with the plan the cost model finds (``autopar.plan``);
+  autopar-basic / autopar-sp: autopar forced to each torch layout: the same parameter
+                placements (``placements=``) and ``sequence_parallel=False`` / ``True``.
+Ratios of median step time (a step's time is the slowest rank's): each autopar variant
+against the torch plan of its layout, and autopar-free against both (goal <= 1.05); per-rank
+parameter bytes of each forced layout against its torch plan (goal 1.00). Every variant's
+loss is compared with the unsplit model's at step 0 and with torch-basic's at every step.
 
 torch's TP needs the attention to reshape with the *local* head count. GPTAttention views
 with ``self.heads`` (set to heads // world on every attention module, as torchtitan does)
-but reshapes its output with the input's full width ``h``; the torch copy therefore runs a
-bench-local forward with identical maths that reshapes to ``(b, s, -1)``. The autopar copy
-runs the model unmodified.
+but reshapes its output with the input's full width ``h``; the torch copies therefore run a
+bench-local attention forward with identical maths that reshapes to ``(b, s, -1)``, and the
+sequence-parallel copy a bench-local top-level forward that gathers the final norm's output
+and the logits (what ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()) does
+for an ``nn.Linear`` head; the GPT's head is ``F.linear`` on the tied ``wte.weight``).
+The autopar copies run the model unmodified.
 """
 from __future__ import annotations
 
@@ -61,20 +71,91 @@ def _data(model, batch: int, seq: int, vocab: int, device: str = "cpu"):
     return args, targets
 
 
-def _torch_tp(model, world: int):
+VARIANTS = ("torch-basic", "torch-sp", "autopar-free", "autopar-basic", "autopar-sp")
+# each autopar variant against the torch plan(s) it is measured against
+PEERS = {"autopar-free": ("torch-basic", "torch-sp"), "autopar-basic": ("torch-basic",), "autopar-sp": ("torch-sp",)}
+
+
+def _tp_mesh(world: int):
     from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+
+
+def _local_heads(model, world: int) -> None:
+    for block in model.layers:
+        block.attn.heads = model.config.heads // world
+        block.attn.forward = types.MethodType(common.local_attn_forward, block.attn)
+
+
+def _torch_basic(model, world: int):
+    """Megatron's layout without sequence parallelism (see the module docstring)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    mesh = _tp_mesh(world)
     for block in model.layers:
         parallelize_module(block, mesh, {
             "attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
             "attn.v_proj": ColwiseParallel(), "attn.o_proj": RowwiseParallel(),
             "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel(),
         })
-        block.attn.heads = model.config.heads // world
-        block.attn.forward = types.MethodType(common.local_attn_forward, block.attn)
+    _local_heads(model, world)
     return model
+
+
+def _sp_forward(self, idx: torch.Tensor) -> torch.Tensor:
+    """GPT.forward for torch's sequence-parallel layout: the blocks carry each rank's sequence
+    slice; the final norm's output is gathered, the tied head runs on this rank's vocabulary
+    rows and the logits are gathered."""
+    from torch.distributed.tensor import Replicate
+    pos = torch.arange(idx.shape[1], device=idx.device)
+    x = self.wte(idx) + self.wpe(pos)
+    for layer in self.layers:
+        x = layer(x)
+    h = self.ln_f(x).redistribute(placements=[Replicate()])
+    return F.linear(h, self.wte.weight).redistribute(placements=[Replicate()]).to_local()
+
+
+def _torch_sp(model, world: int):
+    """Megatron's layout with sequence parallelism, as torchtitan writes it (module docstring)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    mesh = _tp_mesh(world)
+    parallelize_module(model, mesh, {
+        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "wpe": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+        "ln_f": SequenceParallel(),
+    })
+    for block in model.layers:
+        parallelize_module(block, mesh, {
+            "ln1": SequenceParallel(), "ln2": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
+            "attn.v_proj": ColwiseParallel(), "attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    _local_heads(model, world)
+    model.forward = types.MethodType(_sp_forward, model)
+    return model
+
+
+def _layout_placements(cfg: dict, sequence: bool) -> dict[str, str]:
+    """The torch plan's parameter placements, as autopar's ``placements=`` (module docstring):
+    column-parallel weights and biases split on dim 0, row-parallel weights on dim 1; the
+    embeddings split by rows under the sequence-parallel layout, whole otherwise."""
+    out = {"wte.weight": "S(0)" if sequence else "R", "wpe.weight": "S(0)" if sequence else "R"}
+    for i in range(cfg["layers"]):
+        pre = f"layers.{i}."
+        for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc"):
+            out[pre + name + ".weight"] = out[pre + name + ".bias"] = "S(0)"
+        for name in ("attn.o_proj", "mlp.proj"):
+            out[pre + name + ".weight"], out[pre + name + ".bias"] = "S(1)", "R"
+        for name in ("ln1", "ln2"):
+            out[pre + name + ".weight"] = out[pre + name + ".bias"] = "R"
+    out["ln_f.weight"] = out["ln_f.bias"] = "R"
+    return out
 
 
 def _param_bytes(module) -> dict[str, int]:
@@ -100,7 +181,8 @@ def _step(model, opt, args, targets) -> tuple[float, float]:
     return time.perf_counter() - t0, float(loss.detach())
 
 
-def rank_work(rank: int, world: int, cfg: dict, batch: int, seq: int, plan, warmup: int, steps: int) -> dict:
+def rank_work(rank: int, world: int, cfg: dict, batch: int, seq: int, plans: dict, names: list[str],
+              warmup: int, steps: int) -> dict:
     import autopar
     import torch.distributed as dist
 
@@ -112,39 +194,43 @@ def rank_work(rank: int, world: int, cfg: dict, batch: int, seq: int, plan, warm
         ref_loss = float(F.cross_entropy(ref_logits.reshape(-1, cfg["vocab"]), targets.reshape(-1)))
     del ref_model, ref_logits
 
-    pm = autopar.parallelize(_build(cfg), world, args, plan=plan)
-    tm = _torch_tp(_build(cfg), world)
-    variants = {"autopar": (pm, torch.optim.AdamW(pm.parameters(), lr=1e-3)),
-                "torch": (tm, torch.optim.AdamW(tm.parameters(), lr=1e-3))}
+    built = {}
+    for name in names:
+        if name.startswith("autopar"):
+            built[name] = autopar.parallelize(_build(cfg), world, args, plan=plans[name])
+        else:
+            built[name] = (_torch_basic if name == "torch-basic" else _torch_sp)(_build(cfg), world)
+    variants = {k: (m, torch.optim.AdamW(m.parameters(), lr=1e-3)) for k, m in built.items()}
     times: dict[str, list[float]] = {k: [] for k in variants}
     losses: dict[str, list[float]] = {k: [] for k in variants}
     for i in range(warmup + steps):
-        order = list(variants) if i % 2 == 0 else list(variants)[::-1]  # ABBA...: neither always goes first
-        for name in order:
+        k = i % len(names)
+        order = names[k:] + names[:k]           # rotate: no variant always goes first
+        for name in (order if i % 2 == 0 else order[::-1]):
             model, opt = variants[name]
             dt, loss = _step(model, opt, args, targets)
             losses[name].append(loss)
             if i >= warmup:
                 times[name].append(dt)
     dist.barrier()
-    pa, pt = _param_bytes(pm), _param_bytes(tm)
     return {"times": times, "losses": losses, "ref_loss": ref_loss,
-            "param_bytes": {"autopar": sum(pa.values()), "torch": sum(pt.values())},
-            "param_bytes_differ": {k: (pa.get(k, 0), pt.get(k, 0)) for k in sorted(set(pa) | set(pt))
-                                   if pa.get(k, 0) != pt.get(k, 0)},
-            "n_params": {"autopar": sum(1 for _ in pm.parameters()), "torch": sum(1 for _ in tm.parameters())}}
+            "param_bytes": {k: _param_bytes(m) for k, m in built.items()}}
 
 
-def _plan(cfg: dict, world: int, batch: int, seq: int, force: bool):
+def _plans(cfg: dict, world: int, batch: int, seq: int, names: list[str]) -> dict:
     import autopar
     model = _build(cfg, device="meta")
     args, _ = _data(model, batch, seq, cfg["vocab"], device="meta")
     sizes = {"batch": batch, "seq": seq}
-    if not force:
-        plan = autopar.plan(model, world, args, sizes=sizes)
-        if any(v != "R" for v in plan.params.values()):
-            return plan, "cost (default)"
-    return autopar.plan(model, world, args, sizes=sizes, memory_budget=1), "memory_budget=1 (forced sharding)"
+    out = {}
+    for name in names:
+        if name == "autopar-free":
+            out[name] = autopar.plan(model, world, args, sizes=sizes)
+        elif name in ("autopar-basic", "autopar-sp"):
+            sp = name == "autopar-sp"
+            out[name] = autopar.plan(model, world, args, sizes=sizes, placements=_layout_placements(cfg, sp),
+                                     sequence_parallel=sp)
+    return out
 
 
 def _fmt_plan(plan) -> str:
@@ -155,8 +241,10 @@ def _fmt_plan(plan) -> str:
         if short not in by.get(p, []):
             by.setdefault(p, []).append(short)
     s = plan.summary()
-    lines = [f"  sharded {s['sharded_params']} / {len(plan.params)} params; predicted step "
-             f"{s['step_time_s'] * 1e3:.1f} ms (compute {s['compute_s'] * 1e3:.1f}, comm {s['comm_s'] * 1e3:.1f})"]
+    seq = sum(1 for k, st in plan.nodes.items() if k.startswith("layer_norm") and "S(1)" in str(st.outputs))
+    lines = [f"  sharded {s['sharded_params']} / {len(plan.params)} params; norms on a sequence split: {seq}; "
+             f"predicted step {s['step_time_s'] * 1e3:.1f} ms (compute {s['compute_s'] * 1e3:.1f}, "
+             f"comm {s['comm_s'] * 1e3:.1f})"]
     for p in sorted(by):
         lines.append(f"  {p:>5}: {', '.join(by[p])}")
     return "\n".join(lines)
@@ -175,80 +263,79 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--force-shard", action="store_true", help="plan with memory_budget=1 even if the cost "
-                    "model already shards")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
     ap.add_argument("--timeout", type=float, default=600.0, help="per-world timeout of run_ranks, s")
     a = ap.parse_args()
     worlds = [int(w) for w in a.worlds.split(",") if w.strip()]
+    names = [v.strip() for v in a.variants.split(",") if v.strip()]
+    if not names or any(v not in VARIANTS for v in names):
+        ap.error(f"--variants takes names from {', '.join(VARIANTS)}")
     cfg = _config(a)
     for w in worlds:
-        if a.heads % w or a.hidden % w or (4 * a.hidden) % w or a.vocab % w:
-            ap.error(f"heads, hidden, 4*hidden and vocab must divide by world {w}")
+        if a.heads % w or a.hidden % w or (4 * a.hidden) % w or a.vocab % w or a.seq % w:
+            ap.error(f"heads, hidden, 4*hidden, vocab and seq must divide by world {w}")
+    if a.seq != cfg["max_seq"]:
+        ap.error("the position embedding has --seq rows")
 
     t_all = time.perf_counter()
-    print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"gloo, 1 thread per rank")
+    print(f"machine: {common.machine_line()}; load average {os.getloadavg()[0]:.2f}")
     print(f"model: gpt2-small {cfg}, batch {a.batch}, seq {a.seq}; AdamW lr 1e-3; "
-          f"{a.warmup} warm-up + {a.steps} timed steps per variant, alternating")
+          f"{a.warmup} warm-up + {a.steps} timed steps per variant, rotating")
     rows = []
     for world in worlds:
         t0 = time.perf_counter()
-        plan, mode = _plan(cfg, world, a.batch, a.seq, a.force_shard)
-        t_plan = time.perf_counter() - t0
-        print(f"\n== world {world} ==\nautopar plan ({mode}, planned in {t_plan:.1f} s):\n{_fmt_plan(plan)}",
-              flush=True)
+        plans = _plans(cfg, world, a.batch, a.seq, names)
+        print(f"\n== world {world} == (planned in {time.perf_counter() - t0:.1f} s)", flush=True)
+        for name, plan in plans.items():
+            print(f"{name}:\n{_fmt_plan(plan)}")
         t0 = time.perf_counter()
-        res = run_ranks(rank_work, world, cfg, a.batch, a.seq, plan, a.warmup, a.steps, timeout_s=a.timeout)
+        res = run_ranks(rank_work, world, cfg, a.batch, a.seq, plans, names, a.warmup, a.steps, timeout_s=a.timeout)
         t_run = time.perf_counter() - t0
+        n_steps = len(res[0]["times"][names[0]])
         med, per_step = {}, {}
-        for name in ("autopar", "torch"):
-            per_step[name] = [max(r["times"][name][i] for r in res) for i in range(a.steps)]  # slowest rank
+        for name in names:
+            per_step[name] = [max(r["times"][name][i] for r in res) for i in range(n_steps)]  # slowest rank
             med[name] = statistics.median(per_step[name])
-        pbytes = {name: max(r["param_bytes"][name] for r in res) for name in ("autopar", "torch")}
-        la, lt = res[0]["losses"]["autopar"], res[0]["losses"]["torch"]
-        loss_rank_spread = max(abs(r["losses"][n][i] - res[0]["losses"][n][i])
-                               for r in res for n in ("autopar", "torch") for i in range(len(la)))
-        row = {"world": world, "plan_mode": mode, "sharded_params": plan.summary()["sharded_params"],
-               "total_params": len(plan.params),
-               "median_ms": {k: v * 1e3 for k, v in med.items()},
+        pbytes = {name: max(sum(r["param_bytes"][name].values()) for r in res) for name in names}
+        ref = res[0]["ref_loss"]
+        base = "torch-basic" if "torch-basic" in names else names[0]
+        row = {"world": world, "median_ms": {k: v * 1e3 for k, v in med.items()},
                "min_ms": {k: min(v) * 1e3 for k, v in per_step.items()},
-               "step_ms": {k: [round(x * 1e3, 2) for x in v] for k, v in per_step.items()},
-               "time_ratio": med["autopar"] / med["torch"],
-               "param_bytes_per_rank": pbytes, "param_ratio": pbytes["autopar"] / pbytes["torch"],
-               "loss0": {"autopar": la[0], "torch": lt[0], "unsplit": res[0]["ref_loss"]},
-               "loss0_absdiff": abs(la[0] - lt[0]),
-               "loss0_absdiff_vs_unsplit": max(abs(la[0] - res[0]["ref_loss"]), abs(lt[0] - res[0]["ref_loss"])),
-               "loss_max_absdiff_all_steps": max(abs(x - y) for x, y in zip(la, lt)),
-               "loss_max_rank_spread": loss_rank_spread,
-               "run_s": t_run, "plan_s": t_plan}
+               "param_bytes_per_rank": pbytes, "ratios": {}, "param_ratios": {},
+               "loss0_vs_unsplit": {k: abs(res[0]["losses"][k][0] - ref) for k in names},
+               "loss_max_vs_" + base: {k: max(abs(x - y) for x, y in zip(res[0]["losses"][k], res[0]["losses"][base]))
+                                       for k in names},
+               "loss_max_rank_spread": max(abs(r["losses"][n][i] - res[0]["losses"][n][i])
+                                           for r in res for n in names for i in range(len(r["losses"][n]))),
+               "sharded_params": {k: p.summary()["sharded_params"] for k, p in plans.items()},
+               "run_s": t_run}
+        print(f"{'':<14}{'median ms':>10}{'min ms':>9}{'param B/rank':>14}{'loss0 - unsplit':>17}"
+              f"{'max |loss - ' + base + '|':>26}")
+        for name in names:
+            print(f"{name:<14}{row['median_ms'][name]:>10.1f}{row['min_ms'][name]:>9.1f}{pbytes[name]:>14,}"
+                  f"{row['loss0_vs_unsplit'][name]:>17.1e}{row['loss_max_vs_' + base][name]:>26.1e}")
+        for name, peers in PEERS.items():
+            for peer in peers:
+                if name in names and peer in names:
+                    r_t = med[name] / med[peer]
+                    row["ratios"][f"{name} / {peer}"] = r_t
+                    line = f"  {name} / {peer}: time {r_t:.3f} ({'ok' if r_t <= 1.05 else 'MISSED'}, goal <= 1.05)"
+                    if name != "autopar-free":
+                        r_b = pbytes[name] / pbytes[peer]
+                        row["param_ratios"][f"{name} / {peer}"] = r_b
+                        line += f"; param bytes {r_b:.3f} ({'ok' if abs(r_b - 1) < 0.005 else 'MISSED'}, goal 1.00)"
+                    print(line)
+        print(f"(ranks ran {t_run:.1f} s; largest loss spread across ranks {row['loss_max_rank_spread']:.1e})",
+              flush=True)
         rows.append(row)
-        print(f"{'':<10}{'median ms':>10}{'min ms':>9}{'param B/rank':>14}")
-        for name in ("autopar", "torch"):
-            print(f"{name:<10}{row['median_ms'][name]:>10.1f}{row['min_ms'][name]:>9.1f}{pbytes[name]:>14,}")
-        t_ok = "ok" if row["time_ratio"] <= 1.05 else "MISSED"
-        p_ok = "ok" if abs(row["param_ratio"] - 1.0) < 0.005 else "MISSED"
-        print(f"{'ratio':<10}{row['time_ratio']:>10.3f}{'':>9}{row['param_ratio']:>14.3f}   "
-              f"time goal <=1.05: {t_ok}; param goal 1.00: {p_ok}")
-        print(f"loss step 0: autopar {la[0]:.6f}  torch {lt[0]:.6f}  unsplit {res[0]['ref_loss']:.6f};  "
-              f"max |autopar - torch| step 0: {row['loss0_absdiff']:.2e}, over all {len(la)} steps: "
-              f"{row['loss_max_absdiff_all_steps']:.2e}; max spread across ranks {loss_rank_spread:.2e}")
-        differ = res[0]["param_bytes_differ"]
-        if differ:
-            print("param bytes that differ on rank 0 (autopar vs torch): " +
-                  ", ".join(f"{k} {x:,} vs {y:,}" for k, (x, y) in differ.items()))
-        row["param_bytes_differ_rank0"] = differ
-        row["losses"] = {"autopar": la, "torch": lt}
-        print(f"(ranks ran {t_run:.1f} s)", flush=True)
 
     wall = time.perf_counter() - t_all
-    print(f"\n{'world':>5} {'autopar ms':>11} {'torch ms':>9} {'t ratio':>8} {'autopar B':>11} {'torch B':>11} "
-          f"{'B ratio':>8}  plan")
+    print(f"\n{'world':>5}  {'ratio':<30}{'time':>7}{'params':>8}")
     for r in rows:
-        print(f"{r['world']:>5} {r['median_ms']['autopar']:>11.1f} {r['median_ms']['torch']:>9.1f} "
-              f"{r['time_ratio']:>8.3f} {r['param_bytes_per_rank']['autopar']:>11,} "
-              f"{r['param_bytes_per_rank']['torch']:>11,} {r['param_ratio']:>8.3f}  "
-              f"{r['sharded_params']}/{r['total_params']} sharded, {r['plan_mode']}")
-    print(f"total wall {wall:.1f} s")
+        for key, v in r["ratios"].items():
+            pr = r["param_ratios"].get(key)
+            print(f"{r['world']:>5}  {key:<30}{v:>7.3f}{'' if pr is None else f'{pr:>8.3f}'}")
+    print(f"total wall {wall:.1f} s; load average {os.getloadavg()[0]:.2f}")
     print(json.dumps({"bench": "tp", "config": cfg, "batch": a.batch, "seq": a.seq, "steps": a.steps,
                       "warmup": a.warmup, "cores": os.cpu_count(), "torch": torch.__version__,
                       "wall_s": wall, "worlds": rows}))

@@ -56,6 +56,9 @@ class SolverConfig:
     mem_weight: float = 0.0              # seconds charged per byte of that state
     pinned: Callable[[fx.Node], bool] | None = None   # nodes that must stay replicated on this axis
     forced: dict[str, str] = field(default_factory=dict)  # placeholder name -> the placement the user forced
+    # sequence parallelism: None lets the cost choose; False keeps every activation whole along
+    # its sequence dim; True leaves no activation that has a sequence dim whole on every rank
+    sequence: bool | None = None
 
 
 @dataclass
@@ -109,6 +112,8 @@ class _Pricer:
                     if node.op == "placeholder" else strategies(node, self.cfg.n, self.cfg.sizes))
             if node.name in self.cfg.forced:     # checked divisible before solving (autopar/checks.py)
                 opts = [s for s in opts if str(s.outputs[0].value) == self.cfg.forced[node.name]]
+            if self.cfg.sequence is not None and node.op != "placeholder":
+                opts = sequence_filter(node, opts, self.cfg.sequence)
             pinned = node in self.written or (self.cfg.pinned is not None and self.cfg.pinned(node))
             self._strategies[node] = opts[:1] if pinned else opts
         return self._strategies[node]
@@ -151,6 +156,36 @@ class _Pricer:
         if step.kind == "all_to_all":
             nbytes /= self.cfg.n
         return collective_time(step.kind, nbytes, self.cfg.cluster, self.cfg.mesh_axes, self.cfg.axis)
+
+
+SEQ = "seq"   # the size name of the sequence dim (``dims=({0: "batch", 1: "seq"},)``)
+
+
+def sequence_dims(node: fx.Node) -> list[set[int]]:
+    """Per tensor output of ``node``, the dims whose size involves the ``seq`` size."""
+    return [{d for d, size in enumerate(v.shape) if any(sym.name == SEQ for sym in getattr(size, "free_symbols", ()))}
+            for v in info(node).values]
+
+
+def sequence_filter(node: fx.Node, opts: list[Strategy], split: bool) -> list[Strategy]:
+    """The strategies of ``node`` that the sequence-parallel choice ``split`` allows (all of
+    them where none would be left: an op that cannot run otherwise keeps its options).
+
+    ``split=False`` drops strategies that split an output or its gradient along a sequence dim;
+    ``split=True`` drops those that leave an output with a sequence dim replicated."""
+    dims = sequence_dims(node)
+    if not any(dims):
+        return opts
+
+    def along_seq(s: Strategy) -> bool:
+        return any(isinstance(p, Shard) and p.dim in dims[i]
+                   for i, o in enumerate(s.outputs) if i < len(dims) for p in (o.value, o.grad))
+
+    def whole(s: Strategy) -> bool:
+        return any(dims[i] and o.value == REP.value for i, o in enumerate(s.outputs) if i < len(dims))
+
+    kept = [s for s in opts if not (along_seq(s) if not split else whole(s))]
+    return kept or opts
 
 
 def placeholder_options(node: fx.Node, cfg: SolverConfig) -> list[Strategy]:

@@ -10,7 +10,10 @@ from autopar.errors import ConfigError
 from autopar.placement import COLLECTIVE_KINDS, LOCAL_KINDS
 
 STEP_KINDS = set(COLLECTIVE_KINDS + LOCAL_KINDS)
-SMALL_GPT = ["--model", "gpt", "--set", "layers=2", "--set", "hidden=64", "--set", "heads=4", "--set", "vocab=256"]
+SMALL_GPT = ["--model", "gpt", "--set", "layers=2", "--set", "hidden=128", "--set", "heads=4", "--set", "vocab=256"]
+# sizes at which the built-in CPU profile splits SMALL_GPT over tp=2 (at --seq 16 a collective
+# costs more than the matmuls it would halve, and the plan replicates everything)
+SPLIT_SIZES = ["--batch", "8", "--seq", "128"]
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -20,7 +23,7 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def test_rewrite_json_has_collectives_and_placements(capsys):
-    code, out, _ = run(capsys, "dump", *SMALL_GPT, "--batch", "4", "--seq", "16", "--mesh", "tp=2",
+    code, out, _ = run(capsys, "dump", *SMALL_GPT, *SPLIT_SIZES, "--mesh", "tp=2",
                        "--after", "rewrite", "--format", "json", "-q")
     assert code == 0
     data = json.loads(out)
@@ -56,7 +59,7 @@ def test_plan_text_shows_colwise_and_rowwise_for_gpt2_small(capsys):
 
 
 def test_rewrite_text_lists_collectives_and_summary(capsys):
-    code, out, _ = run(capsys, "dump", *SMALL_GPT, "--batch", "4", "--seq", "16", "--mesh", "tp=2",
+    code, out, _ = run(capsys, "dump", *SMALL_GPT, *SPLIT_SIZES, "--mesh", "tp=2",
                        "--after", "rewrite", "-q")
     assert code == 0
     rows = [line for line in out.splitlines() if line.startswith("redistribute")]

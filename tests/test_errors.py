@@ -118,6 +118,30 @@ def test_forced_placements_are_honoured_where_they_divide():
     assert plan.params["up.weight"] == "S(1)" and plan.params["down.weight"] == "R"
 
 
+def test_sequence_parallel_needs_a_bool_and_a_sequence_dim():
+    from autopar.errors import ConfigError
+    gpt = models.build("gpt", dict(layers=1, hidden=16, heads=4, vocab=32, max_seq=8), device="meta")
+    tokens, _ = models.example_inputs(gpt, 2, 8, device="meta")
+    with pytest.raises(ConfigError) as err:
+        autopar.plan(gpt, {"tp": 2}, tokens, sequence_parallel="yes")
+    _says(err, "sequence_parallel", "'yes'", "None", "True or False")
+    with pytest.raises(ConfigError) as err:          # the MLP's input has no dim named "seq"
+        autopar.plan(MLP(), {"tp": 2}, (_x(),), sequence_parallel=False)
+    _says(err, "no input dim is named 'seq'", 'dims=({0: "batch", 1: "seq"},)')
+
+
+def test_sequence_parallel_with_a_plan_or_a_pipeline_is_refused(fake_world):
+    from autopar.errors import ConfigError
+    fake_world(2)
+    plan = autopar.plan(MLP(), {"tp": 2}, (_x(),))
+    with pytest.raises(ConfigError) as err:
+        autopar.parallelize(MLP(), 2, (_x(),), plan=plan, sequence_parallel=False)
+    _says(err, "sequence_parallel= and plan= are both given", "autopar.plan(..., sequence_parallel=...)")
+    with pytest.raises(ConfigError) as err:
+        autopar.parallelize(MLP(), {"pp": 2}, (_x(),), sequence_parallel=False)
+    _says(err, "sequence_parallel cannot be used with a pipeline", "sequence_parallel=False")
+
+
 def _hidden6_rank(rank: int, world: int, plan: Plan) -> dict:
     torch.manual_seed(0)
     model = MLP(hidden=6)

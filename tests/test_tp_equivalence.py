@@ -113,17 +113,19 @@ def _train_cases(rank: int, world: int, cases: list[tuple]) -> list[dict]:
     return [_train_both(rank, world, *c) for c in cases]
 
 
-def case(name: str, overrides: dict, world: int, batch: int, seq: int, forced: bool = True) -> tuple:
-    return name, overrides, world, batch, seq, forced
+def case(name: str, overrides: dict, world: int, batch: int, seq: int, forced: bool = True,
+         sequence: bool | None = None) -> tuple:
+    return name, overrides, world, batch, seq, forced, sequence
 
 
-def _plan(name: str, overrides: dict, world: int, batch: int, seq: int, forced: bool):
+def _plan(name: str, overrides: dict, world: int, batch: int, seq: int, forced: bool, sequence: bool | None = None):
     model = _build(name, overrides)
-    return autopar.plan(model, world, _inputs(model, batch, seq), memory_budget=1 if forced else None)
+    return autopar.plan(model, world, _inputs(model, batch, seq), memory_budget=1 if forced else None,
+                        sequence_parallel=sequence)
 
 
 def _check(results: list[dict], name: str, overrides: dict, world: int, batch: int, seq: int,
-           forced: bool) -> list[dict]:
+           forced: bool, sequence: bool | None = None) -> list[dict]:
     assert len(results) == world
     for rank, res in enumerate(results):
         assert res["keys_match"], f"rank {rank}: state_dict keys differ from the original model's"
@@ -163,6 +165,8 @@ def _cases() -> dict:
                 cases[(name, world, i)] = case(name, ov, world, batch, seq)
     cases["stores_share"] = case("gpt", GPT_SMALL, 4, 2, 8)
     cases["unforced"] = case("gpt", GPT_SMALL, 2, 2, 8, forced=False)
+    for split in (True, False):
+        cases["sequence", split] = case("gpt", dict(GPT_SMALL, layers=2), 2, 2, 8, sequence=split)
     return cases
 
 
@@ -214,3 +218,20 @@ def test_each_rank_stores_its_share_of_split_parameters(request):
 def test_unforced_plan_on_tiny_model_still_matches(request):
     """Without a memory budget a tiny model is planned by time alone (mostly replicated)."""
     _verify(request, "unforced")
+
+
+def _norms_on_sequence_split(plan) -> int:
+    """How many layer norms the plan runs on a sequence slice (dim 1 of [batch, seq, hidden])."""
+    return sum(1 for k, st in plan.nodes.items() if k.startswith("layer_norm") and "S(1)" in str(st.outputs))
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_sequence_parallel_choice_matches_single_process(request, split):
+    """``sequence_parallel=True`` runs every norm on a sequence slice (all-gather before the
+    column-parallel matmuls, reduce-scatter after the row-parallel ones, norm weights' gradients
+    all-reduced); ``False`` runs none there. Both train as the single process does."""
+    plan = _plan(*CASES["sequence", split])
+    norms = sum(1 for k in plan.nodes if k.startswith("layer_norm"))
+    assert norms == 5 and _norms_on_sequence_split(plan) == (norms if split else 0)
+    results = _verify(request, ("sequence", split))
+    assert any(p.startswith("S(") for _, _, p in results[0]["stored"].values())
