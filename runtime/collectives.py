@@ -25,16 +25,19 @@ def _group_rank(group_name: str) -> int:
     return dist.get_rank(_resolve_process_group(group_name))
 
 
-def apply_step(x: torch.Tensor, step: Step, group_name: str, n: int) -> torch.Tensor:
-    """Run one conversion step on this rank's piece ``x``."""
+def apply_step(x: torch.Tensor, step: Step, group_name: str, n: int, rank: int | None = None) -> torch.Tensor:
+    """Run one conversion step on this rank's piece ``x`` (``rank``: this rank's index in the
+    group, looked up when not given)."""
     if step.kind == "none" or n == 1:
         return x if step.kind == "none" else _single_rank(x, step)
+    if step.kind in ("chunk", "mask", "pad") and rank is None:
+        rank = _group_rank(group_name)
     if step.kind == "chunk":
-        return x.chunk(n, step.dst_dim)[_group_rank(group_name)].contiguous()
+        return x.chunk(n, step.dst_dim)[rank].contiguous()
     if step.kind == "mask":
-        return x.clone() if _group_rank(group_name) == 0 else torch.zeros_like(x)
+        return x.clone() if rank == 0 else torch.zeros_like(x)
     if step.kind == "pad":
-        return _pad(x, step.src_dim, _group_rank(group_name), n)
+        return _pad(x, step.src_dim, rank, n)
     if step.kind == "all_reduce":
         return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group_name))
     if step.kind == "all_gather":
@@ -114,6 +117,38 @@ def _backward(ctx, grad: torch.Tensor):
 
 
 redistribute.register_autograd(_backward, setup_context=_setup)
+
+
+@torch.library.custom_op("autopar::redistribute_at", mutates_args=())
+def redistribute_at(x: torch.Tensor, src: str, dst: str, group_name: str, n: int, rank: int) -> torch.Tensor:
+    """:func:`redistribute` on rank ``rank`` of the group, the rank named in the call: what a
+    compiled graph runs (``runtime/compiled.py``). Traced, ``redistribute``'s backward would bake
+    the rank it looks up into the backward graph as a constant that no compile-cache key sees,
+    so a rank sharing the cache directory could load another rank's backward; with the rank an
+    argument, each rank's graph says which rank it is."""
+    step = transition(Spec.parse(src).value, Spec.parse(dst).value, x.dim())
+    out = apply_step(x, step, group_name, n, rank)
+    return out.clone() if _aliases(out, x) else out
+
+
+@redistribute_at.register_fake
+def _(x: torch.Tensor, src: str, dst: str, group_name: str, n: int, rank: int) -> torch.Tensor:
+    step = transition(Spec.parse(src).value, Spec.parse(dst).value, x.dim())
+    return x.new_empty(_out_shape(list(x.shape), step, n))
+
+
+def _setup_at(ctx, inputs, output) -> None:
+    _, ctx.src, ctx.dst, ctx.group_name, ctx.n, ctx.rank = inputs
+
+
+def _backward_at(ctx, grad: torch.Tensor):
+    src, dst = Spec.parse(ctx.src), Spec.parse(ctx.dst)
+    step = transition(dst.grad, src.grad, grad.dim())
+    out = apply_step(grad.contiguous(), step, ctx.group_name, ctx.n, ctx.rank)
+    return out, None, None, None, None, None
+
+
+redistribute_at.register_autograd(_backward_at, setup_context=_setup_at)
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, group_name: str) -> torch.Tensor:

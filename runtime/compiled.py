@@ -3,11 +3,12 @@
 What a rank runs is already one ATen graph with its communication as nodes, so it is handed to
 ``torch.compile`` as it is (inductor by default: C++/OpenMP kernels on CPU, Triton on GPUs):
 
-- every collective runs eagerly between compiled pieces, where autopar's schedule puts it. The
-  tensor axis's ``autopar::redistribute`` is a registered custom op (a fake implementation and
-  a backward) and traces into a graph, but inductor then computes a wrong step on a tensor-
-  parallel GPT (loss off by 1.7 % and parameters by 200 % after three steps on 2 ranks, where
-  ``aot_eager`` on the same graph is exact to 1e-15), so it is a graph break too;
+- the tensor axis's collectives stay in the graph: ``autopar::redistribute`` is a registered
+  custom op (a fake implementation and a backward), swapped for ``autopar::redistribute_at``,
+  which names the rank in the call. Traced, the plain op's backward looks the rank up and bakes
+  it into the backward graph, where no cache key sees it; ranks share inductor's on-disk caches,
+  so a rank could load another's backward (a wrong step: loss 1.7 % and parameters 200 % off
+  after three steps of a tensor-parallel GPT on 2 ranks);
 - the data axis's nodes (``grad_reduce_issue``/``wait``, ZeRO-3's ``param_gather_*``), expert
   exchanges and synchronised BatchNorm are Python functions with side effects on a runtime
   (buckets, queues, tokens); each runs eagerly between compiled pieces (``torch._dynamo.disable``
@@ -74,8 +75,9 @@ def eager_islands(gm: fx.GraphModule) -> fx.GraphModule:
                 rank = graph.get_attr(name)
             new.target = vocab_parallel_embedding_at
             new.args = (*new.args[:2], rank)
-        elif target is torch.ops.autopar.redistribute.default:
-            new.target = _redistribute_eager
+        elif target is torch.ops.autopar.redistribute.default:    # the rank in the call (collectives.py)
+            new.target = torch.ops.autopar.redistribute_at.default
+            new.args = (*new.args, _group_rank(node.args[3]))
         elif (node.op == "call_function" and isinstance(target, types.FunctionType)
                 and target.__module__.startswith("autopar") and not _traced(target)):
             new.target = torch._dynamo.disable(target)
@@ -86,12 +88,6 @@ def eager_islands(gm: fx.GraphModule) -> fx.GraphModule:
     out = fx.GraphModule(root, graph)
     out.meta = dict(getattr(gm, "meta", {}))
     return out
-
-
-@torch._dynamo.disable
-def _redistribute_eager(x: torch.Tensor, src: str, dst: str, group_name: str, n: int) -> torch.Tensor:
-    """The tensor axis's collective, run eagerly between compiled pieces (module docstring)."""
-    return torch.ops.autopar.redistribute(x, src, dst, group_name, n)
 
 
 def _fetch(module: torch.nn.Module, target: str) -> Any:
