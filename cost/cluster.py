@@ -84,11 +84,14 @@ _DGX_H100 = NodeLinks(
                source=f"8x NDR 400 Gb/s NICs per DGX H100 node, 48 GB/s per GPU; latency: {_LAT}"),
     intra_peak_bandwidth=450e9, devices_per_node=8)
 _CPU_EST = ("gloo over loopback as `autopar calibrate` measured it on a 2-core x86 VM (2026-11-25, world 2: "
-            "150 us per ring step, bus bandwidth 1.3 GB/s all-gather to 2.9 GB/s all-reduce); 10 GbE between "
-            "hosts; replace with `autopar calibrate` on your machines")
+            "150 us per ring step, bus bandwidth 1.3 GB/s all-gather to 2.9 GB/s all-reduce), plus 1 ms per "
+            "call: what a collective costs a training step there when the ranks' compute and gloo's threads "
+            "share the cores (bench/dp.py: 1.2 ms of step time per extra gradient bucket; bench/tp.py: "
+            "1.5-2 ms per extra tensor-axis collective); 10 GbE between hosts; replace with `autopar "
+            "calibrate` on your machines")
 _CPU_HOST = NodeLinks(
-    intra=Link(bandwidth=1.5e9, base_latency_s=0.0, hop_latency_s=150e-6, source=_CPU_EST),
-    inter=Link(bandwidth=1e9, base_latency_s=0.0, hop_latency_s=150e-6, source=_CPU_EST),
+    intra=Link(bandwidth=1.5e9, base_latency_s=1e-3, hop_latency_s=150e-6, source=_CPU_EST),
+    inter=Link(bandwidth=1e9, base_latency_s=1e-3, hop_latency_s=150e-6, source=_CPU_EST),
     intra_peak_bandwidth=2e9, devices_per_node=1)
 
 
