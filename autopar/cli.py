@@ -46,7 +46,8 @@ def _dump(args: argparse.Namespace) -> int:
         # dims=() (not None) keeps a user model without dims a static capture, as plain dump does.
         gm, plan = planned_graph(w.model, mesh, w.args, dims=w.dims if w.dims is not None else (),
                                  sizes=w.sizes, after=after, zero_stage=args.zero, overlap=not args.no_overlap,
-                                 bucket_bytes=args.bucket_bytes, hardware=args.hardware)
+                                 bucket_bytes=args.bucket_bytes, hardware=args.hardware,
+                                 sequence_parallel=_sequence_parallel(args, mesh))
         parallel = {"mesh": dict(plan.mesh), "after": after, "predicted": dict(plan.predicted),
                     "zero_stage": plan.zero_stage, "overlap": plan.overlap}
         _progress(args, f"captured, analysed and planned ({after}) {len(gm.graph.nodes)} nodes on "
@@ -61,6 +62,17 @@ def _dump(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text + "\n")
     return 0
+
+
+def _sequence_parallel(args: argparse.Namespace, mesh: dict[str, int]) -> bool | None:
+    """``--sequence-parallel`` as ``sequence_parallel=``: None for auto; on or off needs a tp axis."""
+    choice = getattr(args, "sequence_parallel", "auto")
+    if choice == "auto":
+        return None
+    if mesh.get("tp", 1) < 2:
+        raise ConfigError(f"--sequence-parallel {choice} needs a tensor axis", where="autopar dump",
+                          got=f"--mesh {args.mesh}", fix="add one, e.g. --mesh tp=2, or leave --sequence-parallel out")
+    return choice == "on"
 
 
 def _dump_hardware(args: argparse.Namespace) -> str:
@@ -87,7 +99,8 @@ def _split_view(args: argparse.Namespace, w, mesh: dict[str, int]):
     hardware = args.hardware        # set by _dump_hardware
     if mesh.get("tp", 1) > 1:
         gm, _ = planned_graph(w.model, {"tp": mesh["tp"]}, w.args, dims=w.dims if w.dims is not None else (),
-                              sizes=w.sizes, after="rewrite", hardware=hardware)
+                              sizes=w.sizes, after="rewrite", hardware=hardware,
+                              sequence_parallel=_sequence_parallel(args, mesh))
     else:
         gm = capture_workload(w)
     batch = max(1, args.batch // mesh.get("dp", 1))
@@ -451,6 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the rewrite (tensor-axis collectives with their predicted cost), or after the "
                         "schedule pass (data-axis buckets too, with their issue and wait positions); with a "
                         "pp axis, after the pipeline split (each op's stage, and the stage table)")
+    d.add_argument("--sequence-parallel", choices=["auto", "on", "off"], default="auto",
+                   help="with a tp axis: split activations along the sequence (on), keep them whole along it "
+                        "(off), or let the cost model choose value by value (auto, the default)")
     d.add_argument("--hardware",
                    help="with --mesh: price the plan for v100, a10g, l4, l40s, a100, h100, h200, b200, mi300x, cpu "
                         "or a profile from `autopar calibrate` "

@@ -101,3 +101,19 @@ def test_parse_mesh():
     assert parse_mesh("tp=2, dp=3") == {"tp": 2, "dp": 3}
     with pytest.raises(ConfigError):
         parse_mesh("tp=")
+
+
+@pytest.mark.parametrize("choice", ["on", "off"])
+def test_sequence_parallel_flag_decides_where_the_norms_run(capsys, choice):
+    code, out, _ = run(capsys, "dump", *SMALL_GPT, *SPLIT_SIZES, "--mesh", "tp=2", "--format", "json",
+                       "--sequence-parallel", choice, "-q")
+    assert code == 0
+    norms = [n for n in json.loads(out)["nodes"] if n.get("op") == "layer_norm"]
+    assert len(norms) == 5                      # ln1, ln2 of 2 layers and ln_f
+    split = [n for n in norms if n["placement"].startswith("S(1)")]   # [batch, seq, hidden]: a sequence slice
+    assert len(split) == (5 if choice == "on" else 0), [n["placement"] for n in norms]
+
+
+def test_sequence_parallel_flag_needs_a_tensor_axis(capsys):
+    code, _, err = run(capsys, "dump", *SMALL_GPT, "--mesh", "dp=2", "--sequence-parallel", "off")
+    assert code == 2 and "--sequence-parallel off needs a tensor axis" in err and "--mesh tp=2" in err
