@@ -146,8 +146,9 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
     compiled pieces (``runtime/compiled.py``); not with ``recompute``.
 
     ``placements`` (dp/tp meshes) forces how parameters are stored on the tensor axis, and
-    ``sequence_parallel`` whether activations are split along the sequence, as in :func:`plan`. Bad input raises an :class:`~autopar.errors.AutoparError` subclass before
-    any collective: MeshError, PlanFileError, ShardingError, DoesNotFitError, UnsupportedError.
+    ``sequence_parallel`` whether activations are split along the sequence, as in :func:`plan`.
+    Bad input raises an :class:`~autopar.errors.AutoparError` subclass before any collective:
+    MeshError, PlanFileError, ShardingError, DoesNotFitError, UnsupportedError.
     ``memory_budget`` is bytes or a size, as in :func:`plan`."""
 
     memory_budget = memory_bytes(memory_budget)

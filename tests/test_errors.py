@@ -128,6 +128,9 @@ def test_sequence_parallel_needs_a_bool_and_a_sequence_dim():
     with pytest.raises(ConfigError) as err:          # the MLP's input has no dim named "seq"
         autopar.plan(MLP(), {"tp": 2}, (_x(),), sequence_parallel=False)
     _says(err, "no input dim is named 'seq'", 'dims=({0: "batch", 1: "seq"},)')
+    with pytest.raises(ConfigError) as err:          # nothing to split it over
+        autopar.plan(gpt, {"dp": 2}, tokens, sequence_parallel=True)
+    _says(err, "sequence_parallel=True needs a tensor axis", "add a tp axis")
 
 
 def test_sequence_parallel_with_a_plan_or_a_pipeline_is_refused(fake_world):
