@@ -90,33 +90,7 @@ def _out_shape(shape: list[int], step: Step, n: int) -> list[int]:
 def redistribute(x: torch.Tensor, src: str, dst: str, group_name: str, n: int) -> torch.Tensor:
     """Convert ``x`` from spec ``src`` to spec ``dst`` (strings like ``"R/gP"``, ``"S(1)"``)
     along the axis whose process group is ``group_name`` (``n`` ranks)."""
-    step = transition(Spec.parse(src).value, Spec.parse(dst).value, x.dim())
-    out = apply_step(x, step, group_name, n)
-    return out.clone() if _aliases(out, x) else out
-
-
-def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-@redistribute.register_fake
-def _(x: torch.Tensor, src: str, dst: str, group_name: str, n: int) -> torch.Tensor:
-    step = transition(Spec.parse(src).value, Spec.parse(dst).value, x.dim())
-    return x.new_empty(_out_shape(list(x.shape), step, n))
-
-
-def _setup(ctx, inputs, output) -> None:
-    _, ctx.src, ctx.dst, ctx.group_name, ctx.n = inputs
-
-
-def _backward(ctx, grad: torch.Tensor):
-    src, dst = Spec.parse(ctx.src), Spec.parse(ctx.dst)
-    step = transition(dst.grad, src.grad, grad.dim())
-    out = apply_step(grad.contiguous(), step, ctx.group_name, ctx.n)
-    return out, None, None, None, None
-
-
-redistribute.register_autograd(_backward, setup_context=_setup)
+    return _convert(x, src, dst, group_name, n, None)
 
 
 @torch.library.custom_op("autopar::redistribute_at", mutates_args=())
@@ -126,29 +100,49 @@ def redistribute_at(x: torch.Tensor, src: str, dst: str, group_name: str, n: int
     the rank it looks up into the backward graph as a constant that no compile-cache key sees,
     so a rank sharing the cache directory could load another rank's backward; with the rank an
     argument, each rank's graph says which rank it is."""
+    return _convert(x, src, dst, group_name, n, rank)
+
+
+def _convert(x: torch.Tensor, src: str, dst: str, group_name: str, n: int, rank: int | None) -> torch.Tensor:
     step = transition(Spec.parse(src).value, Spec.parse(dst).value, x.dim())
     out = apply_step(x, step, group_name, n, rank)
     return out.clone() if _aliases(out, x) else out
 
 
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+@redistribute.register_fake
+def _(x: torch.Tensor, src: str, dst: str, group_name: str, n: int) -> torch.Tensor:
+    return _fake(x, src, dst, n)
+
+
 @redistribute_at.register_fake
 def _(x: torch.Tensor, src: str, dst: str, group_name: str, n: int, rank: int) -> torch.Tensor:
+    return _fake(x, src, dst, n)
+
+
+def _fake(x: torch.Tensor, src: str, dst: str, n: int) -> torch.Tensor:
     step = transition(Spec.parse(src).value, Spec.parse(dst).value, x.dim())
     return x.new_empty(_out_shape(list(x.shape), step, n))
 
 
-def _setup_at(ctx, inputs, output) -> None:
-    _, ctx.src, ctx.dst, ctx.group_name, ctx.n, ctx.rank = inputs
+def _setup(ctx, inputs, output) -> None:
+    _, ctx.src, ctx.dst, ctx.group_name, ctx.n, *rank = inputs
+    ctx.rank = rank[0] if rank else None
 
 
-def _backward_at(ctx, grad: torch.Tensor):
+def _backward(ctx, grad: torch.Tensor):
+    """The gradient's step, chosen by placement (module docstring); one None per other input."""
     src, dst = Spec.parse(ctx.src), Spec.parse(ctx.dst)
     step = transition(dst.grad, src.grad, grad.dim())
     out = apply_step(grad.contiguous(), step, ctx.group_name, ctx.n, ctx.rank)
-    return out, None, None, None, None, None
+    return (out, None, None, None, None) + ((None,) if ctx.rank is not None else ())
 
 
-redistribute_at.register_autograd(_backward_at, setup_context=_setup_at)
+redistribute.register_autograd(_backward, setup_context=_setup)
+redistribute_at.register_autograd(_backward, setup_context=_setup)
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, group_name: str) -> torch.Tensor:
