@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import autopar
+from autopar.placement import Spec, transition
 from autopar.runtime.launch import run_ranks
 
 pytest.importorskip("transformers")
@@ -61,8 +62,10 @@ def reference(arch: str, dtype: torch.dtype, opt: str) -> tuple[list[float], dic
     return _REFERENCE[key]
 
 
-def train_case(rank: int, world: int, arch: str, mesh: dict, zero: int, dtype: torch.dtype, opt: str) -> dict:
-    """Train the parallel model and compare it with the single-process one; the errors."""
+def train_case(rank: int, world: int, arch: str, mesh: dict, zero: int, dtype: torch.dtype, opt: str,
+               sequence: bool | None = None) -> dict:
+    """Train the parallel model and compare it with the single-process one; the errors (and how
+    many of the rank's tensor-axis conversions are reduce-scatters: a sequence-parallel layout's)."""
     model = hf_tiny.build(arch, dtype)
     ref_losses, ref_state = reference(arch, dtype, opt)
     data = hf_tiny.batch()
@@ -71,7 +74,7 @@ def train_case(rank: int, world: int, arch: str, mesh: dict, zero: int, dtype: t
     local = {k: v.chunk(dp)[dp_rank] for k, v in data.items()}
     pp = "pp" in mesh
     pm = autopar.parallelize(model, mesh, example_kwargs=local, zero_stage=zero if dp > 1 else None,
-                             memory_budget=1 if "tp" in mesh else None,
+                             memory_budget=1 if "tp" in mesh else None, sequence_parallel=sequence,
                              **(dict(schedule="1f1b", microbatches=2) if pp else {}))
     cls, kw = _optimizer(opt)
     popt = autopar.optimizer(pm, cls, **kw)
@@ -98,7 +101,11 @@ def train_case(rank: int, world: int, arch: str, mesh: dict, zero: int, dtype: t
             param_err, worst = err, key
     split = sum(1 for fqn, _ in pm.named_parameters() if str(pm.placement_of(fqn)).startswith("S("))
     keys = set(pm.state_dict())
-    return {"loss": loss_err, "param": param_err, "worst": worst, "split": split,
+    scatters = 0 if pp else sum(1 for n in pm.graph_module.graph.nodes
+                                if n.target is torch.ops.autopar.redistribute.default
+                                and transition(Spec.parse(n.args[1]).value, Spec.parse(n.args[2]).value).kind
+                                == "reduce_scatter")
+    return {"loss": loss_err, "param": param_err, "worst": worst, "split": split, "scatters": scatters,
             "output": type(out).__name__ if out is not None else "CausalLMOutput (pipeline)",
             "keys": keys <= set(ref_state) if pp else keys == set(ref_state)}
 
@@ -132,6 +139,7 @@ def _world2_cases() -> list:
         cases.append((arch, {"dp": 2}, 3, F64, "adamw"))
         if arch in PP:
             cases.append((arch, {"pp": 2}, 0, F64, "sgd"))
+    cases += [("llama", {"tp": 2}, 0, F64, "sgd", split) for split in (True, False)]    # sequence_parallel=
     return cases
 
 
@@ -139,14 +147,16 @@ WORLD4_CASES = [(arch, {"dp": 2, "tp": 2}, zero, F64, "sgd") for arch in ("llama
 
 
 def _check(case: tuple, res: dict) -> None:
-    arch, mesh, zero, dtype, opt = case
-    what = f"{arch} {mesh} zero={zero} {dtype} {opt}: {res}"
+    arch, mesh, zero, dtype, opt, *sequence = case
+    what = f"{arch} {mesh} zero={zero} {dtype} {opt} sequence_parallel={sequence}: {res}"
     assert "LMOutput" in res["output"], what
     assert res["keys"], what
     assert res["loss"] <= TOL[dtype], what
     assert res["param"] <= TOL[dtype], what
     if "tp" in mesh:      # memory_budget=1: every weight that can split does
         assert res["split"] >= MIN_SPLIT[arch], what
+    if sequence:          # on: each layer's attention and MLP outputs reduce-scattered to a sequence slice
+        assert (res["scatters"] >= 4) == sequence[0], what
 
 
 # Parameters a tp=2 plan under memory_budget=1 must split, per architecture: at least the
