@@ -30,16 +30,21 @@ log = logging.getLogger("autopar")
 MAX_DEVICES = 4096    # how far check_fits looks for a device count that fits
 
 
-def check_sequence_option(gm: fx.GraphModule, sequence_parallel: Any) -> None:
-    """``sequence_parallel`` is None or a bool, and a bool needs a sequence dim to act on: an
-    input dim named ``"seq"`` (the tensor-axis solver splits, or keeps whole, the dims of every
-    activation whose size involves it)."""
+def check_sequence_option(gm: fx.GraphModule, sequence_parallel: Any, tp: Any) -> None:
+    """``sequence_parallel`` is None or a bool, and a bool needs a tensor axis (``tp``: the
+    ``(name, size)`` tensor axes of the mesh) and a sequence dim to act on: an input dim named
+    ``"seq"`` (the tensor-axis solver splits, or keeps whole, the dims of every activation whose
+    size involves it)."""
     if sequence_parallel is None:
         return
     if not isinstance(sequence_parallel, bool):
         raise ConfigError("sequence_parallel must be None, True or False", where="sequence_parallel",
                           expected="None (the cost model chooses), True or False", got=repr(sequence_parallel),
                           fix="e.g. sequence_parallel=False to keep activations whole along the sequence")
+    if not tp or tp[0][1] == 1:
+        raise ConfigError(f"sequence_parallel={sequence_parallel} needs a tensor axis", where="sequence_parallel",
+                          got=f"tensor axes {dict(tp) or None}",
+                          fix="add a tp axis of size 2 or more, or leave sequence_parallel=None")
     if "seq" not in graph_info(gm).example_sizes:
         raise ConfigError("sequence_parallel needs a sequence dim, and no input dim is named 'seq'",
                           where="sequence_parallel", got=f"input dims named {sorted(graph_info(gm).example_sizes)}",

@@ -22,6 +22,7 @@ def _dump(args: argparse.Namespace) -> int:
         raise ConfigError(f"--after {args.after} needs --mesh", where="autopar dump",
                           expected="--mesh AXIS=SIZE with --after", got=f"--after {args.after} without --mesh",
                           fix=f"add e.g. --mesh tp=4 (or drop --after {args.after})")
+    sequence = _sequence_parallel(args, mesh or {})
     start = time.perf_counter()
     w = load_workload(args.model, batch=args.batch, seq=args.seq, overrides=parse_overrides(args.set),
                       device=args.device)
@@ -34,7 +35,7 @@ def _dump(args: argparse.Namespace) -> int:
         gm = capture_workload(w)
         _progress(args, f"captured and analysed {len(gm.graph.nodes)} nodes in {time.perf_counter() - start:.1f}s")
     elif "pp" in mesh:
-        gm, parallel = _split_view(args, w, mesh)
+        gm, parallel = _split_view(args, w, mesh, sequence)
         _progress(args, f"captured, analysed and split {len(gm.graph.nodes)} nodes into "
                   f"{len(parallel['stages'])} stages in {time.perf_counter() - start:.1f}s")
     else:
@@ -47,7 +48,7 @@ def _dump(args: argparse.Namespace) -> int:
         gm, plan = planned_graph(w.model, mesh, w.args, dims=w.dims if w.dims is not None else (),
                                  sizes=w.sizes, after=after, zero_stage=args.zero, overlap=not args.no_overlap,
                                  bucket_bytes=args.bucket_bytes, hardware=args.hardware,
-                                 sequence_parallel=_sequence_parallel(args, mesh))
+                                 sequence_parallel=sequence)
         parallel = {"mesh": dict(plan.mesh), "after": after, "predicted": dict(plan.predicted),
                     "zero_stage": plan.zero_stage, "overlap": plan.overlap}
         _progress(args, f"captured, analysed and planned ({after}) {len(gm.graph.nodes)} nodes on "
@@ -65,13 +66,15 @@ def _dump(args: argparse.Namespace) -> int:
 
 
 def _sequence_parallel(args: argparse.Namespace, mesh: dict[str, int]) -> bool | None:
-    """``--sequence-parallel`` as ``sequence_parallel=``: None for auto; on or off needs a tp axis."""
+    """``--sequence-parallel`` as ``sequence_parallel=``: None for auto; on or off needs a tp axis
+    (checked before anything is built, whatever the mesh: never silently dropped)."""
     choice = getattr(args, "sequence_parallel", "auto")
     if choice == "auto":
         return None
     if mesh.get("tp", 1) < 2:
         raise ConfigError(f"--sequence-parallel {choice} needs a tensor axis", where="autopar dump",
-                          got=f"--mesh {args.mesh}", fix="add one, e.g. --mesh tp=2, or leave --sequence-parallel out")
+                          got=f"--mesh {args.mesh}" if args.mesh else "no --mesh",
+                          fix="add one, e.g. --mesh tp=2, or leave --sequence-parallel out")
     return choice == "on"
 
 
@@ -86,7 +89,7 @@ def _dump_hardware(args: argparse.Namespace) -> str:
     return args.hardware if device == args.hardware else f"{args.hardware} ({device})"
 
 
-def _split_view(args: argparse.Namespace, w, mesh: dict[str, int]):
+def _split_view(args: argparse.Namespace, w, mesh: dict[str, int], sequence: bool | None):
     """The graph with every op's pipeline stage, and the pipeline summary for the dump."""
     from autopar.prepare import planned_graph
     from autopar.pp import pipeline_axes, split_view, stage_table
@@ -100,7 +103,7 @@ def _split_view(args: argparse.Namespace, w, mesh: dict[str, int]):
     if mesh.get("tp", 1) > 1:
         gm, _ = planned_graph(w.model, {"tp": mesh["tp"]}, w.args, dims=w.dims if w.dims is not None else (),
                               sizes=w.sizes, after="rewrite", hardware=hardware,
-                              sequence_parallel=_sequence_parallel(args, mesh))
+                              sequence_parallel=sequence)
     else:
         gm = capture_workload(w)
     batch = max(1, args.batch // mesh.get("dp", 1))

@@ -24,7 +24,7 @@ from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
 from autopar.cost.plan_sizes import dtype_of, local_numels, local_shape, param_bytes
 from autopar.cost.tp_solver import Solution, SolverConfig, solve
-from autopar.errors import CaptureError, ConfigError, MeshError, PlanFileError
+from autopar.errors import CaptureError, MeshError, PlanFileError
 from autopar.passes.capture import capture
 from autopar.passes.meta import graph_info, info
 from autopar.passes.pipeline import analyze
@@ -131,16 +131,13 @@ def solve_tensor_axis(gm: fx.GraphModule, axes: tuple[tuple[str, int], ...], *, 
     with the parameters in ``placements`` stored as forced and activations split along the
     sequence or not as ``sequence_parallel`` says (None: as the cost says)."""
     check_options(sizes, memory_budget)
-    check_sequence_option(gm, sequence_parallel)
+    check_sequence_option(gm, sequence_parallel, tp_axes(axes))
     forced = forced_placements(gm, placements, axes) if placements else {}
     world = 1
     for _, size in axes:
         world *= size
     cluster = Cluster.from_spec(f"1x{world}", hardware=hardware or ("h100" if torch.cuda.is_available() else "cpu"))
     tp = tp_axes(axes)
-    if sequence_parallel is not None and (not tp or tp[0][1] == 1):
-        raise ConfigError(f"sequence_parallel={sequence_parallel} needs a tensor axis", where="sequence_parallel",
-                          got=f"mesh {dict(axes)}", fix="add a tp axis of size 2 or more, or leave sequence_parallel=None")
     if not tp or tp[0][1] == 1:
         return Solution(strategies={}, compute_s=0.0, comm_s=0.0, state_bytes=0.0, conversions=[]), cluster
     (axis, n), = tp

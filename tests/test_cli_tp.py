@@ -117,3 +117,6 @@ def test_sequence_parallel_flag_decides_where_the_norms_run(capsys, choice):
 def test_sequence_parallel_flag_needs_a_tensor_axis(capsys):
     code, _, err = run(capsys, "dump", *SMALL_GPT, "--mesh", "dp=2", "--sequence-parallel", "off")
     assert code == 2 and "--sequence-parallel off needs a tensor axis" in err and "--mesh tp=2" in err
+    for where in (["--mesh", "pp=2"], []):       # a pipeline without tp, or no mesh: refused, not dropped
+        code, _, err = run(capsys, "dump", *SMALL_GPT, *where, "--sequence-parallel", "on")
+        assert code == 2 and "--sequence-parallel on needs a tensor axis" in err, err
