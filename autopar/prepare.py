@@ -310,14 +310,21 @@ def checked_strategies(gm: fx.GraphModule, plan: Plan) -> dict:
 
 
 def model_tensors(model: nn.Module, *, sync: bool) -> dict[str, torch.Tensor]:
-    """The model's parameters and buffers by ``state_dict`` key; with ``sync``, rank 0's
-    values broadcast to every rank first (so ranks that built the model apart agree)."""
+    """The model's parameters and buffers by ``state_dict`` key; with ``sync``, every rank
+    takes rank 0's values first (so ranks that built the model apart agree). Only the tensors
+    whose checksums differ from rank 0's on some rank are broadcast
+    (:func:`autopar.agreement.differing`): ranks that seeded alike send nothing."""
     tensors = dict(model.named_parameters())
     tensors.update(dict(model.named_buffers()))
     if sync and dist.get_world_size() > 1:
+        from autopar.agreement import differing
+        values = list(tensors.values())
         with torch.no_grad():
-            for t in tensors.values():
-                dist.broadcast(t.data, src=0)
+            apart = differing(values)
+            for i in apart:
+                dist.broadcast(values[i].data, src=0)
+        if apart:
+            log.info("took rank 0's values for %d of %d parameters and buffers", len(apart), len(values))
     return tensors
 
 

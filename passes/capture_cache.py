@@ -45,7 +45,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.utils._sympy.value_ranges import ValueRanges
 
-from autopar.passes.meta import META_KEY, GraphInfo, NodeInfo, graph_info, symbol
+from autopar.passes.meta import META_KEY, GraphInfo, NodeInfo, graph_info, graph_module, symbol
 
 log = logging.getLogger("autopar.capture")
 
@@ -434,7 +434,7 @@ class _Rebuild:
                 kind, fqn, mtype, tfqn, trainable = rec
                 node.meta[META_KEY] = NodeInfo(kind=kind, fqn=fqn, module_type=mtype, target_fqn=tfqn,
                                                trainable=trainable)
-        gm = fx.GraphModule(torch.nn.Module(), graph)
+        gm = graph_module(graph)
         gm.shape_env = self.env
         gm.meta[META_KEY] = self._graph_info(self.body["graph"])
         return gm

@@ -34,7 +34,7 @@ import torch.fx as fx
 from torch import nn
 
 from autopar.passes.capture_key import Unkeyable, _model as describe_module
-from autopar.passes.meta import META_KEY, graph_info, info, name_stem, number_ops
+from autopar.passes.meta import META_KEY, graph_info, graph_module, info, name_stem, number_ops
 
 log = logging.getLogger("autopar.capture")
 
@@ -271,7 +271,7 @@ class _Expansion:
             env[n] = new
         if not number_ops(graph):
             raise _NoCopy("the node names collide with placeholders")
-        out = fx.GraphModule(nn.Module(), graph)
+        out = graph_module(graph)
         out.shape_env = getattr(self.gm, "shape_env", None)
         out.meta[META_KEY] = self._graph_info(placeholders)
         log.info("capture: exported %d of %d layers of %s and copied %d (%d nodes)", run.kept, run.n,

@@ -30,7 +30,7 @@ from torch.utils import _pytree as pytree
 from autopar.errors import InputMismatchError
 from autopar.runtime.dp import DPRuntime, row_count_issue, row_weight, shard_range
 from autopar.runtime.health import note_step
-from autopar.passes.meta import evaluate, graph_info, info
+from autopar.passes.meta import evaluate, graph_info, info, ready
 from autopar.placement import Shard, parse
 from autopar.runtime.collectives import _c10d
 
@@ -88,6 +88,7 @@ class ParallelModule(nn.Module):
         self._inputs = _input_specs(gm)
         self._register_state_dict_hook(_to_dtensors)
         self._register_load_state_dict_pre_hook(self._from_whole)
+        ready(gm)                                # its code, generated once here rather than at the first step
 
     @property
     def graph_module(self) -> fx.GraphModule:

@@ -100,14 +100,69 @@ def _train(rank: int, world: int, stage: int, overlap: bool) -> dict:
     return {"losses": losses, "state": {k: v.clone() for k, v in pm.state_dict().items()}}
 
 
-def _both(rank: int, world: int, stages: tuple[int, ...]) -> dict[int, tuple[dict, dict]]:
-    return {stage: (_train(rank, world, stage, True), _train(rank, world, stage, False)) for stage in stages}
+def _synced(rank: int, seed: int, nudge: bool) -> dict:
+    """parallelize a GPT built with ``seed`` (rank 1 moving one weight by one ulp with
+    ``nudge``), counting the broadcasts that sync_params sends; the state the rank ends with."""
+    torch.manual_seed(seed)
+    model = models.build("gpt", GPT, device="cpu")
+    if nudge and rank == 1:
+        with torch.no_grad():
+            w = model.get_parameter("layers.1.mlp.fc.weight")
+            w[3, 5] = torch.nextafter(w[3, 5], torch.tensor(float("inf")))
+    args, _ = models.example_inputs(model, 2, 8, device="cpu")
+    sent = []
+    real = dist.broadcast
+
+    def counting(tensor, *a, **k):
+        sent.append(tuple(tensor.shape))
+        return real(tensor, *a, **k)
+
+    dist.broadcast = counting
+    try:
+        pm = autopar.parallelize(model, {"dp": 2}, args)
+    finally:
+        dist.broadcast = real
+    return {"sent": sent, "state": {k: v.clone() for k, v in pm.state_dict().items()}}
+
+
+SYNC_CASES = {"seeded apart": (None, False), "one ulp apart": (0, True), "equal": (0, False)}
+
+
+def _both(rank: int, world: int, stages: tuple[int, ...]) -> dict:
+    out: dict = {stage: (_train(rank, world, stage, True), _train(rank, world, stage, False)) for stage in stages}
+    out["sync"] = {name: _synced(rank, rank if seed is None else seed, nudge)
+                   for name, (seed, nudge) in SYNC_CASES.items()}
+    return out
 
 
 @pytest.fixture(scope="module")
 def world2() -> list[dict]:
-    """One world of two ranks trains every stage with overlap on and off."""
+    """One world of two ranks trains every stage with overlap on and off (and checks sync_params)."""
     return run_ranks(_both, 2, TRAIN_STAGES, timeout_s=600)
+
+
+@pytest.mark.parametrize("name", list(SYNC_CASES))
+def test_every_rank_takes_rank0_weights_sending_only_what_differs(world2, name):
+    """sync_params: ranks seeded apart, or one weight one ulp apart, end with rank 0's values;
+    only the tensors whose checksums differ travel (none when the ranks already agree)."""
+    torch.manual_seed(0)
+    want = models.build("gpt", GPT, device="cpu").state_dict()
+    torch.manual_seed(1)
+    other = models.build("gpt", GPT, device="cpu").state_dict()
+    ranks = [r["sync"][name] for r in world2]
+    for rank, got in enumerate(ranks):
+        assert sorted(got["state"]) == sorted(want)
+        for k, v in got["state"].items():
+            assert torch.equal(v, want[k]), f"{name}: rank {rank}'s {k} is not rank 0's"
+    sent = ranks[0]["sent"]
+    assert sent == ranks[1]["sent"], "the ranks broadcast different tensors"
+    if name == "equal":
+        assert sent == []
+    elif name == "one ulp apart":
+        assert sent == [tuple(want["layers.1.mlp.fc.weight"].shape)]
+    else:     # the random weights; norms and biases start at ones and zeros under any seed
+        assert sent == [tuple(v.shape) for k, v in want.items() if not torch.equal(v, other[k])]
+        assert len(sent) == 14     # the 2 embeddings and 6 matrices a layer; biases start at zero too
 
 
 @pytest.mark.parametrize("stage", TRAIN_STAGES)
