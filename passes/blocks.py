@@ -18,7 +18,7 @@ from collections import defaultdict
 
 import torch.fx as fx
 
-from autopar.passes.meta import BlockClass, graph_info, info, within
+from autopar.passes.meta import BlockClass, graph_info, info, template_of, within
 
 
 def block_pass(gm: fx.GraphModule) -> fx.GraphModule:
@@ -26,8 +26,12 @@ def block_pass(gm: fx.GraphModule) -> fx.GraphModule:
     regions = _regions(gm)
     by_print: dict[str, list[str]] = defaultdict(list)
     values: dict[fx.Node, str] = {}          # a node's value text, once (it is in every enclosing region)
+    prints: dict[str, str] = {}
     for fqn, nodes in regions.items():
-        by_print[_fingerprint(nodes, values)].append(fqn)
+        template = _template_region(fqn, nodes, regions)
+        fp = prints.get(template) if template is not None else None
+        prints[fqn] = fp or _fingerprint(nodes, values)
+        by_print[prints[fqn]].append(fqn)
     groups = [(fp, members) for fp, members in by_print.items() if len(members) > 1]
     groups.sort(key=lambda g: (-len(regions[g[1][0]]), g[1][0]))
     taken: list[str] = []
@@ -60,6 +64,19 @@ def _regions(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
     return dict(regions)
 
 
+def _template_region(fqn: str, nodes: list[fx.Node], regions: dict[str, list[fx.Node]]) -> str | None:
+    """The region a copied layer's region was made from, node for node (``layers.9.attn`` ->
+    ``layers.5.attn`` when every node is a copy of that region's, in order); it has the same
+    fingerprint, since the copy checked ops, wiring and values (:mod:`autopar.passes.replicate`)."""
+    made_from = [template_of(n) for n in nodes]
+    if None in made_from:
+        return None
+    template = ".".join(info(made_from[0]).fqn.split(".")[:fqn.count(".") + 1])
+    got = regions.get(template)
+    return template if got is not None and len(got) == len(made_from) and all(
+        a is b for a, b in zip(got, made_from)) else None
+
+
 def _fingerprint(nodes: list[fx.Node], values: dict[fx.Node, str]) -> str:
     """A hash of the region's structure: ops, internal wiring, shapes; never names."""
     local = {n: i for i, n in enumerate(nodes)}
@@ -69,9 +86,21 @@ def _fingerprint(nodes: list[fx.Node], values: dict[fx.Node, str]) -> str:
         args = fx.node.map_arg((n.args, n.kwargs), lambda a: _ref(a, local, external))
         vals = values.get(n)
         if vals is None:
-            vals = values[n] = str([(tuple(str(s) for s in v.shape), str(v.dtype)) for v in info(n).values])
+            vals = values[n] = str([(_dims(v.shape), str(v.dtype)) for v in info(n).values])
         parts.append(f"{n.target}|{args}|{vals}")
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()
+
+
+def _dims(shape: tuple) -> tuple[str, ...]:
+    out = _DIMS.get(shape)
+    if out is None:
+        if len(_DIMS) > 50_000:
+            _DIMS.clear()
+        out = _DIMS[shape] = tuple(str(d) for d in shape)
+    return out
+
+
+_DIMS: dict[tuple, tuple[str, ...]] = {}     # a shape's text, printed once per distinct shape
 
 
 def _ref(a: fx.Node, local: dict[fx.Node, int], external: dict[fx.Node, int]) -> str:
@@ -80,7 +109,7 @@ def _ref(a: fx.Node, local: dict[fx.Node, int], external: dict[fx.Node, int]) ->
     rec = info(a)
     if not rec.values and a.op == "call_function":
         return f"size({a.meta.get('val')})"  # a symbolic size: equal by value, not by node
-    shape = tuple(str(s) for s in rec.values[0].shape) if rec.values else ()
+    shape = _dims(rec.values[0].shape) if rec.values else ()
     if rec.kind in ("param", "buffer"):
         return f"{rec.kind}{shape}"
     if a not in external:

@@ -18,7 +18,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from autopar.passes.meta import ZERO, NodeInfo, info
+from autopar.passes.meta import ZERO, NodeInfo, info, template_of
 
 aten = torch.ops.aten
 
@@ -127,6 +127,12 @@ def flop_pass(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         ins = _input_records(node)
         rec.requires_grad = _is_float(rec) and any(r is not None and r.requires_grad for r in ins)
+        t = template_of(node)
+        if t is not None and _grads(_input_records(t)) == _grads(ins):   # a copied layer's node, as trainable
+            tr = info(t)
+            rec.flops_fwd, rec.flops_bwd, rec.bytes_fwd, rec.bytes_bwd = tr.flops_fwd, tr.flops_bwd, tr.bytes_fwd, \
+                tr.bytes_bwd
+            continue
         rule = FLOP_RULES.get(node.target)
         if rule is not None:
             rec.flops_fwd, bwd = (sympy.expand(e) for e in rule(node, ins))
@@ -144,13 +150,28 @@ def _input_records(node: fx.Node) -> list[NodeInfo | None]:
     return out
 
 
+def _grads(records: list[NodeInfo | None]) -> list[bool | None]:
+    return [r.requires_grad if r is not None else None for r in records]
+
+
 def _is_float(rec: NodeInfo) -> bool:
     return bool(rec.values) and any(v.dtype.is_floating_point or v.dtype.is_complex for v in rec.values)
 
 
 def is_view_like(node: fx.Node) -> bool:
-    name = getattr(node.target, "__name__", str(node.target))
-    return node.target in VIEW_OPS or any(tag in name for tag in _NO_DATA)
+    try:
+        return _VIEW_LIKE[node.target]
+    except (KeyError, TypeError):      # TypeError: an unhashable target, not remembered
+        name = getattr(node.target, "__name__", str(node.target))
+        got = node.target in VIEW_OPS or any(tag in name for tag in _NO_DATA)
+        try:
+            _VIEW_LIKE[node.target] = got
+        except TypeError:
+            pass
+        return got
+
+
+_VIEW_LIKE: dict = {}     # target -> is_view_like, worked out once per target
 
 
 def _bytes_moved(node: fx.Node, rec: NodeInfo, ins: list[NodeInfo | None]) -> sympy.Expr:

@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from autopar.errors import ConfigError
 from autopar.passes.flops import is_view_like
-from autopar.passes.meta import ZERO, dtype_bytes, info, within
+from autopar.passes.meta import ZERO, dtype_bytes, info, template_of, within
 
 log = logging.getLogger("autopar.memory")
 aten = torch.ops.aten
@@ -121,6 +121,10 @@ def memory_pass(gm: fx.GraphModule) -> fx.GraphModule:
                 saved.add(base)
     for node in gm.graph.nodes:
         rec = info(node)
+        t = template_of(node)
+        if t is not None and (t in saved) == (node in saved) and info(t).requires_grad == rec.requires_grad:
+            rec.saved_bytes = info(t).saved_bytes        # a copied layer's node, kept alike
+            continue
         own = rec.out_bytes if node in saved else ZERO
         stats = _extra_bytes(node) if node.op == "call_function" and rec.requires_grad else ZERO
         rec.saved_bytes = sympy.expand(own + stats)
@@ -172,23 +176,47 @@ def _base(node: fx.Node) -> fx.Node:
 
 def _liveness(gm: fx.GraphModule, saved: set[fx.Node]) -> None:
     """Forward liveness: a value lives from its producer to its last use, or to the end of
-    forward when backward needs it. Views add nothing of their own."""
+    forward when backward needs it. Views add nothing of their own. The running sum is kept
+    as {monomial: coefficient} (integer arithmetic, no formula per node) and each node gets
+    its own copy, made a sympy formula only where it is read (``NodeInfo.live_bytes``)."""
     nodes = list(gm.graph.nodes)
     last_use: dict[fx.Node, int] = {}
     for i, node in enumerate(nodes):
         for a in node.all_input_nodes:
             last_use[_base(a)] = i
-    live: dict[fx.Node, sympy.Expr] = {}
-    total = ZERO                 # a sum of expanded terms stays expanded: no expand() per node
+    live: dict[fx.Node, dict] = {}
+    terms: dict[fx.Node, dict] = {}       # every value's bytes as terms (a copy takes its template's)
+    total: dict = {}
+    snapshot: dict = {}
+
+    def add(value: dict, sign: int) -> None:
+        for m, c in value.items():
+            v = total.get(m, 0) + sign * c
+            if v:
+                total[m] = v
+            else:
+                del total[m]
+
     for i, node in enumerate(nodes):
         rec = info(node)
+        changed = False
         if node.op == "call_function" and not is_view_like(node):
-            live[node] = sympy.expand(rec.out_bytes)
-            total += live[node]
+            t = template_of(node)
+            own = terms[node] = terms[t] if t in terms else _terms(rec.out_bytes)
+            live[node] = own
+            add(own, 1)
+            changed = True
         for a in set(_base(x) for x in node.all_input_nodes):
             if a in live and last_use.get(a) == i and a not in saved:
-                total -= live.pop(a)
-        rec.live_bytes = total
+                add(live.pop(a), -1)
+                changed = True
+        if changed:
+            snapshot = dict(total)
+        rec.live_terms = snapshot if snapshot else ZERO
+
+
+def _terms(expr: sympy.Expr) -> dict:
+    return {m: int(c) if c.is_Integer else c for m, c in sympy.expand(expr).as_coefficients_dict().items() if c}
 
 
 # ---- parameters, gradients and optimizer state ------------------------------------------

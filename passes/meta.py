@@ -65,7 +65,9 @@ class NodeInfo:
     bytes_fwd: sympy.Expr = ZERO       # bytes read + written by the forward kernel
     bytes_bwd: sympy.Expr = ZERO
     saved_bytes: sympy.Expr = ZERO     # bytes of this node's output that forward keeps for backward
-    live_bytes: sympy.Expr = ZERO      # activation bytes live right after this node runs (forward)
+    # activation bytes live right after this node runs (forward): read as ``live_bytes``; the
+    # memory pass leaves the sum as {monomial: coefficient}, made a formula when first read
+    live_terms: Any = ZERO
     block_class: int | None = None     # repeated-block class id (blocks pass)
     block_member: str | None = None    # fqn of the class member the node belongs to
     moe_role: MoERole | None = None    # role inside an MoE region (moe pass)
@@ -81,6 +83,17 @@ class NodeInfo:
     def value(self) -> TensorInfo | None:
         """The node's single tensor value (None if it has none or several)."""
         return self.values[0] if len(self.values) == 1 else None
+
+    @property
+    def live_bytes(self) -> sympy.Expr:
+        terms = self.live_terms
+        if isinstance(terms, dict):
+            terms = self.live_terms = sympy.Add(*(c * m for m, c in terms.items()))
+        return terms
+
+    @live_bytes.setter
+    def live_bytes(self, value: sympy.Expr) -> None:
+        self.live_terms = value
 
     @property
     def out_bytes(self) -> sympy.Expr:
@@ -172,6 +185,17 @@ def graph_info(gm: fx.GraphModule) -> GraphInfo:
     if rec is None:
         raise AutoparInternalError("graph has no autopar record: was it made by autopar.capture?")
     return rec
+
+
+COPY_KEY = "autopar_copy_of"     # node.meta: the node a copied layer's node was made from (passes/replicate.py)
+
+
+def template_of(node: fx.Node) -> fx.Node | None:
+    """The earlier node of the same graph that ``node`` is a copy of (same op, values and
+    wiring, one period of layers later; set by :func:`autopar.passes.replicate.expand`), so
+    an analysis pass can take its per-node results instead of working them out again."""
+    t = node.meta.get(COPY_KEY)
+    return t if t is not None and t.graph is node.graph else None
 
 
 def graph_module(graph: fx.Graph) -> fx.GraphModule:

@@ -22,6 +22,7 @@ config says every layer of the run is of the same kind.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import re
@@ -34,7 +35,7 @@ import torch.fx as fx
 from torch import nn
 
 from autopar.passes.capture_key import Unkeyable, _model as describe_module
-from autopar.passes.meta import META_KEY, graph_info, graph_module, info, name_stem, number_ops
+from autopar.passes.meta import COPY_KEY, META_KEY, graph_info, graph_module, info, name_stem, number_ops
 
 log = logging.getLogger("autopar.capture")
 
@@ -308,6 +309,7 @@ class _Expansion:
                 new = graph.create_node(n.op, n.target, fx.node.map_arg(n.args, lookup.__getitem__),
                                         fx.node.map_arg(n.kwargs, lookup.__getitem__), name=name_stem(n.name))
                 new.meta = _moved_meta(n, self.run.prefix, t_layer, layer)
+                new.meta[COPY_KEY] = env[n]          # analysis takes this node's results (meta.template_of)
                 made[(layer, q)] = new
 
     def _placeholders(self, graph: fx.Graph, env: dict) -> dict[tuple[int, str, str], fx.Node]:
@@ -319,9 +321,11 @@ class _Expansion:
         inserts: dict[fx.Node, list[tuple[int, str, str, fx.Node]]] = {}
         for kind in ("param", "buffer"):
             nodes = [n for n in holders if info(n).kind == kind]
-            rows = [(layer, kind, rel, n) for layer in range(run.kept, run.n) for n in nodes
-                    for rel in [_rel_target(info(n).target_fqn or "",  run.prefix,
-                                            t_first + (layer - run.start) % run.period)] if rel is not None]
+            by_phase = [[(rel, n) for n in nodes
+                         for rel in [_rel_target(info(n).target_fqn or "", run.prefix, t_first + phase)] if rel is not None]
+                        for phase in range(run.period)]          # each template layer's own, once
+            rows = [(layer, kind, rel, n) for layer in range(run.kept, run.n)
+                    for rel, n in by_phase[(layer - run.start) % run.period]]
             anchors = [n for n in nodes if _rel_target(info(n).target_fqn or "", run.prefix, run.kept - 1) is not None]
             if rows and not anchors:
                 raise _NoCopy(f"the last exported layer has no {kind}s to place copies after")
@@ -340,8 +344,8 @@ class _Expansion:
                 if ph.name != name:
                     raise _NoCopy(f"placeholder name {name} is taken")
                 ph.meta = _moved_meta(template, run.prefix, _layer_index(info(template).target_fqn or "", run.prefix), layer)
-                ph.meta[META_KEY] = replace(info(template), target_fqn=target,
-                                            fqn=target.rsplit(".", 1)[0] if "." in target else "")
+                rec = ph.meta[META_KEY]
+                rec.target_fqn, rec.fqn = target, target.rsplit(".", 1)[0] if "." in target else ""
                 new[(layer, kind, rel)] = ph
         return new
 
@@ -370,7 +374,8 @@ def _moved_meta(n: fx.Node, prefix: str, src: int, dst: int) -> dict[str, Any]:
     move = (lambda p: new + p[len(old):] if p == old or p.startswith(old + ".") else p)
     if "nn_module_stack" in meta:
         meta["nn_module_stack"] = {k: (move(path), cls) for k, (path, cls) in meta["nn_module_stack"].items()}
-    meta[META_KEY] = replace(info(n), fqn=move(info(n).fqn))
+    rec = meta[META_KEY] = copy.copy(info(n))        # a shallow copy: its values are immutable
+    rec.fqn = move(rec.fqn)
     return meta
 
 

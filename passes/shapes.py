@@ -16,7 +16,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from autopar.errors import AutoparInternalError
 from autopar.passes.capture import to_expr
-from autopar.passes.meta import TensorInfo, graph_info, info
+from autopar.passes.meta import TensorInfo, graph_info, info, template_of
 
 
 def shape_pass(gm: fx.GraphModule) -> fx.GraphModule:
@@ -27,7 +27,8 @@ def shape_pass(gm: fx.GraphModule) -> fx.GraphModule:
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
-        info(node).values = tuple(_tensor_infos(node.meta.get("val"), rename))
+        t = template_of(node)              # a copied layer's node: its template's values
+        info(node).values = info(t).values if t is not None else tuple(_tensor_infos(node.meta.get("val"), rename))
     return gm
 
 

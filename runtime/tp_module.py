@@ -144,10 +144,13 @@ class ParallelModule(nn.Module):
         return self._placements.get(fqn)
 
     def _local(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a model tensor: a copy of its piece when split (so the whole one
+        can be freed), else the model's own storage, as DDP keeps it: training this module
+        updates the model's replicated parameters and buffers in place, and nothing is copied."""
         p = self._placements.get(fqn)
         if isinstance(p, Shard):
             return full.detach().chunk(self._n, p.dim)[self._rank].clone().contiguous()
-        return full.detach().clone()
+        return full.detach()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         note_step()
