@@ -109,8 +109,10 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
     out, and what was scaled is logged) (otherwise a plan is found by cost, with ``zero_stage``, ``overlap``, ``bucket_bytes`` and
     ``mixed_precision`` — ``"bf16"``/``"fp16"`` compute with fp32 master weights, gradient
     reductions and optimizer state — as given). With ``sync_params`` every rank first takes rank 0's parameters, so
-    differently seeded ranks cannot silently disagree. Step it with the optimizer from
-    :func:`autopar.optimizer`.
+    differently seeded ranks cannot silently disagree (only tensors whose checksums differ
+    from rank 0's are sent). Without a pipeline, what this rank keeps whole shares the model's
+    storage, as under DDP: training the parallel module updates those parameters and buffers
+    of ``model`` in place; split ones (and pipeline stages') are copies. Step it with the optimizer from :func:`autopar.optimizer`.
 
     With a ``pp`` axis (axes in the order pp, dp, ep, tp: ``{"pp": 2}``, ``{"pp": 2, "dp": 2, "tp": 2}``,
     ``{"pp": 2, "dp": 2, "ep": 2}``) the model is cut into pipeline stages and a
