@@ -101,7 +101,7 @@ def _make(variant: str, name: str, overrides: dict, args: tuple, world: int, buc
     stage, overlap = _AUTOPAR[variant]
     pm = autopar.parallelize(model, {"dp": world}, args, zero_stage=stage, overlap=overlap,
                              bucket_bytes=bucket_bytes)
-    del model                                     # pm holds its own copies (or pieces)
+    del model                                     # pm holds the tensors it keeps (shared or pieces)
     return pm, autopar.optimizer(pm, torch.optim.AdamW, lr=1e-3)
 
 
