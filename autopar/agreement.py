@@ -117,6 +117,7 @@ def check_agreement(model: nn.Module, mesh: Any, options: Mapping[str, Any], *,
                               f"broadcast)")
 
 
+_SMALL = 1 << 16   # bytes: smaller tensors are checksummed together (differing)
 _PERIOD = 251     # a prime: the checksums weight each 8-byte word by its row and its column mod this
 
 
@@ -142,17 +143,31 @@ def checksums(t: torch.Tensor) -> torch.Tensor:
 
 def differing(tensors: list[torch.Tensor]) -> list[int]:
     """Indices of the tensors whose values differ from rank 0's on some rank (every rank gets
-    the same list: each all-gathers the others' :func:`checksums`). Where the list is empty
-    the ranks already agree and taking rank 0's values would move nothing."""
+    the same list: each all-gathers the others' :func:`checksums`; tensors under ``_SMALL``
+    bytes are checksummed as one group, listed together when any of them differs). Where the
+    list is empty the ranks already agree and taking rank 0's values would move nothing."""
     if not tensors:
         return []
     device = _device()
-    mine = torch.stack([checksums(t).to(device) for t in tensors])
+    # tensors under _SMALL bytes (biases, norms) are summed as one byte stream per device, so
+    # a model's many small tensors cost one checksum; the group differs or agrees as a whole
+    groups: dict[Any, list[int]] = {}
+    singles: list[int] = []
+    for i, t in enumerate(tensors):
+        if t.numel() * t.element_size() < _SMALL:
+            groups.setdefault(t.device, []).append(i)
+        else:
+            singles.append(i)
+    members = [[i] for i in singles] + list(groups.values())
+    sums = [checksums(tensors[i]) for i in singles]
+    sums += [checksums(torch.cat([tensors[i].detach().reshape(-1).view(torch.uint8) for i in g]))
+             for g in groups.values()]
+    mine = torch.stack([c.to(device) for c in sums])
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     ref = gathered[0]
     same = torch.stack([(g == ref).all(1) for g in gathered]).all(0).cpu()
-    return [i for i, ok in enumerate(same.tolist()) if not ok]
+    return sorted(i for ok, ids in zip(same.tolist(), members) if not ok for i in ids)
 
 
 def rendezvous(group_name: str, what: str, timeout_s: float) -> None:
