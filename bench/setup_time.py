@@ -10,7 +10,9 @@ nothing is reused in memory: *cold* gets a new, empty ``AUTOPAR_CACHE_DIR``; *wa
 the directory the cold run filled (what the second run of a training script sees). A GPT
 (``autopar.models.build("gpt", ...)``, float32) is built first (not counted), then timed:
 ``parallelize(model, {"dp": world}, (tokens,))`` wall, and the first forward, backward and
-SGD step after it (time to first step = both). At world 2 the figure is the slower rank's.
+SGD step after it (time to first step = both), from a barrier after every rank has built its
+model (so a rank's wait for another's model initialisation is not counted). At world 2 the
+figure is the slower rank's.
 The peer is ``DistributedDataParallel(model)`` plus its first step, in the same process kind.
 Medians of ``--repeats`` processes. The issue's goals: 4-layer GPT under 1 s warm and 2 s cold;
 set-up growing with block classes, not layers (32 vs 2 layers within 1.5x).
@@ -41,6 +43,7 @@ def _rank(rank: int, world: int, cfg: dict, system: str) -> dict:
     torch.manual_seed(0)
     model = models.build("gpt", {k: cfg[k] for k in ("hidden", "heads", "layers", "vocab")}, device="cpu")
     tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]))
+    torch.distributed.barrier()      # every rank has built its model: no rank's wait for the others' init is counted
     t0 = time.perf_counter()
     if system == "autopar":
         module = autopar.parallelize(model, {"dp": world}, (tokens,))
