@@ -120,6 +120,9 @@ def main() -> None:
     print("| world | layers | autopar cold: setup / first step | warm: setup / first step | DDP: setup / first step |")
     print("|---|---|---|---|---|")
     table: dict[tuple[int, int], dict] = {}
+    with tempfile.TemporaryDirectory() as d:   # untimed: fills the OS file cache (torch, autopar) for all rows
+        _measure({"hidden": a.hidden, "heads": a.heads, "layers": min(a.layers), "vocab": a.vocab, "batch": a.batch,
+                  "seq": a.seq, "world": max(a.world), "system": "autopar"}, d)
     for world in a.world:
         for layers in a.layers:
             cfg = {"hidden": a.hidden, "heads": a.heads, "layers": layers, "vocab": a.vocab, "batch": a.batch,

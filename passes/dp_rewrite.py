@@ -101,8 +101,7 @@ def dp_rewrite(gm: fx.GraphModule, *, rid: int, stage: int, buckets: list[list[s
             kind = "all_reduce" if stage == 0 else "reduce_scatter"
             wait = _call(graph, anchor, grad_reduce_wait, (rid, b, *nodes))
             _annotate(wait, axis, "none", f"{kind}:wait", name, fqns, total, 0.0, 0.0)
-            got = _unpack(graph, wait, len(nodes))
-            issue = _call(graph, got[-1], grad_reduce_issue, (rid, b, *got))
+            issue = _call(graph, wait, grad_reduce_issue, (rid, b, wait))      # the wait's tuple, whole
             _annotate(issue, axis, "none", f"{kind}:issue", name, fqns, total, 0.0, timer(kind, total))
             out = _unpack(graph, issue, len(nodes))
             for ph, new in zip(nodes, out):

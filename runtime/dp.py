@@ -396,8 +396,10 @@ def grad_reduce_wait(rid: int, b: int, *params: torch.Tensor) -> tuple[torch.Ten
     return _GradWait.apply(rid, b, *params)
 
 
-def grad_reduce_issue(rid: int, b: int, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Forward: identity. Backward: start bucket ``b``'s gradient reduction."""
+def grad_reduce_issue(rid: int, b: int, params: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Forward: identity on the tuple :func:`grad_reduce_wait` returned (taken whole, so the
+    graph needs no node per parameter between them). Backward: start bucket ``b``'s gradient
+    reduction."""
     return _GradIssue.apply(rid, b, *params)
 
 

@@ -60,9 +60,10 @@ class ParallelModule(nn.Module):
         self.collective_wait_s = 60.0
         ginfo = graph_info(gm)
         first = self._dps[0] if self._dps else None
+        params = set(ginfo.param_fqns.values())
         for fqn, full in tensors.items():
             local = self._local(fqn, full)
-            if fqn in ginfo.param_fqns.values():
+            if fqn in params:
                 rt = self._rt_of.get(fqn)
                 if rt is not None and rt.stage == 3:
                     local = self._piece(local, rt)
@@ -80,7 +81,7 @@ class ParallelModule(nn.Module):
         self._aliases = dict(ginfo.param_aliases)   # a tied name -> the name the graph uses
         for alias, name in self._aliases.items():
             if name in tensors:                      # the same Parameter under both names, as in the model
-                _set(self, alias, _get(self, name), buffer=name not in ginfo.param_fqns.values())
+                _set(self, alias, _get(self, name), buffer=name not in params)
                 if name in self._placements:
                     self._placements[alias] = self._placements[name]
         self._order = [(n.op, info(n).kind, info(n).target_fqn) for n in gm.graph.nodes if n.op == "placeholder"]

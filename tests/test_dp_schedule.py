@@ -43,8 +43,8 @@ def test_gradient_reductions_are_issued_before_first_use_only_with_overlap(stage
     issues_on = [n for n in on_nodes if n.target is grad_reduce_issue]
     assert len(issues_on) == len(issues_off) >= 3
     for n in issues_off:     # unscheduled: every issue right after its wait at the top of forward
-        wait = n.args[2].args[0]
-        assert wait.target is grad_reduce_wait and off[n] <= off[wait] + len(n.args) - 1
+        wait = n.args[2]
+        assert wait.target is grad_reduce_wait and off[n] == off[wait] + 1
         assert off[n] < min(i for m, i in off.items() if m.op == "call_function" and m.target not in (
             grad_reduce_issue, grad_reduce_wait, operator.getitem)) + 1
     first_compute = min(i for m, i in on.items() if m.op == "call_function" and m.target not in (
