@@ -122,22 +122,24 @@ _PERIOD = 251     # a prime: the checksums weight each 8-byte word by its row an
 
 
 def checksums(t: torch.Tensor) -> torch.Tensor:
-    """Two 64-bit sums (wrapping) of ``t``'s bytes read as 64-bit integers, one weighted by each
-    word's position modulo :data:`_PERIOD`, one by its position divided by it. Integer sums are
-    exact and order-independent, so equal tensors give equal sums on every rank and device;
-    changing any bit changes the first sum and moving a value changes one of them. Reading
-    100 MB takes about 10 ms on one CPU core (a float sum would let a one-ulp difference vanish)."""
+    """Two 64-bit sums (wrapping) of ``t``'s bytes read as 64-bit integers, one weighting each
+    word by its column (position modulo :data:`_PERIOD`), one by its row, with odd weights.
+    Integer sums are exact and order-independent, so equal tensors give equal sums on every
+    rank and device; an odd weight is invertible modulo 2**64, so changing any bits of one word
+    changes both sums, and moving values between rows or columns changes one of them (unless
+    they differ by a multiple of 2**63). 100 MB takes about 25 ms on one CPU core (a float sum
+    would let a one-ulp difference vanish)."""
     raw = t.detach().reshape(-1).view(torch.uint8)
     n8 = raw.numel() // 8
     words = raw[:8 * n8].view(torch.int64)
     tail = raw[8 * n8:].to(torch.int64)
     full = n8 - n8 % _PERIOD
     grid = words[:full].view(-1, _PERIOD)
-    cols = torch.arange(1, _PERIOD + 1, dtype=torch.int64, device=raw.device)
-    rows = torch.arange(1, grid.shape[0] + 1, dtype=torch.int64, device=raw.device)
+    cols = torch.arange(1, 2 * _PERIOD, 2, dtype=torch.int64, device=raw.device)       # 1, 3, 5, ...
+    rows = torch.arange(grid.shape[0], dtype=torch.int64, device=raw.device) * 2 + 1
     rest = words[full:]
     by_col = (grid.sum(0) * cols).sum() + (rest * cols[:rest.numel()]).sum() + tail.sum() * 7
-    by_row = (grid.sum(1) * rows).sum() + rest.sum() * (grid.shape[0] + 1) + (tail * cols[:tail.numel()]).sum()
+    by_row = (grid.sum(1) * rows).sum() + rest.sum() * (2 * grid.shape[0] + 1) + (tail * cols[:tail.numel()]).sum()
     return torch.stack([by_col, by_row])
 
 

@@ -112,7 +112,8 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
     differently seeded ranks cannot silently disagree (only tensors whose checksums differ
     from rank 0's are sent). Without a pipeline, what this rank keeps whole shares the model's
     storage, as under DDP: training the parallel module updates those parameters and buffers
-    of ``model`` in place; split ones (and pipeline stages') are copies. Step it with the optimizer from :func:`autopar.optimizer`.
+    of ``model`` in place; split ones (and pipeline stages') are copies. Step it with the
+    optimizer from :func:`autopar.optimizer`.
 
     With a ``pp`` axis (axes in the order pp, dp, ep, tp: ``{"pp": 2}``, ``{"pp": 2, "dp": 2, "tp": 2}``,
     ``{"pp": 2, "dp": 2, "ep": 2}``) the model is cut into pipeline stages and a

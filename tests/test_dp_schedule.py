@@ -142,6 +142,27 @@ def world2() -> list[dict]:
     return run_ranks(_both, 2, TRAIN_STAGES, timeout_s=600)
 
 
+def test_checksums_see_any_changed_word_and_moved_values():
+    """autopar.agreement.checksums: flipping any one bit of any word (the sign bit included)
+    changes both sums; swapping two different values in other rows and columns changes one."""
+    from autopar.agreement import checksums
+    x = torch.randn(2 * 251 * 3 + 5, generator=torch.Generator().manual_seed(0))   # grid rows, a rest and a tail
+    ref = checksums(x)
+    words = x.view(torch.int32)
+    for pos in (0, 1, 250, 251, 600, 1506, 1509, x.numel() - 1):
+        for bit in (0, 7, 22, 30, 31):
+            y = x.clone()
+            y.view(torch.int32)[pos] = words[pos] ^ (1 << bit) if bit < 31 else words[pos] ^ -(1 << 31)
+            got = checksums(y)
+            assert (got != ref).all(), f"flipping bit {bit} of element {pos} went unseen: {got} vs {ref}"
+    for a, b in ((0, 3), (0, 502), (5, 777), (10, 1507)):
+        y = x.clone()
+        y[a], y[b] = x[b], x[a]
+        assert (checksums(y) != ref).any(), f"swapping elements {a} and {b} went unseen"
+    assert torch.equal(checksums(x.clone()), ref)
+    assert checksums(torch.ones(3, dtype=torch.bool)).shape == (2,)
+
+
 @pytest.mark.parametrize("name", list(SYNC_CASES))
 def test_every_rank_takes_rank0_weights_sending_only_what_differs(world2, name):
     """sync_params: ranks seeded apart, or one weight one ulp apart, end with rank 0's values;
