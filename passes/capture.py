@@ -74,12 +74,19 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, dims: Any, flat_dims: 
 
     def exported() -> fx.GraphModule:
         return _export(model, args, kwargs, flat_dims if dims else None, dynamic_shapes)
-    run = replicate.find_run(model) if per_block else None
+    blocks = capture_cache.load(cache, key + ".blocks") if per_block and key else None
+    run = replicate.run_from_record(model, graph_info(blocks).layer_run) if blocks is not None else None
+    if run is None:       # no shallow export kept for this key (or one for no run): find the run
+        blocks = None
+        run = replicate.find_run(model) if per_block else None
     if run is not None:
         def exported_shallow() -> fx.GraphModule:
             with replicate.shallow(run):
-                return exported()
-        whole = replicate.expand(_cached(cache, key and key + ".blocks", exported_shallow), run, model)
+                gm = exported()
+            graph_info(gm).layer_run = run.record
+            return gm
+        whole = replicate.expand(blocks if blocks is not None else
+                                 _cached(cache, key and key + ".blocks", exported_shallow), run, model)
         if whole is not None:
             return whole
     return _cached(cache, key, exported)

@@ -179,7 +179,7 @@ def _signature(gm: fx.GraphModule) -> list[Any]:
     out: list[Any] = [(sorted(ginfo.symbols), ginfo.example_sizes, ginfo.param_fqns, ginfo.buffer_fqns,
                        ginfo.input_names, ginfo.in_spec, ginfo.out_spec, ginfo.output_targets, ginfo.param_aliases,
                        ginfo.input_constants, {k: (t.dtype, t.shape, t.tolist()) for k, t in ginfo.constants.items()},
-                       ginfo.transient_buffers, ginfo.without_cache, ginfo.module_types)]
+                       ginfo.transient_buffers, ginfo.without_cache, ginfo.module_types, ginfo.layer_run)]
     for n in gm.graph.nodes:
         out.append((n.name, n.op, n.target, repr(n.args), repr(n.kwargs), n.meta.get(META_KEY),
                     val(n.meta.get("val")), n.meta.get("stack_trace")))
@@ -362,7 +362,7 @@ def _graph_info(g: GraphInfo) -> dict[str, Any]:
     handled = {"symbols", "example_sizes", "export_symbols", "param_fqns", "buffer_fqns", "input_names",
                "module_types", "in_spec", "out_spec", "output_targets", "param_aliases", "input_constants",
                "constants", "transient_buffers", "without_cache", "block_classes", "block_copies", "moe_regions",
-               "passes_run", "mode_source"}
+               "passes_run", "mode_source", "layer_run"}
     if known != handled:                    # a new GraphInfo field must be taught to the cache
         raise _Uncacheable(f"graph record fields {sorted(known ^ handled)} are not described")
     return {"symbols": sorted(g.symbols), "example_sizes": g.example_sizes,
@@ -372,7 +372,8 @@ def _graph_info(g: GraphInfo) -> dict[str, Any]:
             "param_aliases": g.param_aliases,
             "input_constants": [[i, _arg(v)] for i, v in g.input_constants.items()],
             "constants": {k: _tensor_bytes(t) for k, t in g.constants.items()},
-            "transient_buffers": sorted(g.transient_buffers), "without_cache": g.without_cache}
+            "transient_buffers": sorted(g.transient_buffers), "without_cache": g.without_cache,
+            "layer_run": None if g.layer_run is None else list(g.layer_run)}
 
 
 def _tensor_bytes(t: torch.Tensor) -> dict[str, Any]:
@@ -548,7 +549,17 @@ class _Rebuild:
             output_targets=[tuple(t) for t in g["output_targets"]], param_aliases=dict(g["param_aliases"]),
             input_constants={int(i): self._arg(v, {}) for i, v in g["input_constants"]},
             constants={k: _from_bytes(t) for k, t in g["constants"].items()},
-            transient_buffers=set(g["transient_buffers"]), without_cache=bool(g["without_cache"]))
+            transient_buffers=set(g["transient_buffers"]), without_cache=bool(g["without_cache"]),
+            layer_run=_layer_run(g.get("layer_run")))
+
+
+def _layer_run(r: Any) -> tuple[str, int, int, int] | None:
+    if r is None:
+        return None
+    prefix, n, start, period = r
+    if not isinstance(prefix, str) or not all(type(x) is int for x in (n, start, period)):
+        raise ValueError(f"layer run {r!r}")
+    return prefix, n, start, period
 
 
 def _from_bytes(t: dict[str, Any]) -> torch.Tensor:

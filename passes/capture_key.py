@@ -31,6 +31,7 @@ import os
 import sys
 import sysconfig
 import types
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -103,7 +104,8 @@ def _model(model: nn.Module, ignore: frozenset[str] = frozenset()) -> dict[str, 
     fqn_of = {id(m): fqn for fqn, m in model.named_modules(remove_duplicate=False)}
     modules = []
     for fqn, m in model.named_modules(remove_duplicate=False):
-        attrs = {k: _value(list(v.values()) if "hook" in k and isinstance(v, Mapping) else v, fqn_of, 0,
+        attrs = {k: _value(list(v.values()) if "hook" in k and (type(v) is OrderedDict or isinstance(v, Mapping))
+                           else v, fqn_of, 0,
                            where=f"{fqn or '<root>'}.{k}")        # hook dicts: keyed by process-wide counters
                  for k, v in sorted(m.__dict__.items()) if k not in _SKIP_MODULE_ATTRS and k not in ignore}
         modules.append([fqn, _qualname(type(m)), attrs, sorted(m._non_persistent_buffers_set)])
@@ -120,7 +122,16 @@ def _value(v: Any, fqn_of: Mapping[int, str], depth: int, where: str = "input") 
     if depth > _MAX_DEPTH:
         raise Unkeyable(f"{where} nests deeper than {_MAX_DEPTH} levels")
     d = depth + 1
-    if v is None or isinstance(v, (bool, str)):
+    kind = type(v)             # the common exact types first: a module holds thousands of them
+    if v is None or kind is bool or kind is str:
+        return v
+    if kind is int or kind is float:
+        return [kind.__name__, repr(v)]
+    if kind is list or kind is tuple:
+        return [kind.__name__, [_value(x, fqn_of, d, where) for x in v]]
+    if kind is dict or kind is OrderedDict:
+        return [_qualname(kind), sorted([repr(k), _value(x, fqn_of, d, f"{where}[{k!r}]")] for k, x in v.items())]
+    if isinstance(v, (bool, str)):
         return v
     if isinstance(v, (int, float)):
         return [type(v).__name__, repr(v)]
@@ -223,7 +234,7 @@ def _code_files(model: nn.Module) -> dict[str, str]:
     library = _library_dirs()
     files: set[str] = set(_autopar_files())
     fileless: dict[str, str] = {}
-    todo = [sys.modules.get(cls.__module__) for m in model.modules() for cls in type(m).__mro__]
+    todo = [sys.modules.get(cls.__module__) for kind in {type(m) for m in model.modules()} for cls in kind.__mro__]
     seen: set[int] = set()
     while todo:
         mod = todo.pop()

@@ -77,7 +77,8 @@ def bucket_params(gm: fx.GraphModule, *, nbytes: Mapping[str, int], include: Cal
 def dp_rewrite(gm: fx.GraphModule, *, rid: int, stage: int, buckets: list[list[str]], axis: str, n: int,
                nbytes: Mapping[str, int], comm_time: CommTimer | None = None) -> fx.GraphModule:
     """Insert the data-axis nodes for ZeRO ``stage`` (ZeRO-1 reduces at the optimizer step:
-    nothing is inserted). Issues are placed next to their waits; run :func:`schedule` next."""
+    nothing is inserted). Issues are placed next to their waits; run :func:`schedule` next
+    (it lints the graph)."""
     if stage == 1 or n == 1:
         return gm
     graph = gm.graph
@@ -119,8 +120,7 @@ def dp_rewrite(gm: fx.GraphModule, *, rid: int, stage: int, buckets: list[list[s
                 ph.replace_all_uses_with(new, delete_user_cb=lambda u, i=issue: u is not i)
             anchor = out[-1]
             _place_before(graph, [issue, wait, *out], _first_use_node(out))
-    graph.lint()
-    gm.recompile()
+    gm.recompile()           # linted once, by schedule(), which always comes next
     return gm
 
 

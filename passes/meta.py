@@ -164,6 +164,9 @@ class GraphInfo:
     constants: dict[str, torch.Tensor] = field(default_factory=dict)  # lifted tensors, by placeholder target
     transient_buffers: set[str] = field(default_factory=set)  # buffers outside state_dict (persistent=False)
     without_cache: bool = False                # captured with the model's config.use_cache turned off
+    # a graph exported with only the first layers of a run (passes/replicate.py): the run as
+    # (layer list fqn, layers, start, period), so a cache hit needs no search for it
+    layer_run: tuple[str, int, int, int] | None = None
     # how to switch the graph between train and eval mode (autopar/modes.py); None: it cannot differ
     mode_source: Any = None
 

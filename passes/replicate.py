@@ -58,6 +58,27 @@ class Run:
     def kept(self) -> int:
         return self.start + 3 * self.period
 
+    @property
+    def record(self) -> tuple[str, int, int, int]:
+        """What :func:`run_from_record` rebuilds the run from (kept with the shallow export)."""
+        return self.prefix, self.n, self.start, self.period
+
+
+def run_from_record(model: nn.Module, record: tuple[str, int, int, int] | None) -> Run | None:
+    """The run :func:`find_run` found for a model of the same capture key (``record``, kept
+    with its shallow export), without describing every layer again; None if ``model`` has no
+    layer list of that length there."""
+    if record is None:
+        return None
+    prefix, n, start, period = record
+    try:
+        holder = model.get_submodule(prefix)
+    except AttributeError:
+        return None
+    if not isinstance(holder, nn.ModuleList) or len(holder) != n:
+        return None
+    return Run(holder=holder, prefix=prefix, n=n, start=start, period=period)
+
 
 def find_run(model: nn.Module) -> Run | None:
     """The run of layers to export twice and copy, or None (module docstring)."""
@@ -110,9 +131,10 @@ def _own_parameters(model: nn.Module, holder: nn.ModuleList) -> bool:
             if owner.setdefault(id(t), i) != i:
                 return False
     inside = set(owner)
+    prefix = _holder_fqn(model, holder)
     outside = [t for name, t in [*model.named_parameters(remove_duplicate=False),
                                  *model.named_buffers(remove_duplicate=False)]
-               if not _under(name, _holder_fqn(model, holder))]
+               if not _under(name, prefix)]
     return not any(id(t) in inside for t in outside)
 
 
@@ -352,7 +374,7 @@ class _Expansion:
     def _graph_info(self, placeholders: dict) -> Any:
         """The exported graph's record with the copied layers' placeholders, in the order
         export lists a whole model's (its parameters', then its buffers' names)."""
-        g = replace(graph_info(self.gm))
+        g = replace(graph_info(self.gm), layer_run=None)
         for kind, attr, named in (("param", "param_fqns", self.model.named_parameters),
                                   ("buffer", "buffer_fqns", self.model.named_buffers)):
             have = {**getattr(g, attr), **{ph.name: info(ph).target_fqn for (_, k, _), ph in placeholders.items()

@@ -377,10 +377,12 @@ def _weighted(value: Any, weight: torch.Tensor) -> Any:
 def _set(root: nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool = False, persistent: bool = True) -> None:
     *path, leaf = fqn.split(".")
     mod = root
-    for part in path:
-        if not hasattr(mod, part) or not isinstance(getattr(mod, part), nn.Module):
-            mod.add_module(part, nn.Module())
-        mod = getattr(mod, part)
+    for part in path:                  # the holder modules, looked up in _modules (not __getattr__'s slow path)
+        sub = mod._modules.get(part)
+        if sub is None:
+            sub = nn.Module()
+            mod.add_module(part, sub)
+        mod = sub
     if buffer:
         mod.register_buffer(leaf, value, persistent=persistent)
     else:

@@ -102,8 +102,10 @@ def test_a_layer_that_differs_ends_the_run_and_no_layer_is_copied():
     assert find_run(m) is None             # a run must reach the last layer
 
 
-def test_the_cache_keeps_the_exported_periods_and_copies_them_again(tmp_path, caplog):
-    from autopar.passes import capture_cache
+def test_the_cache_keeps_the_exported_periods_and_copies_them_again(tmp_path, caplog, monkeypatch):
+    """The entry keeps the run with the shallow export: a hit copies the layers without
+    describing every layer again to find the run."""
+    from autopar.passes import capture_cache, replicate
     m = small("gpt", layers=8, vocab=64)
     x = torch.randint(0, 64, (2, 8))
     capture_cache._memory.clear()
@@ -111,7 +113,12 @@ def test_the_cache_keeps_the_exported_periods_and_copies_them_again(tmp_path, ca
     entry, = tmp_path.glob("capture-*.json.z")
     assert entry.name.endswith(".blocks.json.z")
     capture_cache._memory.clear()
+
+    def no_search(model):
+        raise AssertionError("find_run called on a cache hit")
+    monkeypatch.setattr(replicate, "find_run", no_search)
     with caplog.at_level(logging.INFO, logger="autopar.capture"):
         again = capture(m, (x,), dims=TOKEN_DIMS, cache=CaptureCache(tmp_path))
     assert "from the cache (disk)" in caplog.text and "copied 5" in caplog.text
     assert _signature(again) == _signature(first)
+    assert graph_info(again).layer_run is None          # the whole graph: no run left to copy
