@@ -17,7 +17,7 @@ from autopar.checks import check_devices, check_fits, memory_bytes
 from autopar.runtime.compiled import backend_of, check_compile
 from autopar.dp_mode import DataMode, check_composes, data_mode
 from autopar.errors import ConfigError, InputMismatchError, OptimizerError
-from autopar.passes.meta import graph_info
+from autopar.passes.meta import graph_info, paused_gc
 from autopar.plans import Plan
 from autopar.prepare import (as_args, capture_model, has_axis, mesh_axes, plan_of, solve_tensor_axis,
                              with_memory)
@@ -60,7 +60,9 @@ def plan(model: nn.Module, mesh: Any, example_inputs: Any = (), *, example_kwarg
 
 def _records_model(fn):
     """Let the parallel module remember the original model's whole shapes and tied names
-    (what checkpoints are keyed by, whatever the plan)."""
+    (what checkpoints are keyed by, whatever the plan). Set-up runs without cyclic garbage
+    collection: the graphs, records and modules it makes all live on, so the collector's scans
+    of them are wasted (50 ms of a 32-layer GPT's 0.5 s)."""
     import functools
 
     @functools.wraps(fn)
@@ -72,7 +74,8 @@ def _records_model(fn):
         first: dict[int, str] = {}
         aliases = {name: first.setdefault(id(p), name)
                    for name, p in model.named_parameters(remove_duplicate=False)}
-        pm = fn(model, *args, **kwargs)
+        with paused_gc():
+            pm = fn(model, *args, **kwargs)
         pm.global_shapes, pm.param_aliases = shapes, aliases
         for top in (pm, *getattr(pm, "stages", ())):   # the graphs run in the mode they were captured in
             for m in top.modules():

@@ -4,6 +4,7 @@ with an empty capture cache (cold) and a filled one (warm), beside DDP's wrap.
 Command:  python bench/setup_time.py [--layers 2 8 32] [--world 1 2] [--repeats 3]
                                      [--hidden 256] [--heads 4] [--vocab 1024] [--batch 4] [--seq 128]
                                      [--plan-layers 32] [--plan-hidden 2048] [--plan-ffn 5632]
+          (--plan-layers 0: no planning line)
 
 Every measurement is a fresh Python process (``python bench/setup_time.py --child ...``), so
 nothing is reused in memory: *cold* gets a new, empty ``AUTOPAR_CACHE_DIR``; *warm* reuses
@@ -14,7 +15,7 @@ SGD step after it (time to first step = both), from a barrier after every rank h
 model (so a rank's wait for another's model initialisation is not counted). At world 2 the
 figure is the slower rank's.
 The peer is ``DistributedDataParallel(model)`` plus its first step, in the same process kind.
-Medians of ``--repeats`` processes. The issue's goals: 4-layer GPT under 1 s warm and 2 s cold;
+Medians of ``--repeats`` processes; the depths take turns within each repeat. The issue's goals: 4-layer GPT under 1 s warm and 2 s cold;
 set-up growing with block classes, not layers (32 vs 2 layers within 1.5x).
 
 The last line plans a 1B-class model on the meta device (``autopar.plan``; zoo ``llama``,
@@ -124,21 +125,30 @@ def main() -> None:
         _measure({"hidden": a.hidden, "heads": a.heads, "layers": min(a.layers), "vocab": a.vocab, "batch": a.batch,
                   "seq": a.seq, "world": max(a.world), "system": "autopar"}, d)
     for world in a.world:
+        cfgs = {layers: {"hidden": a.hidden, "heads": a.heads, "layers": layers, "vocab": a.vocab, "batch": a.batch,
+                         "seq": a.seq, "world": world, "system": "autopar"} for layers in a.layers}
+        runs = {layers: {"cold": [], "warm": []} for layers in a.layers}
+        ddp: dict[int, list[dict]] = {layers: [] for layers in a.layers}
+        for _ in range(a.repeats):    # the depths take turns, so a drift in the machine's speed reaches each alike
+            for layers, cfg in cfgs.items():
+                got = _cold_warm(cfg, 1)
+                runs[layers]["cold"] += got["cold"]
+                runs[layers]["warm"] += got["warm"]
+                with tempfile.TemporaryDirectory() as d:
+                    ddp[layers].append(_measure({**cfg, "system": "ddp"}, d))
         for layers in a.layers:
-            cfg = {"hidden": a.hidden, "heads": a.heads, "layers": layers, "vocab": a.vocab, "batch": a.batch,
-                   "seq": a.seq, "world": world, "system": "autopar"}
-            runs = _cold_warm(cfg, a.repeats)
-            with tempfile.TemporaryDirectory() as d:
-                ddp = [_measure({**cfg, "system": "ddp"}, d) for _ in range(a.repeats)]
-            table[world, layers] = runs
-            print(f"| {world} | {layers} | {_med(runs['cold'], 'setup'):.2f} / {_med(runs['cold'], 'first_step'):.2f} "
-                  f"| {_med(runs['warm'], 'setup'):.2f} / {_med(runs['warm'], 'first_step'):.2f} "
-                  f"| {_med(ddp, 'setup'):.3f} / {_med(ddp, 'first_step'):.2f} |", flush=True)
+            r = table[world, layers] = runs[layers]
+            print(f"| {world} | {layers} | {_med(r['cold'], 'setup'):.2f} / {_med(r['cold'], 'first_step'):.2f} "
+                  f"| {_med(r['warm'], 'setup'):.2f} / {_med(r['warm'], 'first_step'):.2f} "
+                  f"| {_med(ddp[layers], 'setup'):.3f} / {_med(ddp[layers], 'first_step'):.2f} |", flush=True)
     lo, hi = min(a.layers), max(a.layers)
     for world in a.world:
         for kind in ("cold", "warm"):
             r = _med(table[world, hi][kind], "setup") / _med(table[world, lo][kind], "setup")
             print(f"world {world}, {kind}: setup at {hi} layers / {lo} layers = {r:.2f} (goal <= 1.5)")
+    if not a.plan_layers:
+        print(f"load after: {os.getloadavg()[0]:.2f}")
+        return
     plan = {"plan": True, "layers": a.plan_layers, "hidden": a.plan_hidden, "ffn": a.plan_ffn}
     runs = _cold_warm(plan, a.repeats)
     params = runs["cold"][0]["params"]

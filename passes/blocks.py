@@ -27,7 +27,12 @@ def block_pass(gm: fx.GraphModule) -> fx.GraphModule:
     by_print: dict[str, list[str]] = defaultdict(list)
     values: dict[fx.Node, str] = {}          # a node's value text, once (it is in every enclosing region)
     prints: dict[str, str] = {}
+    sizes = defaultdict(int)
+    for nodes in regions.values():
+        sizes[len(nodes)] += 1
     for fqn, nodes in regions.items():
+        if sizes[len(nodes)] == 1:           # no other region as long: in no class (the layer list holder)
+            continue
         template = _template_region(fqn, nodes, regions)
         fp = prints.get(template) if template is not None else None
         prints[fqn] = fp or _fingerprint(nodes, values)

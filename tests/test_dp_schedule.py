@@ -144,23 +144,32 @@ def world2() -> list[dict]:
 
 def test_checksums_see_any_changed_word_and_moved_values():
     """autopar.agreement.checksums: flipping any one bit of any word (the sign bit included)
-    changes both sums; swapping two different values in other rows and columns changes one."""
-    from autopar.agreement import checksums
-    x = torch.randn(2 * 251 * 3 + 5, generator=torch.Generator().manual_seed(0))   # grid rows, a rest and a tail
+    changes both sums; swapping two different values, in one row or one column, changes one;
+    the sums are those of exact integer arithmetic modulo 2**64."""
+    from autopar.agreement import _PERIOD as P, checksums
+    x = torch.randn(2 * P * 3 + 5, generator=torch.Generator().manual_seed(0))   # 3 rows of words, a rest and a tail
     ref = checksums(x)
     words = x.view(torch.int32)
-    for pos in (0, 1, 250, 251, 600, 1506, 1509, x.numel() - 1):
+    for pos in (0, 1, 2 * P - 1, 2 * P, 4 * P + 1, 6 * P, 6 * P + 3, x.numel() - 1):
         for bit in (0, 7, 22, 30, 31):
             y = x.clone()
             y.view(torch.int32)[pos] = words[pos] ^ (1 << bit) if bit < 31 else words[pos] ^ -(1 << 31)
             got = checksums(y)
             assert (got != ref).all(), f"flipping bit {bit} of element {pos} went unseen: {got} vs {ref}"
-    for a, b in ((0, 3), (0, 502), (5, 777), (10, 1507)):
+    for a, b in ((0, 3), (0, 2 * P), (1, 4 * P + 1), (5, 777), (10, 6 * P + 1)):   # same row, same column, ...
         y = x.clone()
         y[a], y[b] = x[b], x[a]
         assert (checksums(y) != ref).any(), f"swapping elements {a} and {b} went unseen"
     assert torch.equal(checksums(x.clone()), ref)
     assert checksums(torch.ones(3, dtype=torch.bool)).shape == (2,)
+    w = x[:-1].view(torch.int64).tolist()                # the definition, in Python integers
+    by_col = sum((2 * (k % P) + 1) * v for k, v in enumerate(w))
+    by_both = sum((2 * (k // P) + 1) * (2 * (k % P) + 1) * v for k, v in enumerate(w))
+    tail = x[-1:].view(torch.uint8).tolist()
+    by_col += sum((2 * j + 1) * v for j, v in enumerate(tail))
+    by_both += sum((2 * (len(w) // P + 1) + 1) * (2 * j + 1) * v for j, v in enumerate(tail))
+    wrap = lambda v: (v + 2 ** 63) % 2 ** 64 - 2 ** 63
+    assert ref.tolist() == [wrap(by_col), wrap(by_both)]
 
 
 @pytest.mark.parametrize("name", list(SYNC_CASES))
