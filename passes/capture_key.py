@@ -42,6 +42,7 @@ log = logging.getLogger("autopar.capture")
 
 _MAX_DEPTH = 8
 _SKIP_MODULE_ATTRS = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
+_NO_HOOKS = ["list", []]          # what _value gives an empty hook dict's values
 
 
 class Unkeyable(Exception):
@@ -104,9 +105,9 @@ def _model(model: nn.Module, ignore: frozenset[str] = frozenset()) -> dict[str, 
     fqn_of = {id(m): fqn for fqn, m in model.named_modules(remove_duplicate=False)}
     modules = []
     for fqn, m in model.named_modules(remove_duplicate=False):
-        attrs = {k: _value(list(v.values()) if "hook" in k and (type(v) is OrderedDict or isinstance(v, Mapping))
-                           else v, fqn_of, 0,
-                           where=f"{fqn or '<root>'}.{k}")        # hook dicts: keyed by process-wide counters
+        attrs = {k: _NO_HOOKS if not v and type(v) is OrderedDict and "hook" in k else   # most modules' hook dicts
+                 _value(list(v.values()) if "hook" in k and (type(v) is OrderedDict or isinstance(v, Mapping))
+                        else v, fqn_of, 0, where=f"{fqn or '<root>'}.{k}")   # hook dicts: keyed by process-wide counters
                  for k, v in sorted(m.__dict__.items()) if k not in _SKIP_MODULE_ATTRS and k not in ignore}
         modules.append([fqn, _qualname(type(m)), attrs, sorted(m._non_persistent_buffers_set)])
     first: dict[int, str] = {}
