@@ -212,7 +212,8 @@ def _getitems(node: fx.Node) -> list[fx.Node]:
 
 def _first_use_node(values: list[fx.Node]) -> fx.Node | None:
     """The earliest node (in graph order) that reads any of ``values``."""
-    users = {u for v in values for u in v.users if u not in values}
+    inside = set(values)
+    users = {u for v in values for u in v.users if u not in inside}
     if not users:
         return None
     for node in values[0].graph.nodes:
