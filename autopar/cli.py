@@ -8,7 +8,7 @@ import sys
 import time
 
 from autopar import cli_checks as checks
-from autopar.cli_checks import count
+from autopar.cli_checks import count, parse_mesh
 from autopar.cli_hybrid import _plan_hybrid, _positive_int, _progress, _simulate, emit_plan
 from autopar.errors import AutoparError, ConfigError, DoesNotFitError, UnsupportedError
 
@@ -117,22 +117,6 @@ def _split_view(args: argparse.Namespace, w, mesh: dict[str, int], sequence: boo
 def _microbatches(flag: str):
     return count(flag, high=checks.MAX_EVENT_MICROBATCHES,
                  why="the pipeline's event simulation runs every micro-batch; published pipelines run a few hundred")
-
-
-def parse_mesh(spec: str) -> dict[str, int]:
-    """``"tp=4"`` or ``"name=size[,name=size]"`` -> ``{"tp": 4}`` (the API checks what is supported)."""
-    mesh: dict[str, int] = {}
-    for item in spec.split(","):
-        name, eq, size = item.partition("=")
-        name, size = name.strip(), size.strip()
-        if not eq or not name or not size.isdigit():
-            raise ConfigError(f"--mesh takes name=size[,name=size], got {spec!r}", where="--mesh", got=spec,
-                              fix="e.g. --mesh tp=4")
-        if name in mesh:
-            raise ConfigError(f"--mesh names axis {name!r} twice", where="--mesh", got=spec,
-                              fix="name each mesh axis once, e.g. --mesh tp=4")
-        mesh[name] = int(size)
-    return mesh
 
 
 def _version() -> str:

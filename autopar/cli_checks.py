@@ -128,3 +128,19 @@ def cluster(spec: str, hardware: str):
                           where="--cluster", expected=f"at most {MAX_DEVICES} devices (2^20, ten times the "
                           "largest clusters built)", got=spec, fix="plan for fewer nodes, e.g. --cluster 128x8")
     return c
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """``"tp=4"`` or ``"name=size[,name=size]"`` -> ``{"tp": 4}`` (the API checks what is supported)."""
+    mesh: dict[str, int] = {}
+    for item in spec.split(","):
+        name, eq, size = item.partition("=")
+        name, size = name.strip(), size.strip()
+        if not eq or not name or not size.isdigit():
+            raise ConfigError(f"--mesh takes name=size[,name=size], got {spec!r}", where="--mesh", got=spec,
+                              fix="e.g. --mesh tp=4")
+        if name in mesh:
+            raise ConfigError(f"--mesh names axis {name!r} twice", where="--mesh", got=spec,
+                              fix="name each mesh axis once, e.g. --mesh tp=4")
+        mesh[name] = int(size)
+    return mesh
