@@ -29,6 +29,7 @@ how each ended (:class:`RankOutcome`), which is what fault tests need.
 """
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import pickle
 import socket
@@ -84,6 +85,9 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, backend
     def send(kind: str, payload: Any) -> None:
         out.send_bytes(pickle.dumps((kind, payload)))
 
+    # a native crash (SIGSEGV, or glibc's SIGABRT on a corrupted heap) prints every thread's
+    # Python stack to the rank's stderr: the line it died on, not only the parent's "exited -6"
+    faulthandler.enable(all_threads=True)
     mon = None
     try:
         torch.set_num_threads(1)

@@ -26,6 +26,11 @@ def _raise_on_one(rank: int, world: int) -> int:
     return rank
 
 
+def _faulthandler_on(rank: int, world: int) -> bool:
+    import faulthandler
+    return faulthandler.is_enabled()
+
+
 def _exit_on_one(rank: int, world: int) -> int:
     if rank == 1:
         os._exit(3)
@@ -64,6 +69,12 @@ def test_exiting_rank_is_reported_not_hung() -> None:
     msg = str(info.value)
     assert "rank 1" in msg
     assert "code 3" in msg
+
+
+def test_a_native_crash_would_print_the_ranks_python_stack() -> None:
+    """Each rank runs with faulthandler on: a rank killed by a signal (glibc's abort on a
+    corrupted heap, a segfault) leaves every thread's Python stack on its stderr."""
+    assert run_ranks(_faulthandler_on, 2, timeout_s=30) == [True, True]
 
 
 def test_outcomes_of_a_clean_run() -> None:
