@@ -15,19 +15,20 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 # or their backward is silently wrong (see DESIGN.md, rule 3).
 import torch.distributed._functional_collectives  # noqa: F401
 
-from autopar.errors import (AutoparError, AutoparInternalError, CaptureError, CheckpointError, ConfigError,
+from autopar.core.errors import (AutoparError, AutoparInternalError, CaptureError, CheckpointError, ConfigError,
                             DoesNotFitError, InputMismatchError, MeshError, OptimizerError, PeerFailureError,
                             PlanFileError, ShardingError, UnsupportedError)
 from autopar.passes.capture import capture
 from autopar.passes.pipeline import analyze
-from autopar.plans import Plan
-from autopar.dp_mode import DataMode
+from autopar.core.plans import Plan
+from autopar.core.dp_mode import DataMode
 from autopar.api import optimizer, parallelize, plan
 from autopar import checkpoint, data
 from autopar.checkpoint import load, save
 from autopar.runtime.health import init_distributed
-from autopar.runtime.clip import clip_grad_norm_
+from autopar.clip import clip_grad_norm_
 from autopar.scaled_plan import ScaledPlan, scale_plan
+from autopar.models import depth as _layer_kinds  # noqa: F401 - registers the zoo's and transformers' layer kinds with the capture
 
 __version__ = "0.1.0"
 

@@ -11,14 +11,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.agreement import check_agreement
+from autopar.runtime.agreement import check_agreement
 from autopar.build import build_dense, build_experts, build_pipeline
 from autopar.checks import check_devices, check_fits, memory_bytes
 from autopar.runtime.compiled import backend_of, check_compile
-from autopar.dp_mode import DataMode, check_composes, data_mode
-from autopar.errors import ConfigError, InputMismatchError, OptimizerError
-from autopar.passes.meta import graph_info, paused_gc
-from autopar.plans import Plan
+from autopar.core.dp_mode import DataMode, check_composes, data_mode
+from autopar.core.errors import ConfigError, InputMismatchError, OptimizerError
+from autopar.core.meta import graph_info
+from autopar.passes.meta import paused_gc
+from autopar.core.plans import Plan
 from autopar.prepare import (as_args, capture_model, has_axis, mesh_axes, plan_of, solve_tensor_axis,
                              with_memory)
 from autopar.scaled_plan import is_saved_plan_file, merge_options, scale_plan
@@ -141,7 +142,7 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
     ``recompute``: ``"none"``, ``"selective"`` (attention cores re-run in backward) or
     ``"full"`` (every layer re-run in backward; forward keeps only each layer's inputs).
 
-    ``dp_mode`` says how the data axis communicates (``autopar/dp_mode.py``): ``"allreduce"``
+    ``dp_mode`` says how the data axis communicates (``autopar/core/dp_mode.py``): ``"allreduce"``
     (the default: every gradient averaged every step), ``"local_sgd"``, ``"compressed"``,
     ``"gossip"`` or ``"async"``, as a name, a dict with the options (``{"kind": "local_sgd",
     "sync_every": 4}``) or an :class:`autopar.DataMode`; with ZeRO-0 on ``dp`` and ``dp x tp``
@@ -154,7 +155,7 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
 
     ``placements`` (dp/tp meshes) forces how parameters are stored on the tensor axis, and
     ``sequence_parallel`` whether activations are split along the sequence, as in :func:`plan`.
-    Bad input raises an :class:`~autopar.errors.AutoparError` subclass before any collective:
+    Bad input raises an :class:`~autopar.core.errors.AutoparError` subclass before any collective:
     MeshError, PlanFileError, ShardingError, DoesNotFitError, UnsupportedError.
     ``memory_budget`` is bytes or a size, as in :func:`plan`."""
 

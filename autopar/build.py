@@ -35,16 +35,16 @@ from torch import nn
 
 from autopar.checks import check_fits, check_runtime_dtypes
 from autopar.cost.cluster import Cluster
-from autopar.dp_mode import ALLREDUCE, DataMode
-from autopar.errors import ConfigError, MeshError, PlanFileError
-from autopar.ep import contiguous, ep_axes, place_experts
+from autopar.core.dp_mode import ALLREDUCE, DataMode
+from autopar.core.errors import ConfigError, MeshError, PlanFileError
+from autopar.cost.ep_planner import contiguous, ep_axes, place_experts
 from autopar.expert_steps import (calibrated_loads, checked_moe_plans, exchange_experts, expert_side,
                                   planned_placements, set_capacity, split_experts)
-from autopar.passes.meta import graph_info, info
+from autopar.core.meta import graph_info, info
+from autopar.passes.autocast import drop_dtype_checks
 from autopar.passes.pp_split import OpCosts, op_costs
-from autopar.passes.tp_rewrite import drop_dtype_checks
-from autopar.plans import Plan
-from autopar.pp import info_symbols, named_axes, node_time_fn, pipeline_axes, plan_pipeline
+from autopar.core.plans import Plan
+from autopar.cost.pp_planner import info_symbols, named_axes, node_time_fn, pipeline_axes, plan_pipeline
 from autopar.runtime.sync_bn import sync_batch_norms
 from autopar.prepare import (capture_model, data_rewrite, device_mesh, input_dims, master_dtype,
                              mesh_axes, model_tensors, planned_graph, torch_dtype)
@@ -262,6 +262,7 @@ def build_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, *, loss_fn:
         unused_mode(dp_mode, sizes.get("dp", 1))
     master_init: dict[str, torch.Tensor] = {}
     for st in mine if compute is not None else ():
+        drop_dtype_checks(st.graph_module)     # they pin the captured fp32 dtypes
         master_init.update(st.to_compute_dtype(compute, device.type, sent))
     if any(axis.rt.modes is not None for axis in data):
         the_plan = replace(the_plan, dp_mode=dp_mode.to_dict())
@@ -289,12 +290,12 @@ def build_experts(model: nn.Module, mesh: Any, example_inputs: Any, *, hardware:
     graph shows, which must have a ``capacity_factor`` attribute; the model is then captured
     again), so tokens drop exactly as the single-device model's at that factor.
 
-    ``plan`` (a :class:`~autopar.plans.Plan` this function returned before, e.g. saved and
+    ``plan`` (a :class:`~autopar.core.plans.Plan` this function returned before, e.g. saved and
     loaded) is applied as it is: its mesh (which ``mesh`` must equal), its experts' owners
     (``expert_placement``; ``calibration`` and ``placement`` are not used, so no calibration
     batch is run), its capacity factor and its tensor-axis placements. A plan that does not
-    fit the model or the mesh raises a :class:`~autopar.errors.PlanFileError` or
-    :class:`~autopar.errors.MeshError` on every rank at the same point: before any collective
+    fit the model or the mesh raises a :class:`~autopar.core.errors.PlanFileError` or
+    :class:`~autopar.core.errors.MeshError` on every rank at the same point: before any collective
     where the plan and the model's modules show it (mesh, a placement that is not a
     permutation, a layer the model does not have), otherwise right after the capture (split
     MoE layers, or their expert counts, that differ from the plan's). ``mixed_precision`` (or the
@@ -505,7 +506,7 @@ def _shared_groups(mesh, names: list[str], shared: Mapping[str, list[int]], p: i
 def own_loss(gm: fx.GraphModule) -> Callable:
     """The loss function of a model that returns its own loss (a ``ModelOutput`` with ``loss``,
     as ``transformers`` models given ``labels`` do): pick it from the last stage's outputs."""
-    from autopar.passes.meta import graph_info
+    from autopar.core.meta import graph_info
     spec = graph_info(gm).out_spec
     keys = list(spec.context) if spec is not None and isinstance(spec.context, (list, tuple)) else []
     if "loss" not in keys:

@@ -1,5 +1,5 @@
 """Checks of the user's input that run before anything is built or any collective is
-issued. Each raises the :class:`~autopar.errors.AutoparError` subclass that names the
+issued. Each raises the :class:`~autopar.core.errors.AutoparError` subclass that names the
 mistake: what, where (parameter, node, module), expected, got, and how to fix it.
 
 - :func:`check_options`: planning sizes and memory budget (ConfigError);
@@ -22,9 +22,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autopar.errors import ConfigError, DoesNotFitError, MeshError, ShardingError, UnsupportedError
-from autopar.passes.meta import evaluate, graph_info, info
-from autopar.placement import Partial, Shard, normalize, parse
+from autopar.core.errors import ConfigError, DoesNotFitError, MeshError, ShardingError, UnsupportedError
+from autopar.core.meta import evaluate, graph_info, info
+from autopar.core.placement import Partial, Shard, normalize, parse
 
 log = logging.getLogger("autopar")
 MAX_DEVICES = 4096    # how far check_fits looks for a device count that fits

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from autopar.errors import ConfigError, InputMismatchError, MeshError
+from autopar.core.errors import ConfigError, InputMismatchError, MeshError
 
 DATA_AXES = ("dp", "ep")     # the axes whose ranks take different rows
 

@@ -13,9 +13,9 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from autopar.ep import Placement, contiguous, expert_loads
-from autopar.errors import ConfigError, PlanFileError
-from autopar.passes.meta import MoERegion, graph_info, info
+from autopar.cost.ep_planner import Placement, contiguous, expert_loads
+from autopar.core.errors import ConfigError, PlanFileError
+from autopar.core.meta import MoERegion, graph_info, info
 from autopar.prepare import capture_model
 
 log = logging.getLogger("autopar.build")

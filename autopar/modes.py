@@ -14,7 +14,7 @@ and aligns the two graphs op by op:
 - an op only the training graph has, that adds a constant to a buffer in place (BatchNorm's
   counter), adds 0 in eval mode;
 - any other difference (a ``self.training`` branch that runs other ops) makes that mode
-  unavailable: switching to it raises a :class:`~autopar.errors.ConfigError` that says to
+  unavailable: switching to it raises a :class:`~autopar.core.errors.ConfigError` that says to
   parallelize the model in that mode.
 
 The second capture costs as much as the first, so it happens at the first switch to the other
@@ -41,8 +41,8 @@ from torch import nn
 from torch.fx.operator_schemas import normalize_function
 from torch.utils import _pytree as pytree
 
-from autopar.errors import ConfigError
-from autopar.passes.meta import graph_info
+from autopar.core.errors import ConfigError
+from autopar.core.meta import graph_info
 
 __all__ = ["ModeSource", "modes_of", "mode_dependent"]
 

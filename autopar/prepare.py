@@ -24,13 +24,13 @@ from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
 from autopar.cost.plan_sizes import dtype_of, local_numels, local_shape, param_bytes
 from autopar.cost.tp_solver import Solution, SolverConfig, solve
-from autopar.errors import CaptureError, MeshError, PlanFileError
+from autopar.core.errors import CaptureError, MeshError, PlanFileError
 from autopar.passes.capture import capture
-from autopar.passes.meta import graph_info, info
+from autopar.core.meta import graph_info, info
 from autopar.passes.pipeline import analyze
 from autopar.passes.sharding import replication_reason
 from autopar.passes.tp_rewrite import tp_rewrite
-from autopar.plans import NodeStrategy, Plan
+from autopar.core.plans import NodeStrategy, Plan
 
 log = logging.getLogger("autopar")
 _FIXED_ROLES = ("pp", "ep")
@@ -313,11 +313,11 @@ def model_tensors(model: nn.Module, *, sync: bool) -> dict[str, torch.Tensor]:
     """The model's parameters and buffers by ``state_dict`` key; with ``sync``, every rank
     takes rank 0's values first (so ranks that built the model apart agree). Only the tensors
     whose checksums differ from rank 0's on some rank are broadcast
-    (:func:`autopar.agreement.differing`): ranks that seeded alike send nothing."""
+    (:func:`autopar.runtime.agreement.differing`): ranks that seeded alike send nothing."""
     tensors = dict(model.named_parameters())
     tensors.update(dict(model.named_buffers()))
     if sync and dist.get_world_size() > 1:
-        from autopar.agreement import differing
+        from autopar.runtime.agreement import differing
         values = list(tensors.values())
         with torch.no_grad():
             apart = differing(values)

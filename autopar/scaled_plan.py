@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autopar.errors import ConfigError
+from autopar.core.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def _divisors(n: int) -> list[int]:
 def scale_plan(plan: Any, world: int | None = None) -> ScaledPlan:
     """The saved plan ``plan`` (a path or a SavedPlan) for ``world`` ranks (default: the process
     group's size)."""
-    from autopar.cli_hybrid import SavedPlan
+    from autopar.cli.hybrid import SavedPlan
     saved = plan if isinstance(plan, SavedPlan) else SavedPlan.load(plan)
     if world is None:
         import torch.distributed as dist

@@ -7,8 +7,8 @@ import sympy
 import torch.fx as fx
 
 from autopar.passes.memory import state_bytes
-from autopar.passes.meta import ZERO, graph_info, info, within
-from autopar.passes.meta import evaluate as at  # noqa: F401 - re-exported: formula at sizes
+from autopar.core.meta import ZERO, graph_info, info, within
+from autopar.core.meta import evaluate as at  # noqa: F401 - re-exported: formula at sizes
 
 
 @dataclass

@@ -19,7 +19,7 @@ Per world size, in the same processes:
    "ep")`` with the built-in ``cpu`` links and with a profile from ``autopar calibrate --quick``
    (which prices every collective with its all_reduce fit), and the calibration's own
    all_to_all fit (alpha, bandwidth at world 2) through the same ring formula. It also prints
-   ``autopar.ep.ep_costs`` of the captured graph (per call and per step).
+   ``autopar.cost.ep_planner.ep_costs`` of the captured graph (per call and per step).
 2. Step time. A full training step (forward, loss ``out.logsumexp(-1).mean()``, backward,
    optimizer step with gradient averaging, zero_grad) of
 
@@ -176,14 +176,14 @@ def _a2a_methods(built: dict) -> dict:
 
 
 def _ep_costs(pm, world: int, batch: int, seq: int, profile: str | None) -> dict:
-    """autopar.ep.ep_costs of the captured graph, built-in cpu links and the profile's."""
-    import autopar.ep
+    """autopar.cost.ep_planner.ep_costs of the captured graph, built-in cpu links and the profile's."""
+    import autopar.cost.ep_planner
     from autopar.cost.cluster import Cluster
     out = {}
     for label, hw in (("cpu", "cpu"), ("calibrated", profile)):
         if hw is None:
             continue
-        c = autopar.ep.ep_costs(pm.graph_module, cluster=Cluster.from_spec(f"1x{world}", hardware=hw),
+        c = autopar.cost.ep_planner.ep_costs(pm.graph_module, cluster=Cluster.from_spec(f"1x{world}", hardware=hw),
                                 axes=(("ep", world),), sizes={"batch": batch, "seq": seq})
         out[label] = {"per_call_s": c.per_call_s, "buffer_bytes": c.buffer_bytes, "calls": c.calls,
                       "all_to_all_s": c.all_to_all_s}

@@ -59,7 +59,7 @@ def predicted(name: str, over: dict, case: dict, batch: int, seq: int, hardware:
     """The simulator's Score for this case on one device of ``hardware`` (None if it cannot)."""
     from autopar.cost.cluster import Cluster
     from autopar.cost.hybrid import Config, ModelFacts, simulate
-    from autopar.workload import capture_for_planning, load_workload
+    from autopar.cli.workload import capture_for_planning, load_workload
     dtype = case.get("mixed_precision") or "fp32"
     try:
         w = load_workload(name, batch=batch, seq=seq, overrides={k: str(v) for k, v in over.items()})

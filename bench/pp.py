@@ -539,7 +539,7 @@ def _run_world(world: int, a: argparse.Namespace, overrides: dict) -> tuple[list
     waiting in a collective: the run is repeated without it)."""
     from autopar.runtime.launch import run_ranks
 
-    from autopar.errors import AutoparError
+    from autopar.core.errors import AutoparError
 
     schedules, dropped = a.schedules, {}
     while schedules:

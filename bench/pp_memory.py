@@ -32,7 +32,7 @@ from the stage's last backward to the step's end; ZeRO-3's gather buffers before
 micro-batch) are not counted, neither here nor by the simulator.
 
 The prediction is ``cost.hybrid.simulate`` for the same configuration: ``ModelFacts`` of the
-same GPT captured as ``autopar.train.choose`` does (``load_workload`` / ``capture_for_planning``,
+same GPT captured as ``autopar.cli.train.choose`` does (``load_workload`` / ``capture_for_planning``,
 dtype fp32), ``Cluster.from_spec("1x4", hardware="cpu")``, ``Config(dp=2, tp=1, pp=2,
 micro_batch=b, schedule="1f1b", zero_stage=z)`` at global batch ``2 * b * M``. The simulator's
 memory is per device, the largest over the pipeline ranks; ratios compare it with the measured
@@ -214,7 +214,7 @@ def predict(overrides: dict, zeros: list[int], micro: int, microbatches: int, se
     """``cost.hybrid.simulate``'s memory for the same configurations (module docstring)."""
     from autopar.cost.cluster import Cluster
     from autopar.cost.hybrid import Config, ModelFacts, simulate
-    from autopar.workload import capture_for_planning, load_workload
+    from autopar.cli.workload import capture_for_planning, load_workload
 
     batch = 2 * micro * microbatches
     w = load_workload("gpt", batch=batch, seq=seq, overrides={k: str(v) for k, v in overrides.items()})

@@ -53,8 +53,8 @@ logging.getLogger("autopar").setLevel(logging.ERROR)
 from autopar.cost.cluster import Cluster  # noqa: E402
 from autopar.cost.hybrid import RECOMPUTE, Config, ModelFacts, simulate  # noqa: E402
 from autopar.cost.plan_search import search  # noqa: E402
-from autopar.errors import ConfigError  # noqa: E402
-from autopar.workload import capture_for_planning, load_workload  # noqa: E402
+from autopar.core.errors import ConfigError  # noqa: E402
+from autopar.cli.workload import capture_for_planning, load_workload  # noqa: E402
 
 ANCHORS = Path(__file__).resolve().parent / "anchors" / "megatron_weak_scaling.csv"
 BUDGET = 80e9

@@ -48,8 +48,8 @@ logging.getLogger("autopar").setLevel(logging.ERROR)
 from autopar.cost.cluster import Cluster  # noqa: E402
 from autopar.cost.hybrid import Config, ModelFacts, simulate  # noqa: E402
 from autopar.cost.plan_search import search  # noqa: E402
-from autopar.errors import ConfigError  # noqa: E402
-from autopar.workload import capture_for_planning, load_workload  # noqa: E402
+from autopar.core.errors import ConfigError  # noqa: E402
+from autopar.cli.workload import capture_for_planning, load_workload  # noqa: E402
 
 DEFAULT_CSV = Path(__file__).resolve().parent / "anchors" / "megatron_weak_scaling.csv"
 TOLERANCE = 0.15
@@ -134,7 +134,7 @@ def build(best, overrides: dict, row: dict, batch: int) -> dict:
     import subprocess
     import tempfile
 
-    from autopar.cli_hybrid import SavedPlan
+    from autopar.cli.hybrid import SavedPlan
     plan = SavedPlan(model="gpt", overrides={k: str(v) for k, v in overrides.items()}, cluster=f"{int(row['gpus']) // 8}x8",
                      hardware="a100", devices=int(row["gpus"]), batch=batch, seq=2048, dtype="fp16",
                      config=best.config, microbatches=best.microbatches,

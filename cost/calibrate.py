@@ -21,14 +21,10 @@ The JSON profile it writes loads with :func:`autopar.cost.hardware.load_hardware
 """
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
 import os
 import socket
-import sys
 import time
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -36,7 +32,7 @@ import torch
 from autopar.cost.comm import ring_coefficients
 from autopar.cost.hardware import (BUILTIN_DEVICES, DeviceSpec, HardwareProfile, LinkProfile,
                                    canonical_dtype)
-from autopar.errors import ConfigError
+from autopar.core.errors import ConfigError
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -419,34 +415,3 @@ def calibrate(device: str = "auto", *, out: str | None = None, quick: bool = Fal
         path = profile.save(out)
         _log(f"wrote {path} ({measurements['seconds']:.1f} s)")
     return profile.to_dict()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``autopar calibrate [--device D] [--quick] [--out FILE]``; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="autopar calibrate",
-                                     description="Measure this machine for the cost model.")
-    parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
-    parser.add_argument("--quick", action="store_true", help="small sizes, done in seconds")
-    parser.add_argument("--out", default=None,
-                        help="write the JSON profile here (default: print it to stdout)")
-    args = parser.parse_args(argv)
-    try:
-        from autopar.cli_checks import output_file
-        output_file(args.out, "--out")      # in an existing directory, checked before the minutes of measuring
-        try:
-            profile = calibrate(args.device, out=args.out, quick=args.quick)
-        except OSError as exc:              # writing --out (a full disk, no permission): the user's to fix
-            if args.out is None or exc.filename is None or Path(exc.filename) != Path(args.out):
-                raise
-            raise ConfigError(f"cannot write --out: {exc.strerror}", where="--out", got=args.out,
-                              fix="pass a path in a writable directory") from exc
-    except ConfigError as exc:
-        print(f"autopar: error: {exc}", file=sys.stderr)
-        return 2
-    if args.out is None:
-        print(json.dumps(profile, indent=2, sort_keys=True))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Literal, Sequence
 
 from autopar.cost.hardware import DeviceSpec, HardwareProfile, load_hardware, load_profile
-from autopar.errors import ConfigError, MeshError
+from autopar.core.errors import ConfigError, MeshError
 
 MeshAxes = Sequence[tuple[str, int]]
 LinkKind = Literal["intra", "inter", "hierarchical"]

@@ -28,7 +28,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from autopar.cost.cluster import AxisLinks, Cluster, Link
-from autopar.errors import ConfigError
+from autopar.core.errors import ConfigError
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv",
                "broadcast")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from autopar.cost.hardware import DeviceSpec, dtype_bytes
-from autopar.errors import ConfigError
+from autopar.core.errors import ConfigError
 
 
 def _non_negative(value: float, what: str) -> None:

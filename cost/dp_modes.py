@@ -1,11 +1,11 @@
-"""What each data-axis mode (``autopar/dp_mode.py``) costs per training step: bytes each rank
+"""What each data-axis mode (``autopar/core/dp_mode.py``) costs per training step: bytes each rank
 sends, collective calls, communication seconds, the part of them the step waits for, and the
 saving against all-reduce.
 
 The planner never picks a mode other than all-reduce: every other one changes the optimisation
 (parameters differ between ranks, gradients are compressed or late), and its convergence cost
 is not modelled here. ``autopar plan`` only *shows* the modes that would shorten the step by
-more than 10 % (:func:`price_modes` and ``autopar/cli_hybrid.py``).
+more than 10 % (:func:`price_modes` and ``autopar/cli/hybrid.py``).
 
 Bytes are the runtime's own accounting (:func:`autopar.runtime.data_modes.ring_allreduce_bytes`,
 :func:`~autopar.runtime.data_modes.allgather_bytes`, what ``ModeState.sent_bytes`` counts);
@@ -47,8 +47,8 @@ from typing import Sequence
 
 from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
-from autopar.dp_mode import DataMode
-from autopar.errors import ConfigError
+from autopar.core.dp_mode import DataMode
+from autopar.core.errors import ConfigError
 from autopar.runtime.data_modes import QUANT_CHUNK, allgather_bytes, keep_count, neighbours, ring_allreduce_bytes
 
 DEFAULT_MODES: tuple[DataMode, ...] = (

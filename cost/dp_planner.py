@@ -45,11 +45,11 @@ from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
 from autopar.cost.op_cost import node_seconds
 from autopar.cost.tp_solver import Solution, SolverConfig, solve
-from autopar.errors import AutoparInternalError, ConfigError
+from autopar.core.errors import AutoparInternalError, ConfigError
 from autopar.passes.memory import OPTIMIZER_STATE
-from autopar.passes.meta import dtype_bytes, evaluate, graph_info, info
+from autopar.core.meta import dtype_bytes, evaluate, graph_info, info
 from autopar.passes.sharding import is_decision
-from autopar.placement import Shard
+from autopar.core.placement import Shard
 
 log = logging.getLogger("autopar.dp_planner")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from autopar.errors import ConfigError
+from autopar.core.errors import ConfigError
 
 PROFILE_FORMAT = "autopar.hardware-profile"
 PROFILE_VERSION = 1

@@ -6,7 +6,7 @@ Facts come from the captured graph once (:class:`ModelFacts`): the repeated bloc
 (transformer layers), what runs before the first block (embeddings, and layers of another
 class) and after the last (final norm, head), with FLOPs, bytes and saved activations per op
 as formulas of ``batch`` and ``seq``; a graph captured with fewer copies of the block
-(:func:`autopar.workload.capture_for_planning`) gives the same figures with ``layers=``. For
+(:func:`autopar.cli.workload.capture_for_planning`) gives the same figures with ``layers=``. For
 a tensor degree ``t`` and micro-batch ``b`` the tensor-axis solver lays the graph out at that
 micro-batch size (it plans one block and reuses it for every copy); every op is then priced by
 :func:`autopar.cost.op_cost.node_seconds` (the roofline at the bytes its placement leaves on a
@@ -47,10 +47,10 @@ from autopar.cost.comm import collective_time
 from autopar.cost.op_cost import node_seconds
 from autopar.cost.step_terms import (DataBytes, device_memory, lone_stage_data_axis, optimizer_time,
                                      pipeline_data_axis, stage_layers)
-from autopar.errors import ConfigError
-from autopar.passes.meta import evaluate, graph_info, info
+from autopar.core.errors import ConfigError
+from autopar.core.meta import evaluate, graph_info, info
 from autopar.passes.sharding import is_decision, tensor_inputs
-from autopar.placement import REP, Shard
+from autopar.core.placement import REP, Shard
 
 log = logging.getLogger("autopar.hybrid")
 
@@ -149,7 +149,7 @@ class ModelFacts:
         self.k = optimizer_floats
         cls = max(ginfo.block_classes, key=lambda c: len(c.members) * c.nodes_per_member)
         # ``layers``: how many copies of the block the real model has when ``gm`` was captured
-        # with fewer (:func:`autopar.workload.capture_for_planning`); every per-block figure is
+        # with fewer (:func:`autopar.cli.workload.capture_for_planning`); every per-block figure is
         # one copy's, so only the count changes
         self.captured_layers = len(cls.members)
         self.layers = layers or self.captured_layers
@@ -247,7 +247,7 @@ class ModelFacts:
         if key in self._cache:
             return self._cache[key]
         layout_mb = micro_batch if exact else 1
-        from autopar.cost.tp_solver import SolverConfig, _Pricer, solve
+        from autopar.cost.tp_solver import SolverConfig, Pricer, solve
 
         at = self.sizes(micro_batch)
         strategies: Mapping[str, Any] = {}
@@ -265,7 +265,7 @@ class ModelFacts:
                          time.perf_counter() - t0)
             strategies = self._solved[skey]
             cfg = SolverConfig(n=tp, cluster=cluster, mesh_axes=axes, axis="tp", sizes=at, dtype=self.dtype)
-            pricer = _Pricer(self.gm, cfg)
+            pricer = Pricer(self.gm, cfg)
         dev = cluster.device
         # a graph captured in fp32 and run in 16-bit moves half the bytes it records
         width = 0.5 if self.dtype in ("bf16", "fp16") and self._captured_fp32 else 1.0

@@ -28,9 +28,9 @@ import torch.fx as fx
 
 from autopar.cost.compute import gemm_efficiency, op_time
 from autopar.cost.hardware import DeviceSpec
-from autopar.passes.meta import evaluate, info
+from autopar.core.meta import evaluate, info
 from autopar.passes.sharding import tensor_inputs
-from autopar.placement import Shard
+from autopar.core.placement import Shard
 
 aten = torch.ops.aten
 _GEMMS = {aten.mm.default: "mm", aten.matmul.default: "mm", aten.addmm.default: "addmm",

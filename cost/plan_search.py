@@ -16,8 +16,8 @@ from typing import Any, Iterable, Sequence
 
 from autopar.cost.cluster import Cluster
 from autopar.cost.hybrid import RECOMPUTE, Config, ModelFacts, Score, simulate
-from autopar.errors import ConfigError
-from autopar.progress import progress
+from autopar.core.errors import ConfigError
+from autopar.core.progress import progress
 
 log = logging.getLogger("autopar.hybrid")
 

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autopar.passes.meta import info
-from autopar.placement import Shard, parse
+from autopar.core.meta import info
+from autopar.core.placement import Shard, parse
 
 
 def dtype_of(gm: fx.GraphModule) -> str:

@@ -38,7 +38,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autopar.errors import ConfigError
+from autopar.core.errors import ConfigError
 
 # torch's zero-bubble schedules run autograd twice per micro-batch (input gradients, then
 # weight gradients from the saved graph); on this project's 2-core CPU that split backward

@@ -23,7 +23,7 @@ from the stage costs, no simulation at all).
 from __future__ import annotations
 
 from autopar.cost.pp_sim import SimResult, StageCosts, make, simulate
-from autopar.errors import ConfigError
+from autopar.core.errors import ConfigError
 
 EVENT_MICROBATCHES_MAX = 256    # beyond this many micro-batches per step: the closed form
 

@@ -31,11 +31,11 @@ import torch.fx as fx
 from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
 from autopar.cost.op_cost import node_seconds
-from autopar.errors import AutoparInternalError
+from autopar.core.errors import AutoparInternalError
 from autopar.passes.memory import OPTIMIZER_STATE
-from autopar.passes.meta import block_copies, evaluate, graph_info, info
-from autopar.passes.sharding import Strategy, is_decision, strategies, tensor_inputs, written_in_place
-from autopar.placement import REP, Shard, Spec, comm_bytes, shard, transition
+from autopar.core.meta import block_copies, evaluate, graph_info, info
+from autopar.passes.sharding import is_decision, strategies, tensor_inputs, written_in_place
+from autopar.core.placement import REP, Shard, Spec, Strategy, comm_bytes, shard, transition
 
 log = logging.getLogger("autopar.solver")
 BEAM = 64  # states kept per step (lowest cost first); see solve()
@@ -76,7 +76,7 @@ class Solution:
         return self.compute_s + self.comm_s
 
 
-class _Pricer:
+class Pricer:
     """Prices strategies and conversions for one graph and configuration."""
 
     def __init__(self, gm: fx.GraphModule, cfg: SolverConfig) -> None:
@@ -219,7 +219,7 @@ class _Block:
 class _DP:
     """Frontier dynamic programme over a sequence of steps (nodes or blocks)."""
 
-    def __init__(self, pricer: _Pricer, steps: list, uses: dict[fx.Node, int]) -> None:
+    def __init__(self, pricer: Pricer, steps: list, uses: dict[fx.Node, int]) -> None:
         self.p = pricer
         self.steps = steps
         self.uses_left = uses  # consumers (steps) still to come, per value
@@ -510,7 +510,7 @@ def _spec_choices(node: fx.Node, cfg: SolverConfig) -> list[Spec]:
     return out
 
 
-def _solve_block(block: _Block, pricer: _Pricer) -> None:
+def _solve_block(block: _Block, pricer: Pricer) -> None:
     """Price member 0 for every placement of the carried values; copy to all members; the
     cost is one member's times the real model's copies (:attr:`_Block.copies`)."""
     import itertools
@@ -561,7 +561,7 @@ def solve(gm: fx.GraphModule, cfg: SolverConfig) -> Solution:
 
 def _leanest_bound(gm: fx.GraphModule, cfg: SolverConfig) -> float:
     """A lower bound on any plan's state bytes per rank: every parameter split ``n`` ways."""
-    pricer = _Pricer(gm, cfg)
+    pricer = Pricer(gm, cfg)
     total = sum(pricer.compute(n, placeholder_options(n, cfg)[0])[1] for n in gm.graph.nodes if n.op == "placeholder")
     return total / cfg.n
 
@@ -572,7 +572,7 @@ def _with_weight(cfg: SolverConfig, weight: float) -> SolverConfig:
 
 
 def _solve_once(gm: fx.GraphModule, cfg: SolverConfig) -> Solution:
-    pricer = _Pricer(gm, cfg)
+    pricer = Pricer(gm, cfg)
     nodes = list(gm.graph.nodes)
     steps = _steps(nodes, pricer.folded)
     found = None if cfg.forced else _find_block(gm, steps)   # forced placements differ per layer

@@ -24,7 +24,9 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autopar.passes.meta import info
+from autopar.core.meta import info
+
+aten = torch.ops.aten
 
 
 def autocast_dtypes(gm: fx.GraphModule, compute: torch.dtype, device_type: str = "cpu") -> dict[str, torch.dtype]:
@@ -107,3 +109,16 @@ def _follow(node: fx.Node, dtypes: dict[str, torch.dtype]) -> torch.dtype | None
 
 
 __all__ = ["autocast_dtypes"]
+
+
+def drop_dtype_checks(gm: fx.GraphModule) -> fx.GraphModule:
+    """Erase the capture's ``_assert_tensor_metadata`` checks from a graph that runs under
+    autocast (mixed precision) without the tensor rewrite, which drops them anyway: they pin the
+    dtypes the model was captured in (fp32). Returns ``gm``, recompiled if anything went."""
+    dropped = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten._assert_tensor_metadata.default
+               and not n.users]
+    for node in dropped:
+        gm.graph.erase_node(node)
+    if dropped:
+        gm.recompile()
+    return gm

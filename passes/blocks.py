@@ -18,7 +18,7 @@ from collections import defaultdict
 
 import torch.fx as fx
 
-from autopar.passes.meta import BlockClass, graph_info, info, template_of, within
+from autopar.core.meta import BlockClass, graph_info, info, template_of, within
 
 
 def block_pass(gm: fx.GraphModule) -> fx.GraphModule:

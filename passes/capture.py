@@ -1,8 +1,8 @@
 """Capture: an unmodified ``nn.Module`` into an ATen-level ``torch.fx.GraphModule``.
 
 Reads the model and its example inputs; writes a graph whose every node carries a
-:class:`~autopar.passes.meta.NodeInfo` (module path, kind, original parameter/buffer
-name) and a :class:`~autopar.passes.meta.GraphInfo` with the named size symbols.
+:class:`~autopar.core.meta.NodeInfo` (module path, kind, original parameter/buffer
+name) and a :class:`~autopar.core.meta.GraphInfo` with the named size symbols.
 
 The capture is ``torch.export.export(strict=False)`` in its training IR (``aten.linear``,
 ``aten.scaled_dot_product_attention`` stay whole). Dims the caller labels (``batch``,
@@ -28,11 +28,12 @@ from torch import nn
 from torch.export import Dim
 from torch.export.graph_signature import InputKind, TensorArgument
 
-from autopar.errors import InputMismatchError, UnsupportedError
+from autopar.core.errors import InputMismatchError, UnsupportedError
 from autopar.passes import capture_cache, replicate
 from autopar.passes.capture_errors import capture_error, describe, module_tracker, source_of, user_line
 from autopar.passes.capture_key import capture_key
-from autopar.passes.meta import META_KEY, GraphInfo, NodeInfo, graph_info, number_ops, paused_gc, set_info, symbol
+from autopar.core.meta import META_KEY, GraphInfo, NodeInfo, graph_info, set_info, symbol
+from autopar.passes.meta import number_ops, paused_gc
 
 log = logging.getLogger("autopar.capture")
 

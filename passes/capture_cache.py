@@ -45,7 +45,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.utils._sympy.value_ranges import ValueRanges
 
-from autopar.passes.meta import META_KEY, GraphInfo, NodeInfo, graph_info, graph_module, symbol
+from autopar.core.meta import META_KEY, GraphInfo, NodeInfo, graph_info, graph_module, symbol
 
 log = logging.getLogger("autopar.capture")
 

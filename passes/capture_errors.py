@@ -20,8 +20,8 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
-import autopar
-from autopar.errors import AutoparError, CaptureError, InputMismatchError
+from autopar.core.layout import package_roots
+from autopar.core.errors import AutoparError, CaptureError, InputMismatchError
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
@@ -124,7 +124,7 @@ def signature(model: nn.Module) -> str:
 def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
     """The innermost traceback frame outside torch and autopar: the user's line."""
     frames = traceback.extract_tb(exc.__traceback__)
-    ours = (os.path.dirname(__file__), os.path.dirname(autopar.__file__), _TORCH_DIR)
+    ours = (*package_roots(), _TORCH_DIR)
     for fs in reversed(frames):
         if not fs.filename.startswith(ours) and not fs.filename.startswith("<"):
             return fs

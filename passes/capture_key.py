@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from autopar.core.layout import package_roots
+
 log = logging.getLogger("autopar.capture")
 
 _MAX_DEPTH = 8
@@ -57,7 +59,7 @@ def capture_key(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], dims: 
             "format": 1,
             "versions": _versions(),
             "torch_state": _torch_state(),
-            "model": _model(model),
+            "model": describe_module(model),
             "inputs": [_input(a) for a in args],
             "kwargs": {k: _input(v) for k, v in kwargs.items()},
             "dims": _value(dims, (), 0),
@@ -99,7 +101,7 @@ def _torch_state() -> dict[str, Any]:
             "autocast_cuda_dtype": str(torch.get_autocast_dtype("cuda"))}
 
 
-def _model(model: nn.Module, ignore: frozenset[str] = frozenset()) -> dict[str, Any]:
+def describe_module(model: nn.Module, ignore: frozenset[str] = frozenset()) -> dict[str, Any]:
     """The model's modules (fqn, class, attributes but those named in ``ignore``), parameters
     and buffers."""
     fqn_of = {id(m): fqn for fqn, m in model.named_modules(remove_duplicate=False)}
@@ -278,12 +280,7 @@ _AUTOPAR_FILES: list[str] = []
 
 def _autopar_files() -> list[str]:
     if not _AUTOPAR_FILES:
-        import autopar
-        roots = {os.path.dirname(autopar.__file__)}
-        for sub in ("passes", "cost", "runtime"):
-            mod = sys.modules.get(f"autopar.{sub}") or __import__(f"autopar.{sub}", fromlist=["_"])
-            roots.update(getattr(mod, "__path__", []))
-        for root in sorted(roots):
+        for root in package_roots():
             for d, _, names in os.walk(root):
                 _AUTOPAR_FILES.extend(os.path.join(d, n) for n in names if n.endswith(".py"))
     return _AUTOPAR_FILES

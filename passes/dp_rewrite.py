@@ -22,7 +22,7 @@ from typing import Callable, Mapping
 
 import torch.fx as fx
 
-from autopar.passes.meta import CollectiveInfo, NodeInfo, info, set_info
+from autopar.core.meta import CollectiveInfo, NodeInfo, info, set_info
 from autopar.runtime.dp import (
     DP_OPS,
     grad_reduce_issue,

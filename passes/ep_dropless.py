@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from autopar.passes.meta import MoERegion, evaluate, graph_info, info
+from autopar.core.meta import MoERegion, evaluate, graph_info, info
 from autopar.passes.moe import routing_topk, token_side, topk_indices
 
 aten = torch.ops.aten

@@ -27,9 +27,9 @@ from typing import Literal
 
 import torch.fx as fx
 
-from autopar.errors import AutoparInternalError, ConfigError
+from autopar.core.errors import AutoparInternalError, ConfigError
 from autopar.passes.ep_dropless import DroplessLayer, LocalExperts, Unsupported, find_dropless
-from autopar.passes.meta import MoERegion, graph_info, info, set_info
+from autopar.core.meta import MoERegion, graph_info, info, set_info
 from autopar.runtime.ep import DroplessMoE, EPRuntime, autopar_ep_combine, autopar_ep_dispatch, autopar_ep_moe
 
 

@@ -18,7 +18,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from autopar.passes.meta import ZERO, NodeInfo, info, template_of
+from autopar.core.meta import ZERO, NodeInfo, info, template_of
 
 aten = torch.ops.aten
 

@@ -23,9 +23,9 @@ import sympy
 import torch
 import torch.fx as fx
 
-from autopar.errors import ConfigError
+from autopar.core.errors import ConfigError
 from autopar.passes.flops import is_view_like
-from autopar.passes.meta import ZERO, dtype_bytes, info, template_of, within
+from autopar.core.meta import ZERO, dtype_bytes, info, template_of, within
 
 log = logging.getLogger("autopar.memory")
 aten = torch.ops.aten

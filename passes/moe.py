@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from autopar.passes.flops import is_view_like
-from autopar.passes.meta import MoERegion, graph_info, info, within
+from autopar.core.meta import MoERegion, graph_info, info, within
 
 aten = torch.ops.aten
 

@@ -11,11 +11,12 @@ from collections.abc import Callable
 
 import torch.fx as fx
 
-from autopar.errors import AutoparInternalError
+from autopar.core.errors import AutoparInternalError
 from autopar.passes.blocks import block_pass
 from autopar.passes.flops import flop_pass
 from autopar.passes.memory import memory_pass
-from autopar.passes.meta import META_KEY, graph_info, paused_gc
+from autopar.core.meta import META_KEY, graph_info
+from autopar.passes.meta import paused_gc
 from autopar.passes.moe import moe_pass
 from autopar.passes.shapes import shape_pass
 

@@ -30,8 +30,8 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from autopar.errors import ConfigError, DoesNotFitError
-from autopar.passes.meta import evaluate, graph_info, info, set_info
+from autopar.core.errors import ConfigError, DoesNotFitError
+from autopar.core.meta import StageGraph, evaluate, graph_info, info, set_info
 
 log = logging.getLogger("autopar.pp_split")
 
@@ -313,19 +313,6 @@ def layer_cuts(costs: OpCosts, stages: int) -> CutPlan:
 
 
 # ------------------------------------------------------------------------------ split
-
-@dataclass
-class StageGraph:
-    """One pipeline stage: its graph, what it reads and what it hands on."""
-
-    index: int
-    gm: fx.GraphModule
-    params: list[str]                 # state_dict keys of parameters this stage holds (placeholder order)
-    buffers: list[str]
-    inputs: list[str]                 # names (in the whole graph) of the values crossing in
-    outputs: list[str]                # names of the values crossing out (the model outputs, last stage)
-    order: list[tuple[str, str]]      # per placeholder: (kind, fqn or value name)
-
 
 def split_stages(gm: fx.GraphModule, starts: Sequence[int] | Sequence[str]) -> list[StageGraph]:
     """Per-stage graphs for cuts before the ops ``starts`` (op indices or node names; the first

@@ -29,13 +29,15 @@ import re
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Iterator
 
 import torch.fx as fx
 from torch import nn
 
-from autopar.passes.capture_key import Unkeyable, _model as describe_module
-from autopar.passes.meta import COPY_KEY, META_KEY, graph_info, graph_module, info, name_stem, number_ops
+from autopar.passes.capture_key import Unkeyable, describe_module
+from autopar.core.meta import COPY_KEY, META_KEY, graph_info, graph_module, info
+from autopar.passes.meta import name_stem, number_ops
 
 log = logging.getLogger("autopar.capture")
 
@@ -80,9 +82,25 @@ def run_from_record(model: nn.Module, record: tuple[str, int, int, int] | None) 
     return Run(holder=holder, prefix=prefix, n=n, start=start, period=period)
 
 
+def periodic_run(kinds: Sequence[Hashable]) -> tuple[int, int, int]:
+    """``(a, b, p)``: the longest stretch ``kinds[a:b]`` that repeats with period ``p``: the
+    smallest period among the longest, the last among equally long (a model's main layers come
+    after its few different first ones: deepseek-v3's dense layers)."""
+    n = len(kinds)
+    best = (0, min(n, 1), max(n, 1))
+    for p in range(1, n // 2 + 1):
+        start = 0
+        for i in range(n - p + 1):
+            if i == n - p or kinds[i] != kinds[i + p]:    # the stretch of matches ends at i
+                a, b = start, i + p
+                if b - a > best[1] - best[0] or (b - a == best[1] - best[0] and p == best[2]):
+                    best = (a, b, p)
+                start = i + 1
+    return best
+
+
 def find_run(model: nn.Module) -> Run | None:
     """The run of layers to export twice and copy, or None (module docstring)."""
-    from autopar.models.depth import periodic_run
     known = _config_kinds(model)
     if known is None:
         return None
@@ -104,23 +122,28 @@ def find_run(model: nn.Module) -> Run | None:
     return Run(holder=holder, prefix=prefix, n=n, start=start, period=period)
 
 
+#: Readers of a model's layer kinds, tried in order: each returns ``(one hashable kind per layer,
+#: whether the model is a transformers one)`` or None when it does not know the model. The
+#: passes know no model family themselves; the model zoo registers its reader
+#: (:func:`autopar.models.depth.model_layer_kinds`) when ``autopar`` is imported.
+LAYER_KIND_READERS: list[Callable[[nn.Module], "tuple[list[Any], bool] | None"]] = []
+
+
+def register_layer_kinds(reader: Callable[[nn.Module], "tuple[list[Any], bool] | None"]) -> Callable:
+    """Add ``reader`` to :data:`LAYER_KIND_READERS` (once) and return it."""
+    if reader not in LAYER_KIND_READERS:
+        LAYER_KIND_READERS.append(reader)
+    return reader
+
+
 def _config_kinds(model: nn.Module) -> tuple[list[Any], bool] | None:
-    """One kind per layer from the model's config, and whether it is a ``transformers`` one."""
-    import sys
-    from autopar.models import depth
-    from autopar.models.gpt import GPTConfig
-    from autopar.models.llama import LlamaConfig
-    cfg = getattr(model, "config", None)
-    if isinstance(cfg, (GPTConfig, LlamaConfig)):
-        return depth.layer_kinds(cfg), False
-    tf = sys.modules.get("transformers")
-    if tf is None or not isinstance(cfg, tf.PretrainedConfig):
-        return None
-    n = getattr(cfg, "num_hidden_layers", None)
-    if not isinstance(n, int) or isinstance(n, bool):
-        return None
-    kinds = depth.config_layer_kinds(cfg, n)
-    return (kinds, True) if kinds is not None else None
+    """One kind per layer from the first reader that knows the model, and whether it is a
+    ``transformers`` one."""
+    for reader in LAYER_KIND_READERS:
+        known = reader(model)
+        if known is not None:
+            return known
+    return None
 
 
 def _own_parameters(model: nn.Module, holder: nn.ModuleList) -> bool:

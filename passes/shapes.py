@@ -14,9 +14,9 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from autopar.errors import AutoparInternalError
+from autopar.core.errors import AutoparInternalError
 from autopar.passes.capture import to_expr
-from autopar.passes.meta import TensorInfo, graph_info, info, template_of
+from autopar.core.meta import TensorInfo, graph_info, info, template_of
 
 
 def shape_pass(gm: fx.GraphModule) -> fx.GraphModule:

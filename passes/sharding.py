@@ -19,31 +19,10 @@ import torch.fx as fx
 
 import sympy
 
-from autopar.passes.meta import evaluate, info, symbol
-from autopar.placement import REP, Shard, Spec
+from autopar.core.meta import evaluate, info, symbol
+from autopar.core.placement import REP, Shard, Spec, Strategy
 
 log = logging.getLogger("autopar.sharding")
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """One way to run an op on the tensor axis.
-
-    ``inputs`` has one :class:`Spec` per distinct tensor input (:func:`tensor_inputs` order),
-    ``outputs`` one per tensor output. ``work`` is the fraction of the op's FLOPs and
-    bytes one rank does. ``local_op`` names a different local kernel the rewrite must use
-    (e.g. the masked lookup of a vocabulary-parallel embedding)."""
-
-    name: str
-    inputs: tuple[Spec, ...]
-    outputs: tuple[Spec, ...]
-    work: float = 1.0
-    local_op: str | None = None
-
-    def __str__(self) -> str:
-        ins = ",".join(str(s) for s in self.inputs)
-        outs = ",".join(str(s) for s in self.outputs)
-        return f"{self.name}[{ins} -> {outs}]"
 
 
 @dataclass

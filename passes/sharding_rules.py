@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autopar.passes.sharding import OpCtx, Strategy, rule
-from autopar.placement import P, R, Spec, shard
+from autopar.passes.sharding import OpCtx, rule
+from autopar.core.placement import P, R, Spec, Strategy, shard
 
 aten = torch.ops.aten
 PARTIAL = Spec(P, R)          # a partial value; its gradient is whole on every rank
@@ -259,7 +259,7 @@ def is_param(node) -> bool:
     with a parameter splits the parameter or runs replicated: splitting only its tokens
     while every rank keeps the whole weight is data parallelism, the data axis's job."""
     from autopar.passes.flops import is_view_like
-    from autopar.passes.meta import info
+    from autopar.core.meta import info
     while node.op == "call_function" and is_view_like(node) and node.args:
         node = node.args[0]
     return node.op == "placeholder" and info(node).kind == "param"

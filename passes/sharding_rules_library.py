@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from autopar.passes.sharding import OpCtx, Strategy, rule
+from autopar.passes.sharding import OpCtx, rule
 from autopar.passes.sharding_rules import POINTWISE, REP_PGRAD, pointwise
-from autopar.placement import P, R, Spec, shard
+from autopar.core.placement import P, R, Spec, Strategy, shard
 
 aten = torch.ops.aten
 PARTIAL = Spec(P, R)

@@ -5,7 +5,7 @@ writes a per-rank graph:
 
 - every place a value's placement differs from what its reader needs (value or
   gradient) gets one ``torch.ops.autopar.redistribute`` node, shared by all readers that
-  need the same spec, recorded with a :class:`~autopar.passes.meta.CollectiveInfo`
+  need the same spec, recorded with a :class:`~autopar.core.meta.CollectiveInfo`
   (axis, forward/backward step, bytes, predicted seconds);
 - size arguments of reshapes/expands become local sizes along split dims;
 - ops whose strategy names a local kernel (vocabulary-parallel embedding) call it;
@@ -23,9 +23,9 @@ from typing import Callable, Mapping
 import torch
 import torch.fx as fx
 
-from autopar.passes.meta import CollectiveInfo, NodeInfo, evaluate, info, set_info
-from autopar.passes.sharding import IGNORED, Strategy, tensor_inputs, written_in_place
-from autopar.placement import REP, Shard, Spec, comm_bytes, transition
+from autopar.core.meta import CollectiveInfo, NodeInfo, evaluate, info, set_info
+from autopar.passes.sharding import IGNORED, tensor_inputs, written_in_place
+from autopar.core.placement import REP, Shard, Spec, Strategy, comm_bytes, transition
 from autopar.runtime.collectives import LOCAL_OPS  # also registers torch.ops.autopar.redistribute
 
 log = logging.getLogger("autopar.rewrite")
@@ -35,19 +35,6 @@ _SHAPE_ARG1 = {aten.view.default, aten.reshape.default, aten._unsafe_view.defaul
                aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default}
 
 CommTimer = Callable[[str, float], float]
-
-
-def drop_dtype_checks(gm: fx.GraphModule) -> fx.GraphModule:
-    """Erase the capture's ``_assert_tensor_metadata`` checks from a graph that runs under
-    autocast (mixed precision) without the tensor rewrite, which drops them anyway: they pin the
-    dtypes the model was captured in (fp32). Returns ``gm``, recompiled if anything went."""
-    dropped = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten._assert_tensor_metadata.default
-               and not n.users]
-    for node in dropped:
-        gm.graph.erase_node(node)
-    if dropped:
-        gm.recompile()
-    return gm
 
 
 def tp_rewrite(gm: fx.GraphModule, solution: Mapping[str, Strategy], *, n: int, axis: str, group_name: str,

@@ -1,7 +1,7 @@
 """The collective node the rewrite inserts: ``torch.ops.autopar.redistribute``.
 
 One op converts a tensor between placements on one mesh axis. Forward runs the step
-:func:`autopar.placement.transition` gives for the value (producer's placement to the
+:func:`autopar.core.placement.transition` gives for the value (producer's placement to the
 consumer's); backward runs the step it gives for the gradient (the gradient the consumer
 emits to the one the producer needs). The communication itself is torch's functional
 collectives (``torch.ops._c10d_functional.*`` followed by ``wait_tensor``), called with
@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives  # noqa: F401 - registers the c10d functional ops
 
-from autopar.placement import Spec, Step, transition
+from autopar.core.placement import Spec, Step, transition
 
-_c10d = torch.ops._c10d_functional
+c10d = torch.ops._c10d_functional
 
 
-def _group_rank(group_name: str) -> int:
+def group_rank(group_name: str) -> int:
     from torch.distributed.distributed_c10d import _resolve_process_group
     return dist.get_rank(_resolve_process_group(group_name))
 
@@ -31,7 +31,7 @@ def apply_step(x: torch.Tensor, step: Step, group_name: str, n: int, rank: int |
     if step.kind == "none" or n == 1:
         return x if step.kind == "none" else _single_rank(x, step)
     if step.kind in ("chunk", "mask", "pad") and rank is None:
-        rank = _group_rank(group_name)
+        rank = group_rank(group_name)
     if step.kind == "chunk":
         return x.chunk(n, step.dst_dim)[rank].contiguous()
     if step.kind == "mask":
@@ -39,17 +39,17 @@ def apply_step(x: torch.Tensor, step: Step, group_name: str, n: int, rank: int |
     if step.kind == "pad":
         return _pad(x, step.src_dim, rank, n)
     if step.kind == "all_reduce":
-        return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group_name))
+        return c10d.wait_tensor(c10d.all_reduce(x.contiguous(), "sum", group_name))
     if step.kind == "all_gather":
         return _all_gather(x, step.src_dim, group_name, n)
     if step.kind == "reduce_scatter":
         d = step.dst_dim
         moved = x.movedim(d, 0).contiguous()
-        out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(moved, "sum", n, group_name))
+        out = c10d.wait_tensor(c10d.reduce_scatter_tensor(moved, "sum", n, group_name))
         return out.movedim(0, d).contiguous()
     if step.kind == "all_to_all":
         pieces = torch.stack(x.chunk(n, step.dst_dim)).contiguous()
-        got = _c10d.wait_tensor(_c10d.all_to_all_single(pieces, [1] * n, [1] * n, group_name))
+        got = c10d.wait_tensor(c10d.all_to_all_single(pieces, [1] * n, [1] * n, group_name))
         return torch.cat(got.unbind(0), dim=step.src_dim).contiguous()
     raise ValueError(f"unknown redistribute step {step.kind!r}")
 
@@ -70,7 +70,7 @@ def _pad(x: torch.Tensor, dim: int, rank: int, n: int) -> torch.Tensor:
 
 def _all_gather(x: torch.Tensor, dim: int, group_name: str, n: int) -> torch.Tensor:
     moved = x.movedim(dim, 0).contiguous()
-    out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(moved, n, group_name))
+    out = c10d.wait_tensor(c10d.all_gather_into_tensor(moved, n, group_name))
     return out.movedim(0, dim).contiguous()
 
 
@@ -149,7 +149,7 @@ def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, group_
     """Look up ``indices`` in this rank's rows ``[r*V/n, (r+1)*V/n)`` of the embedding;
     ids owned by other ranks give zeros. Summed over ranks (a ``Partial`` value) this is
     the whole embedding lookup."""
-    return vocab_parallel_embedding_at(weight, indices, _group_rank(group_name))
+    return vocab_parallel_embedding_at(weight, indices, group_rank(group_name))
 
 
 def vocab_parallel_embedding_at(weight: torch.Tensor, indices: torch.Tensor, rank: int | torch.Tensor) -> torch.Tensor:

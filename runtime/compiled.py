@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from autopar.errors import ConfigError
+from autopar.core.errors import ConfigError
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 
@@ -59,7 +59,7 @@ def eager_islands(gm: fx.GraphModule) -> fx.GraphModule:
     The vocabulary-sharded embedding reads its group's rank from a buffer of the copy: as a
     constant the rank would make the ranks' graphs differ (rank 0's folds ``indices - 0``
     away), and inductor could then order their collectives differently."""
-    from autopar.runtime.collectives import _group_rank, vocab_parallel_embedding, vocab_parallel_embedding_at
+    from autopar.runtime.collectives import group_rank, vocab_parallel_embedding, vocab_parallel_embedding_at
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     attrs: dict[str, Any] = {}
@@ -70,14 +70,14 @@ def eager_islands(gm: fx.GraphModule) -> fx.GraphModule:
         target = node.target
         if target is vocab_parallel_embedding:
             name = f"autopar_rank_{node.name}"
-            attrs[name] = torch.tensor(_group_rank(node.args[2]), dtype=torch.int64)
+            attrs[name] = torch.tensor(group_rank(node.args[2]), dtype=torch.int64)
             with graph.inserting_before(new):
                 rank = graph.get_attr(name)
             new.target = vocab_parallel_embedding_at
             new.args = (*new.args[:2], rank)
         elif target is torch.ops.autopar.redistribute.default:    # the rank in the call (collectives.py)
             new.target = torch.ops.autopar.redistribute_at.default
-            new.args = (*new.args, _group_rank(node.args[3]))
+            new.args = (*new.args, group_rank(node.args[3]))
         elif (node.op == "call_function" and isinstance(target, types.FunctionType)
                 and target.__module__.startswith("autopar") and not _traced(target)):
             new.target = torch._dynamo.disable(target)

@@ -1,4 +1,4 @@
-"""The runtime of the data-axis modes other than all-reduce (``autopar/dp_mode.py`` says what
+"""The runtime of the data-axis modes other than all-reduce (``autopar/core/dp_mode.py`` says what
 each one computes).
 
 A :class:`ModeState` hangs on the data axis's :class:`~autopar.runtime.dp.DPRuntime`. The
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.dp_mode import DataMode
+from autopar.core.dp_mode import DataMode
 
-_c10d = torch.ops._c10d_functional
+c10d = torch.ops._c10d_functional
 
 
 # -- compressors ------------------------------------------------------------------------------
@@ -179,7 +179,7 @@ class ModeState:
             return ("local", buf)
         if m.kind != "compressed":
             self.sent_bytes += ring_allreduce_bytes(buf.numel() * buf.element_size(), self.n)
-            return ("allreduce", _c10d.all_reduce_(buf, "sum", self.group_name))
+            return ("allreduce", c10d.all_reduce_(buf, "sum", self.group_name))
         count = self.issued.get(bucket, 0)
         self.issued[bucket] = count + 1
         gen = torch.Generator().manual_seed((m.seed * 1_000_003 + bucket) * 1_000_003 + count)
@@ -194,20 +194,20 @@ class ModeState:
             sent = dequantize(norm, q, m.levels, p.dtype)
             self._remember(bucket, p, sent)
             self.sent_bytes += allgather_bytes(q.numel() + norm.numel() * 4, self.n)    # fp32 norms on the wire
-            return ("quantize", _c10d.all_gather_into_tensor(norm.to(torch.float32), self.n, self.group_name),
-                    _c10d.all_gather_into_tensor(q, self.n, self.group_name), p.numel(), p.dtype)
+            return ("quantize", c10d.all_gather_into_tensor(norm.to(torch.float32), self.n, self.group_name),
+                    c10d.all_gather_into_tensor(q, self.n, self.group_name), p.numel(), p.dtype)
         k = keep_count(p.numel(), m.ratio)
         if m.compressor == "randk":
             idx = randk_indices(p.numel(), k, gen).to(p.device)
             vals = p[idx]
             self._remember(bucket, p, torch.zeros_like(p).index_copy_(0, idx, vals))
             self.sent_bytes += ring_allreduce_bytes(vals.numel() * vals.element_size(), self.n)
-            return ("randk", _c10d.all_reduce_(vals.contiguous(), "sum", self.group_name), idx, p.numel())
+            return ("randk", c10d.all_reduce_(vals.contiguous(), "sum", self.group_name), idx, p.numel())
         vals, idx = topk(p, k)
         self._remember(bucket, p, torch.zeros_like(p).index_copy_(0, idx, vals))
         self.sent_bytes += allgather_bytes(k * (vals.element_size() + 4), self.n)   # int32 indices on the wire
-        return ("topk", _c10d.all_gather_into_tensor(vals.contiguous(), self.n, self.group_name),
-                _c10d.all_gather_into_tensor(idx.to(torch.int32), self.n, self.group_name), p.numel())
+        return ("topk", c10d.all_gather_into_tensor(vals.contiguous(), self.n, self.group_name),
+                c10d.all_gather_into_tensor(idx.to(torch.int32), self.n, self.group_name), p.numel())
 
     def _remember(self, bucket: int, p: torch.Tensor, sent: torch.Tensor) -> None:
         if self.mode.error_feedback:
@@ -220,17 +220,17 @@ class ModeState:
         if kind in ("local", "done"):       # a local gradient; an async one a checkpoint waited for
             return handle[1]
         if kind == "allreduce":
-            return _c10d.wait_tensor(handle[1])
+            return c10d.wait_tensor(handle[1])
         if kind == "randk":
             _, pending, idx, numel = handle
-            vals = _c10d.wait_tensor(pending)
+            vals = c10d.wait_tensor(pending)
             return torch.zeros(numel, dtype=vals.dtype, device=vals.device).index_copy_(0, idx, vals)
         if kind == "topk":
             _, vals, idx, numel = handle
-            vals, idx = _c10d.wait_tensor(vals), _c10d.wait_tensor(idx)
+            vals, idx = c10d.wait_tensor(vals), c10d.wait_tensor(idx)
             return torch.zeros(numel, dtype=vals.dtype, device=vals.device).index_add_(0, idx.long(), vals)
         _, norms, qs, numel, dtype = handle
-        norms, qs = _c10d.wait_tensor(norms).view(self.n, -1), _c10d.wait_tensor(qs).view(self.n, numel)
+        norms, qs = c10d.wait_tensor(norms).view(self.n, -1), c10d.wait_tensor(qs).view(self.n, numel)
         return dequantize_sum(norms, qs, self.mode.levels, dtype)      # in rank order: alike everywhere
 
     # -- async --------------------------------------------------------------------------------
@@ -280,7 +280,7 @@ class ModeState:
     def _average(self, params: list[torch.Tensor]) -> None:
         flat = self._flat(params)
         self.sent_bytes += ring_allreduce_bytes(flat.numel() * flat.element_size(), self.n)
-        summed = _c10d.wait_tensor(_c10d.all_reduce_(flat, "sum", self.group_name))
+        summed = c10d.wait_tensor(c10d.all_reduce_(flat, "sum", self.group_name))
         self._write(params, summed.div_(self.n))
 
     def _gossip(self, params: list[torch.Tensor]) -> None:

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.errors import PeerFailureError
+from autopar.core.errors import PeerFailureError
+from autopar.core.layout import package_roots
 
 __all__ = ["DEFAULT_TIMEOUT_S", "EXIT_PEER_FAILED", "EXIT_STALLED", "TIMEOUT_ENV", "Diagnosis", "alive", "is_timeout",
            "judge", "last_user_frame", "looks_like_peer_failure", "main_thread_at", "main_thread_stack", "node_id",
@@ -153,12 +154,8 @@ def node_id() -> str:
 
 
 def _internal_dirs() -> tuple[str, ...]:
-    """torch's and autopar's own directories (runtime/, passes/, cost/ beside autopar/ in a checkout)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    parent = os.path.dirname(here)
-    ours = [parent] if os.path.basename(parent) == "autopar" else \
-        [here] + [os.path.join(parent, d) for d in ("autopar", "passes", "cost")]
-    return (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, *(d + os.sep for d in ours))
+    """torch's and autopar's own directories (:func:`autopar.core.layout.package_roots`)."""
+    return (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, *(d + os.sep for d in package_roots()))
 
 
 _INTERNAL = _internal_dirs()

@@ -26,7 +26,7 @@ nothing about who failed. Here:
   torchrun's agent hosts it) died -- rank 0 ending on a failure keeps it up ~2 beats first,
   and each heartbeat caches the news, so the others can still name the first failure.
 * **Report.** :func:`explain` turns such a collective error into a
-  :class:`~autopar.errors.PeerFailureError` ("rank 1 failed at step 3 (RuntimeError: boom);
+  :class:`~autopar.core.errors.PeerFailureError` ("rank 1 failed at step 3 (RuntimeError: boom);
   rank 0 stops"). The monitor chains an excepthook onto ``sys.excepthook`` that does this
   for an uncaught exception. The monitor starts with :func:`init_distributed` or
   :func:`start`, or by itself at the first step of a multi-rank group, so a torchrun script
@@ -74,7 +74,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.errors import ConfigError, PeerFailureError
+from autopar.core.errors import ConfigError, PeerFailureError
 from autopar.runtime.faults import (DEFAULT_TIMEOUT_S, EXIT_PEER_FAILED, EXIT_STALLED, TIMEOUT_ENV, Diagnosis, alive,
                                     is_timeout, judge, last_user_frame, looks_like_peer_failure, main_thread_at,
                                     main_thread_stack, node_id, one_line, same_node)

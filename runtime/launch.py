@@ -42,7 +42,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from autopar.errors import AutoparError
+from autopar.core.errors import AutoparError
 
 __all__ = ["RankOutcome", "run_ranks", "run_ranks_outcomes"]
 
@@ -79,7 +79,7 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, backend
     import torch
     import torch.distributed as dist
 
-    from autopar.errors import PeerFailureError
+    from autopar.core.errors import PeerFailureError
     from autopar.runtime import health
 
     def send(kind: str, payload: Any) -> None:

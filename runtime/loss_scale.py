@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from autopar.errors import ConfigError
+from autopar.core.errors import ConfigError
 
 log = logging.getLogger("autopar.loss_scale")
 

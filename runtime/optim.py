@@ -34,8 +34,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from autopar.errors import OptimizerError
-from autopar.runtime.collectives import _c10d
+from autopar.core.errors import OptimizerError
+from autopar.runtime.collectives import c10d
 from autopar.runtime.dp import shard_range
 from autopar.runtime.loss_scale import LossScale, make_scaler
 
@@ -267,9 +267,9 @@ class ShardedOptimizer:
                     pending.append((b, None))
                     continue
                 rows = b.to_rows(grads, rt.reduce_dtype).div_(rt.divisor)
-                pending.append((b, _c10d.reduce_scatter_tensor(rows.view(-1), "sum", rt.n, rt.group_name)))
+                pending.append((b, c10d.reduce_scatter_tensor(rows.view(-1), "sum", rt.n, rt.group_name)))
         for b, h in pending:
-            got = _c10d.wait_tensor(h) if h is not None else None
+            got = c10d.wait_tensor(h) if h is not None else None
             for fqn, piece in zip(b.fqns, b.row_pieces(got) if got is not None else [None] * len(b.fqns)):
                 m = self.masters.get(fqn)
                 if m is not None:
@@ -284,9 +284,9 @@ class ShardedOptimizer:
                 for i, fqn in enumerate(b.fqns):
                     m = self.masters[fqn]
                     row[b.offsets[i]:b.offsets[i] + m.numel()] = m.detach().view(-1)
-                pending.append((b, _c10d.all_gather_into_tensor(row, rt.n, rt.group_name)))
+                pending.append((b, c10d.all_gather_into_tensor(row, rt.n, rt.group_name)))
         for b, h in pending:
-            fulls = b.from_rows(_c10d.wait_tensor(h).view(b.rt.n, b.width))
+            fulls = b.from_rows(c10d.wait_tensor(h).view(b.rt.n, b.width))
             for fqn, full in zip(b.fqns, fulls):
                 named[fqn].data.copy_(full)
 
@@ -299,7 +299,7 @@ class ShardedOptimizer:
         bucket = rt.buckets[b]
         piece = torch.zeros(bucket.chunks[i], dtype=t.dtype, device=t.device)
         piece[:t.numel()] = t.reshape(-1)
-        got = _c10d.wait_tensor(_c10d.all_gather_into_tensor(piece, rt.n, rt.group_name))
+        got = c10d.wait_tensor(c10d.all_gather_into_tensor(piece, rt.n, rt.group_name))
         return got[:bucket.numels[i]].view(bucket.shapes[i]).clone()
 
     def _piece(self, fqn: str, t: torch.Tensor) -> torch.Tensor:

@@ -36,16 +36,15 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from autopar.errors import ConfigError, InputMismatchError
-from autopar.passes.meta import graph_info, info
-from autopar.passes.pp_split import StageGraph
-from autopar.passes.tp_rewrite import drop_dtype_checks
-from autopar.placement import Shard, Spec, parse
+from autopar.core.errors import ConfigError, InputMismatchError
+from autopar.core.meta import graph_info, info
+from autopar.core.meta import StageGraph
+from autopar.core.placement import Shard, Spec, parse
 from autopar.runtime.dp import row_weight
 from autopar.runtime.health import note_step
 from autopar.runtime.main_grads import MainGrads
 from autopar.runtime.stage_dp import StageDataAxis
-from autopar.runtime.tp_module import _set
+from autopar.runtime.tp_module import set_tensor
 
 SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
                     "zb": "ScheduleInterleavedZeroBubble"}
@@ -75,18 +74,18 @@ class StageModule(nn.Module):
         self.transient = {fqn for kind, fqn in sg.order if kind == "constant" or fqn in ginfo.transient_buffers}
         for kind, fqn in sg.order:
             if kind == "constant":       # a tensor the model's code made: part of the program
-                _set(self, fqn, ginfo.constants[fqn].clone(), buffer=True, persistent=False)
+                set_tensor(self, fqn, ginfo.constants[fqn].clone(), buffer=True, persistent=False)
                 continue
             if kind not in ("param", "buffer"):
                 continue
             if shared and fqn in shared:    # also held by another stage on this rank: the same Parameter
-                _set(self, fqn, shared[fqn])
+                set_tensor(self, fqn, shared[fqn])
                 continue
             local = _local(tensors[fqn], placements.get(fqn, "R"), tp_rank, tp_n)
             if kind == "param":
-                _set(self, fqn, nn.Parameter(local, requires_grad=trainable.get(fqn, True)))
+                set_tensor(self, fqn, nn.Parameter(local, requires_grad=trainable.get(fqn, True)))
             else:
-                _set(self, fqn, local, buffer=True, persistent=fqn not in ginfo.transient_buffers)
+                set_tensor(self, fqn, local, buffer=True, persistent=fqn not in ginfo.transient_buffers)
         self._mutated = _mutated_inputs(sg.gm)   # received values the stage writes in place
 
     @property
@@ -111,12 +110,12 @@ class StageModule(nn.Module):
         and run forward under autocast. A floating-point value crossing between stages travels
         in ``sent[its name]``, the dtype it has under autocast (:mod:`autopar.passes.autocast`;
         ``dtype`` where not known). Returns the values the parameters had before (the fp32
-        masters start from them; a ZeRO-3 parameter emptied between steps has none)."""
+        masters start from them; a ZeRO-3 parameter emptied between steps has none). The graph must
+        hold no dtype checks (:func:`autopar.passes.autocast.drop_dtype_checks`): they pin the captured fp32 dtypes."""
         self.compute_dtype, self._device_type = dtype, device_type
         sent = dict(sent or {})
         self._sent = {name: sent.get(name, dtype) for name in self.outputs}
         self._sent.update({name: sent.get(name, dtype) for kind, name in self._order if kind == "act"})
-        drop_dtype_checks(self.graph_module)     # they pin the captured fp32 dtypes
         before = {}
         for fqn, p in self.named_parameters():
             if p.is_floating_point() and p.dtype != dtype:
@@ -267,9 +266,9 @@ class PipelineModule(nn.Module):
         pieces = {f: q for d in self._data for f, q in d.pieces.items()}
         for st in stages:
             for fqn, p in st.named_parameters(remove_duplicate=False):
-                _set(self, fqn, pieces.get(fqn, p))     # ZeRO-3: the module holds (and steps) pieces
+                set_tensor(self, fqn, pieces.get(fqn, p))     # ZeRO-3: the module holds (and steps) pieces
             for fqn, b in st.named_buffers():
-                _set(self, fqn, b, buffer=True, persistent=fqn not in st.transient)
+                set_tensor(self, fqn, b, buffer=True, persistent=fqn not in st.transient)
         for st in stages:
             st.is_last = st.index == num_stages - 1
         examples = examples or [(None, None)] * len(stages)

@@ -26,8 +26,8 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
-from autopar.errors import ConfigError
-from autopar.passes.meta import graph_info, info
+from autopar.core.errors import ConfigError
+from autopar.core.meta import graph_info, info
 from autopar.runtime.dp import DP_OPS, DPRuntime
 
 MODES = ("none", "selective", "full")

@@ -36,7 +36,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from autopar.runtime.collectives import _c10d
+from autopar.runtime.collectives import c10d
 from autopar.runtime.dp import Bucket, DPRuntime, shard_range
 from autopar.runtime.main_grads import MainGrads
 
@@ -116,7 +116,7 @@ class StageDataAxis:
             self._issue(self._shared_bucket)
         pending, self._pending = self._pending, []
         for b, handle in pending:
-            got = _c10d.wait_tensor(handle)
+            got = c10d.wait_tensor(handle)
             self._land(b, got)
         if self.zero_stage == 3:
             for fqn, p in self.params.items():
@@ -143,10 +143,10 @@ class StageDataAxis:
         if self.zero_stage == 0:
             flat = torch.cat([(g if g is not None else torch.zeros(s, dtype=rt.reduce_dtype, device=rt.device))
                               .reshape(-1).to(rt.reduce_dtype) for s, g in zip(b.shapes, grads)]).div_(rt.divisor)
-            self._pending.append((b, _c10d.all_reduce_(flat, "sum", rt.group_name)))
+            self._pending.append((b, c10d.all_reduce_(flat, "sum", rt.group_name)))
             return
         rows = b.to_rows(grads, rt.reduce_dtype).div_(rt.divisor)
-        self._pending.append((b, _c10d.reduce_scatter_tensor(rows.view(-1), "sum", rt.n, rt.group_name)))
+        self._pending.append((b, c10d.reduce_scatter_tensor(rows.view(-1), "sum", rt.n, rt.group_name)))
 
     def _land(self, b: Bucket, got: torch.Tensor) -> None:
         if self.zero_stage == 0:
@@ -171,7 +171,7 @@ class StageDataAxis:
         rt = self.rt
         b, i = rt.where[fqn]
         bucket = rt.buckets[b]
-        got = _c10d.wait_tensor(_c10d.all_gather_into_tensor(piece.detach().contiguous(), rt.n, rt.group_name))
+        got = c10d.wait_tensor(c10d.all_gather_into_tensor(piece.detach().contiguous(), rt.n, rt.group_name))
         return got.view(-1)[:bucket.numels[i]].view(bucket.shapes[i]).clone()
 
     def piece_of(self, whole: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,8 @@ import torch.fx as fx
 from torch.distributed import ReduceOp
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from autopar.errors import UnsupportedError
-from autopar.passes.meta import info
+from autopar.core.errors import UnsupportedError
+from autopar.core.meta import info
 
 __all__ = ["sync_batch_norm", "sync_batch_norms"]
 

@@ -27,12 +27,12 @@ from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 from torch.utils import _pytree as pytree
 
-from autopar.errors import InputMismatchError
+from autopar.core.errors import InputMismatchError
 from autopar.runtime.dp import DPRuntime, row_count_issue, row_weight, shard_range
 from autopar.runtime.health import note_step
-from autopar.passes.meta import evaluate, graph_info, info, ready
-from autopar.placement import Shard, parse
-from autopar.runtime.collectives import _c10d
+from autopar.core.meta import evaluate, graph_info, info, ready
+from autopar.core.placement import Shard, parse
+from autopar.runtime.collectives import c10d
 
 
 class ParallelModule(nn.Module):
@@ -71,17 +71,17 @@ class ParallelModule(nn.Module):
                     self._master_init[fqn] = local            # taken by the optimizer as its fp32 master
                     local = local.to(first.compute_dtype)
                 p = nn.Parameter(local, requires_grad=trainable.get(fqn, True))
-                _set(self, fqn, p)
+                set_tensor(self, fqn, p)
                 if rt is not None and rt.stage == 3:
                     rt.shard_params[fqn] = p
             else:
-                _set(self, fqn, local, buffer=True, persistent=fqn not in ginfo.transient_buffers)
+                set_tensor(self, fqn, local, buffer=True, persistent=fqn not in ginfo.transient_buffers)
         for name, value in ginfo.constants.items():
-            _set(self, name, value.clone(), buffer=True, persistent=False)
+            set_tensor(self, name, value.clone(), buffer=True, persistent=False)
         self._aliases = dict(ginfo.param_aliases)   # a tied name -> the name the graph uses
         for alias, name in self._aliases.items():
             if name in tensors:                      # the same Parameter under both names, as in the model
-                _set(self, alias, _get(self, name), buffer=name not in params)
+                set_tensor(self, alias, _get(self, name), buffer=name not in params)
                 if name in self._placements:
                     self._placements[alias] = self._placements[name]
         self._order = [(n.op, info(n).kind, info(n).target_fqn) for n in gm.graph.nodes if n.op == "placeholder"]
@@ -138,7 +138,7 @@ class ParallelModule(nn.Module):
         rt = self._rt_of[fqn]
         b, i = rt.where[fqn]
         bucket = rt.buckets[b]
-        got = _c10d.wait_tensor(_c10d.all_gather_into_tensor(piece.detach().contiguous(), rt.n, rt.group_name))
+        got = c10d.wait_tensor(c10d.all_gather_into_tensor(piece.detach().contiguous(), rt.n, rt.group_name))
         return got.view(-1)[:bucket.numels[i]].view(bucket.shapes[i]).clone()
 
     def placement_of(self, fqn: str):
@@ -306,7 +306,7 @@ class ParallelModule(nn.Module):
 
 
 def _to_dtensors(module: ParallelModule, state_dict: dict, prefix: str, local_metadata: Any) -> dict:
-    from autopar.agreement import rendezvous
+    from autopar.runtime.agreement import rendezvous
     for rt in module._dps:       # ZeRO-3 gathers below: a rank calling alone must not hang
         if rt.stage == 3 and rt.n > 1:
             rendezvous(rt.group_name, f"{type(module).__name__}.state_dict() under ZeRO-3", module.collective_wait_s)
@@ -374,7 +374,7 @@ def _weighted(value: Any, weight: torch.Tensor) -> Any:
     return value
 
 
-def _set(root: nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool = False, persistent: bool = True) -> None:
+def set_tensor(root: nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool = False, persistent: bool = True) -> None:
     *path, leaf = fqn.split(".")
     mod = root
     for part in path:                  # the holder modules, looked up in _modules (not __getattr__'s slow path)

@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from autopar import models
-from autopar.passes.meta import graph_info, info
+from autopar.core.meta import graph_info, info
 from tests.conftest import analysed
 
 

@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 
 from autopar.cost import calibrate as cal
+from autopar.cli import calibrate as calibrate_cmd
 from autopar.cost import comm
 from autopar.cost.cluster import Cluster
 from autopar.cost.hardware import DeviceSpec, load_hardware, load_profile
-from autopar.errors import ConfigError
+from autopar.core.errors import ConfigError
 
 
 def test_fit_recovers_exact_line() -> None:
@@ -41,7 +42,7 @@ def test_link_fit_inverts_the_comm_formulas(kind: str) -> None:
 def test_unknown_device_is_config_error() -> None:
     with pytest.raises(ConfigError, match="'tpu'"):
         cal.calibrate("tpu", quick=True)
-    assert cal.main(["--device", "tpu", "--quick"]) == 2
+    assert calibrate_cmd.main(["--device", "tpu", "--quick"]) == 2
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from autopar import CaptureError, InputMismatchError, capture
-from autopar.passes.meta import graph_info, info
+from autopar.core.meta import graph_info, info
 from tests.conftest import TOKEN_DIMS, small
 
 

@@ -18,7 +18,7 @@ from autopar import analyze, capture
 from autopar.passes import capture_cache
 from autopar.passes.capture_cache import CaptureCache, _signature, decode, encode
 from autopar.passes.capture_key import capture_key
-from autopar.passes.meta import graph_info, info
+from autopar.core.meta import graph_info, info
 from tests.conftest import TOKEN_DIMS, small
 from tests.hf_tiny import build as hf_build
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar import models
-from autopar.placement import Shard
+from autopar.core.placement import Shard
 from autopar.runtime.launch import run_ranks
 from autopar.runtime.optim import ShardedOptimizer
 
@@ -115,7 +115,7 @@ def _held(kind: str, pm, opt) -> dict:
     out = {}
     owned = {}
     if kind == "ep":
-        from autopar.passes.meta import graph_info
+        from autopar.core.meta import graph_info
         for region in graph_info(pm.graph_module).moe_regions:
             for f in region.expert_params:
                 owned[f] = list(pm.ep_runtimes[region.fqn].owned())

@@ -1,4 +1,4 @@
-"""Checkpoints are safe to read and to write (autopar.ckpt_integrity).
+"""Checkpoints are safe to read and to write (autopar.checkpoint.integrity).
 
 - Reading runs nothing from the files: a crafted ``.metadata`` or stored object whose
   pickle calls ``os.system`` is refused with a CheckpointError naming it, and the file it
@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 import autopar
-from autopar import ckpt_integrity as integrity
-from autopar.errors import CheckpointError
+from autopar.checkpoint import integrity
+from autopar.core.errors import CheckpointError
 
 SHARD = "__0_0.distcp"
 

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from autopar.cli import main, parse_mesh
-from autopar.errors import ConfigError
-from autopar.placement import COLLECTIVE_KINDS, LOCAL_KINDS
+from autopar.core.errors import ConfigError
+from autopar.core.placement import COLLECTIVE_KINDS, LOCAL_KINDS
 
 STEP_KINDS = set(COLLECTIVE_KINDS + LOCAL_KINDS)
 SMALL_GPT = ["--model", "gpt", "--set", "layers=2", "--set", "hidden=128", "--set", "heads=4", "--set", "vocab=256"]

@@ -25,7 +25,7 @@ from torch import nn
 
 import autopar
 from autopar import models
-from autopar.errors import ConfigError
+from autopar.core.errors import ConfigError
 from autopar.runtime.launch import run_ranks
 
 STEPS, LR = 3, 0.05

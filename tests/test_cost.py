@@ -11,7 +11,7 @@ from autopar.cost import comm
 from autopar.cost.cluster import Cluster, Link, validate_mesh
 from autopar.cost.compute import is_compute_bound, matmul_time, op_time, ridge_point
 from autopar.cost.hardware import DeviceSpec, load_hardware
-from autopar.errors import ConfigError
+from autopar.core.errors import ConfigError
 
 ANCHORS = Path(__file__).resolve().parents[1] / "bench" / "anchors" / "hardware.csv"
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")

@@ -30,8 +30,8 @@ from autopar.cost.hybrid import Config, ModelFacts, simulate
 from autopar.cost.step_terms import stage_layers
 from autopar.cost.op_cost import efficiencies, local_bytes, node_seconds
 from autopar.cost.pp_sim import ZB_SPLIT_OVERHEAD
-from autopar.passes.meta import evaluate, info
-from autopar.workload import capture_workload, load_workload
+from autopar.core.meta import evaluate, info
+from autopar.cli.workload import capture_workload, load_workload
 
 A100 = "a100"
 

@@ -77,7 +77,7 @@ def test_held_bytes_match_zero_formulas_and_plan(world):
     # the hybrid simulator (what `autopar plan` searches with) holds the same per ZeRO stage
     from autopar.cost.cluster import Cluster
     from autopar.cost.hybrid import Config, ModelFacts, simulate
-    from autopar.workload import capture_workload, load_workload
+    from autopar.cli.workload import capture_workload, load_workload
     w = load_workload("gpt", batch=1, seq=8, overrides={k: str(v) for k, v in GPT.items()})
     facts = ModelFacts(capture_workload(w), seq=8, dtype="fp32")
     cluster = Cluster.from_spec(f"1x{world}", hardware="cpu")

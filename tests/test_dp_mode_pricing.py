@@ -13,8 +13,8 @@ from autopar.cost.dp_modes import (PUBLISHED_RESNET50, RESNET50_NUMEL, label, pr
                                    worth_showing)
 from autopar.cost.hybrid import Config
 from autopar.cost.step_terms import DataBytes, data_collective, lone_stage_data_axis
-from autopar.dp_mode import DataMode
-from autopar.errors import ConfigError
+from autopar.core.dp_mode import DataMode
+from autopar.core.errors import ConfigError
 
 A100 = Cluster.from_spec("32x8", hardware="a100")
 NUMEL = 10_000_000
@@ -170,7 +170,7 @@ def test_plan_section_lists_the_winners(tmp_path):
     """The section's text and JSON on a chosen plan with a slow data axis (no capture: a Score)."""
     import argparse
 
-    from autopar.cli_hybrid import PlanOutcome, dp_mode_alternatives, dp_mode_text
+    from autopar.cli.hybrid import PlanOutcome, dp_mode_alternatives, dp_mode_text
     from autopar.cost.hybrid import Score
     l4 = Cluster.from_spec("32x8", hardware="l4")
     c = Config(dp=256, tp=1, pp=1, micro_batch=1)

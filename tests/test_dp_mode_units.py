@@ -9,9 +9,9 @@ import torch.distributed as dist
 from torch import nn
 
 import autopar
-from autopar.dp_mode import DataMode, data_mode
-from autopar.errors import ConfigError, PlanFileError
-from autopar.plans import Plan
+from autopar.core.dp_mode import DataMode, data_mode
+from autopar.core.errors import ConfigError, PlanFileError
+from autopar.core.plans import Plan
 from autopar.runtime import data_modes as dm
 
 

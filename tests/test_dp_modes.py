@@ -1,4 +1,4 @@
-"""Data-axis modes (``autopar/dp_mode.py``, ``runtime/data_modes.py``) on real gloo ranks.
+"""Data-axis modes (``autopar/core/dp_mode.py``, ``runtime/data_modes.py``) on real gloo ranks.
 
 Every parallel result is compared with a single-process reference in float64:
 

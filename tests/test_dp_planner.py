@@ -13,7 +13,7 @@ from autopar.cost.comm import collective_time
 from autopar.cost.dp_planner import (BUCKET_MAX, BUCKET_MIN, bucket_bytes, dp_comm_time, exposed_comm,
                                      memory_split, plan_dp)
 from autopar.cost.hardware import load_hardware
-from autopar.errors import ConfigError
+from autopar.core.errors import ConfigError
 
 T, F, N = 1000, 200, 4          # trainable and frozen elements per rank, dp degree
 
@@ -154,7 +154,7 @@ def test_exposed_communication():
 
 @pytest.fixture(scope="module")
 def small_gpt():
-    from autopar.workload import capture_workload, load_workload
+    from autopar.cli.workload import capture_workload, load_workload
     w = load_workload("gpt", batch=8, seq=128, overrides={"layers": "2"})
     return capture_workload(w), w.sizes
 

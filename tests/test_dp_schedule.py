@@ -143,10 +143,10 @@ def world2() -> list[dict]:
 
 
 def test_checksums_see_any_changed_word_and_moved_values():
-    """autopar.agreement.checksums: flipping any one bit of any word (the sign bit included)
+    """autopar.runtime.agreement.checksums: flipping any one bit of any word (the sign bit included)
     changes both sums; swapping two different values, in one row or one column, changes one;
     the sums are those of exact integer arithmetic modulo 2**64."""
-    from autopar.agreement import _PERIOD as P, checksums
+    from autopar.runtime.agreement import _PERIOD as P, checksums
     x = torch.randn(2 * P * 3 + 5, generator=torch.Generator().manual_seed(0))   # 3 rows of words, a rest and a tail
     ref = checksums(x)
     words = x.view(torch.int32)
@@ -176,7 +176,7 @@ def test_checksums_see_any_changed_word_and_moved_values():
 def test_every_rank_takes_rank0_weights_sending_only_what_differs(world2, name):
     """sync_params: ranks seeded apart, or one weight one ulp apart, end with rank 0's values;
     only the tensors whose checksums differ travel (none when the ranks already agree)."""
-    from autopar.agreement import _SMALL
+    from autopar.runtime.agreement import _SMALL
     torch.manual_seed(0)
     want = models.build("gpt", WIDE, device="cpu").state_dict()
     torch.manual_seed(1)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import autopar
-import autopar.ep
+import autopar.cost.ep_planner
 from autopar import models
 from autopar.runtime.launch import run_ranks
 
@@ -83,7 +83,7 @@ def _train(rank: int, world: int, overrides: dict, mesh: dict, batch: int, seq: 
             "owned": {f: list(v) for f, v in perm.items()},
             "expert_shapes": {k: list(p.shape) for k, p in pm.named_parameters() if k in pm.expert_params},
             "imbalance": {f: p.imbalance for f, p in pm.placements.items()},
-            "naive_imbalance": {f: autopar.ep.contiguous(len(p.perm), p.ranks, p.loads).imbalance
+            "naive_imbalance": {f: autopar.cost.ep_planner.contiguous(len(p.perm), p.ranks, p.loads).imbalance
                                 for f, p in pm.placements.items()}}
 
 
@@ -92,8 +92,8 @@ def _skewed_calibration(model, overrides: dict, ep: int, batch: int, seq: int) -
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     for token in range(overrides["vocab"]):
         cal = (torch.full((batch, seq), token, dtype=torch.long),)
-        loads = autopar.ep.expert_loads(capture_model(model, cal, ()), cal, params)
-        if all(autopar.ep.contiguous(len(v), ep, v).imbalance > 1.5 for v in loads.values()):
+        loads = autopar.cost.ep_planner.expert_loads(capture_model(model, cal, ()), cal, params)
+        if all(autopar.cost.ep_planner.contiguous(len(v), ep, v).imbalance > 1.5 for v in loads.values()):
             return cal
     raise AssertionError("no token routes its rows onto one rank's experts")
 
@@ -207,13 +207,13 @@ def test_skewed_calibration_balances_the_placement(request):
 
 
 def test_balanced_placement_evens_out_skewed_loads():
-    from autopar.ep import contiguous, place_experts
+    from autopar.cost.ep_planner import contiguous, place_experts
     loads = [100, 90, 5, 5, 4, 3, 2, 1]
     naive, placed = contiguous(8, 2, loads), place_experts(8, 2, loads)
     assert placed.imbalance < naive.imbalance
     assert sorted(placed.perm) == list(range(8)) and all(len(placed.owned(r)) == 4 for r in range(2))
     assert place_experts(8, 4).perm == tuple(range(8))           # uniform loads: experts in order
-    with pytest.raises(autopar.errors.ConfigError, match="do not split evenly"):
+    with pytest.raises(autopar.core.errors.ConfigError, match="do not split evenly"):
         place_experts(6, 4)
 
 

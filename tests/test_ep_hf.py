@@ -182,8 +182,8 @@ def _skewed_calibration(model: nn.Module, ep: int) -> tuple:
     gm = capture_model(model, (torch.zeros(2, 8, dtype=torch.long),), {})
     for token in range(3, VOCAB):
         cal = (torch.full((2, 8), token, dtype=torch.long),)
-        loads = autopar.ep.expert_loads(gm, cal, params)
-        if all(autopar.ep.contiguous(len(v), ep, v).imbalance > 1.5 for v in loads.values()):
+        loads = autopar.cost.ep_planner.expert_loads(gm, cal, params)
+        if all(autopar.cost.ep_planner.contiguous(len(v), ep, v).imbalance > 1.5 for v in loads.values()):
             return cal
     raise AssertionError("no token routes its rows onto one rank's experts")
 

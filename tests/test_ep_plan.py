@@ -25,9 +25,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import autopar
-import autopar.ep
+import autopar.cost.ep_planner
 from autopar import models
-from autopar.plans import Plan
+from autopar.core.plans import Plan
 from autopar.runtime.launch import run_ranks
 from tests.hf_tiny import Logits
 
@@ -73,8 +73,8 @@ def _unbalanced_calibration(model: torch.nn.Module) -> tuple:
     gm = capture_model(model, (torch.zeros(2, SEQ, dtype=torch.long),), {})
     for token in range(3, MOE["vocab"]):
         cal = (torch.full((2, SEQ), token, dtype=torch.long),)
-        loads = autopar.ep.expert_loads(gm, cal, params)
-        if any(autopar.ep.place_experts(len(v), MESH["ep"], v).perm != tuple(range(len(v))) for v in loads.values()):
+        loads = autopar.cost.ep_planner.expert_loads(gm, cal, params)
+        if any(autopar.cost.ep_planner.place_experts(len(v), MESH["ep"], v).perm != tuple(range(len(v))) for v in loads.values()):
             return cal
     raise AssertionError("no calibration token moves an expert off its in-order rank")
 
@@ -155,7 +155,7 @@ def _refused(call) -> dict:
     try:
         call()
         err = {"type": None, "text": ""}
-    except autopar.errors.AutoparError as exc:
+    except autopar.core.errors.AutoparError as exc:
         err = {"type": type(exc).__name__, "text": str(exc)}
     t = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(t)

@@ -17,8 +17,8 @@ from torch import nn
 import autopar
 from autopar import (CaptureError, DoesNotFitError, InputMismatchError, MeshError, OptimizerError, PlanFileError,
                      ShardingError, UnsupportedError, models)
-from autopar.placement import Shard, parse
-from autopar.plans import Plan
+from autopar.core.placement import Shard, parse
+from autopar.core.plans import Plan
 from autopar.runtime.launch import run_ranks
 
 
@@ -119,7 +119,7 @@ def test_forced_placements_are_honoured_where_they_divide():
 
 
 def test_sequence_parallel_needs_a_bool_and_a_sequence_dim():
-    from autopar.errors import ConfigError
+    from autopar.core.errors import ConfigError
     gpt = models.build("gpt", dict(layers=1, hidden=16, heads=4, vocab=32, max_seq=8), device="meta")
     tokens, _ = models.example_inputs(gpt, 2, 8, device="meta")
     with pytest.raises(ConfigError) as err:
@@ -134,7 +134,7 @@ def test_sequence_parallel_needs_a_bool_and_a_sequence_dim():
 
 
 def test_sequence_parallel_with_a_plan_or_a_pipeline_is_refused(fake_world):
-    from autopar.errors import ConfigError
+    from autopar.core.errors import ConfigError
     fake_world(2)
     plan = autopar.plan(MLP(), {"tp": 2}, (_x(),))
     with pytest.raises(ConfigError) as err:

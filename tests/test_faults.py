@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autopar.errors import ConfigError
+from autopar.core.errors import ConfigError
 from autopar.runtime import health
 from autopar.runtime.faults import Diagnosis, judge, looks_like_peer_failure
 from autopar.runtime.launch import run_ranks, run_ranks_outcomes

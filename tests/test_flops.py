@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autopar import models
 from autopar.passes.capture import wrap_graph
 from autopar.passes.flops import flop_pass
-from autopar.passes.meta import info
+from autopar.core.meta import info
 from autopar.passes.shapes import shape_pass
 from autopar.summary import at, totals
 from tests.conftest import analysed

@@ -219,9 +219,9 @@ import io  # noqa: E402
 import json  # noqa: E402
 
 from autopar.cli import main as cli_main  # noqa: E402
-from autopar.cli_hybrid import SavedPlan  # noqa: E402
-from autopar.errors import PlanFileError  # noqa: E402
-from autopar.plans import Plan  # noqa: E402
+from autopar.cli.hybrid import SavedPlan  # noqa: E402
+from autopar.core.errors import PlanFileError  # noqa: E402
+from autopar.core.plans import Plan  # noqa: E402
 
 _JSON_LEAVES = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.sampled_from([0, 1, 2, 3, -1, 2**31])
                 | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=6)

@@ -11,11 +11,11 @@ import re
 
 import pytest
 
-from autopar import workload
+from autopar.cli import workload
 from autopar.cli import main
 from autopar.cost.cluster import BUILTIN_NODE_LINKS, Cluster
 from autopar.cost.hardware import ALIASES, BUILTIN_DEVICES, SHORT_NAMES, DeviceSpec, load_hardware
-from autopar.errors import AutoparError, ConfigError
+from autopar.core.errors import AutoparError, ConfigError
 
 GPUS = [name for name, spec in BUILTIN_DEVICES.items() if spec.sm_count > 0]
 NEW = ("v100", "a10g", "l4", "l40s", "h200", "b200", "mi300x")

@@ -11,7 +11,7 @@ import torch
 
 from autopar import models
 from autopar.cli import main
-from autopar.errors import ConfigError
+from autopar.core.errors import ConfigError
 from autopar.models import hf
 
 pytest.importorskip("transformers")

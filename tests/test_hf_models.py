@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.placement import Spec, transition
+from autopar.core.placement import Spec, transition
 from autopar.runtime.launch import run_ranks
 
 pytest.importorskip("transformers")

@@ -10,8 +10,8 @@ from autopar.cli import main
 from autopar.cost.cluster import Cluster
 from autopar.cost.hybrid import Config, ModelFacts, simulate
 from autopar.cost.plan_search import configurations, search
-from autopar.errors import ConfigError
-from autopar.workload import capture_workload, load_workload
+from autopar.core.errors import ConfigError
+from autopar.cli.workload import capture_workload, load_workload
 
 
 def _facts(hidden: int, layers: int, heads: int, *, vocab: int = 51200, seq: int = 2048, attention="flash",

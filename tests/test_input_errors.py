@@ -11,10 +11,10 @@ import textwrap
 import pytest
 
 from autopar.cli import main
-from autopar.cli_hybrid import SavedPlan
+from autopar.cli.hybrid import SavedPlan
 from autopar.cost.pp_sim import StageCosts, make, simulate
-from autopar.errors import PlanFileError
-from autopar.plans import Plan
+from autopar.core.errors import PlanFileError
+from autopar.core.plans import Plan
 
 TINY = ["--model", "gpt", "--set", "layers=2", "--set", "hidden=32", "--set", "heads=4", "--set", "vocab=64",
         "--seq", "16", "-q"]

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from autopar.runtime.launch import run_ranks, run_ranks_outcomes
 
-from autopar.errors import AutoparError
+from autopar.core.errors import AutoparError
 
 # --- rank workers (module level so they pickle) -------------------------------------------
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autopar
-from autopar.errors import CheckpointError, ConfigError
+from autopar.core.errors import CheckpointError, ConfigError
 from autopar.runtime.launch import run_ranks
 from autopar.runtime.loss_scale import GOOD_STEPS_KEY, SCALE_KEY, LossScale
 

@@ -6,11 +6,11 @@ import torch
 import torch.fx as fx
 
 from autopar import models
-from autopar.errors import ConfigError
+from autopar.core.errors import ConfigError
 from autopar.passes.capture import wrap_graph
 from autopar.passes.flops import flop_pass
 from autopar.passes.memory import memory_pass, optimizer_state_bytes, state_bytes
-from autopar.passes.meta import info
+from autopar.core.meta import info
 from autopar.passes.shapes import shape_pass
 from autopar.summary import at, totals
 from tests.conftest import analysed

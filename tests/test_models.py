@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.export import Dim, export
 
-from autopar.errors import ConfigError
+from autopar.core.errors import ConfigError
 from autopar.models import (
     GPTConfig, LlamaConfig, MLPConfig, MoEConfig, MoELayer, active_param_count, build,
     example_inputs, expert_capacity, get_config, list_models, param_count,

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import autopar
-from autopar.errors import ConfigError, PeerFailureError
+from autopar.core.errors import ConfigError, PeerFailureError
 from autopar.runtime.launch import run_ranks
 
 WIDTH = 16

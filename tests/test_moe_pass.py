@@ -6,7 +6,7 @@ from torch import nn
 
 from autopar import models
 from autopar.models.moe import expert_capacity
-from autopar.passes.meta import evaluate, graph_info, info
+from autopar.core.meta import evaluate, graph_info, info
 from tests.conftest import analysed
 
 
@@ -78,7 +78,7 @@ def test_expert_parallelism_plans_each_region():
     """Fixed capacity (the zoo) keeps its buffer exchange; experts that every token runs,
     masked by the routing weights, are not routed: that region runs dense, with the reason;
     a model without MoE layers has nothing for an ep axis to split."""
-    from autopar.errors import ConfigError
+    from autopar.core.errors import ConfigError
     from autopar.passes.ep_rewrite import plan_regions
     import pytest
 

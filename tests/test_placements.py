@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives  # noqa: F401 - before any functional collective
 
 import autopar.runtime.collectives  # noqa: F401 - registers torch.ops.autopar.redistribute
-from autopar.placement import NONE, Partial, Placement, Replicate, Shard, Spec, comm_bytes, transition
+from autopar.core.placement import NONE, Partial, Placement, Replicate, Shard, Spec, comm_bytes, transition
 from autopar.runtime.launch import run_ranks
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)

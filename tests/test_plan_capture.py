@@ -1,4 +1,4 @@
-"""The planner's capture with fewer layers (autopar.workload.capture_for_planning): the
+"""The planner's capture with fewer layers (autopar.cli.workload.capture_for_planning): the
 simulator's figures from it, told the real layer count, equal those from the whole model."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from autopar.cost.cluster import Cluster
 from autopar.cost.hybrid import Config, ModelFacts, simulate
 from autopar.models import depth, get_config
-from autopar.passes.meta import graph_info
-from autopar.workload import capture_for_planning, capture_workload, load_workload
+from autopar.core.meta import graph_info
+from autopar.cli.workload import capture_for_planning, capture_workload, load_workload
 
 GPT = {"layers": "4", "hidden": "64", "heads": "4", "vocab": "256", "max_seq": "512"}
 LLAMA = {"layers": "3", "hidden": "64", "heads": "4", "kv_heads": "2", "ffn": "128", "vocab": "256",

@@ -4,7 +4,7 @@ Hypothesis draws configurations from the planner's own search space
 (``cost/plan_search.configurations``: dp x tp x pp x ep, ZeRO stage, recomputation,
 micro-batch size, schedule, virtual stages) for a small dense model and a small
 mixture-of-experts model on 4 devices. Each drawn configuration is built on 4 real gloo ranks
-exactly as ``autopar train`` builds a plan (``autopar.train.runtime_mesh``: the planner's dp
+exactly as ``autopar train`` builds a plan (``autopar.cli.train.runtime_mesh``: the planner's dp
 counts the ep ranks), trained for two SGD-momentum steps, and compared with the
 single-process model trained on the whole batch: each step's loss and, after the steps,
 every parameter (the union of the ranks' state), to 1e-5 relative. A configuration with a
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import autopar
 from autopar import models
 from autopar.runtime.launch import run_ranks
-from autopar.train import runtime_mesh
+from autopar.cli.train import runtime_mesh
 
 WORLD, BATCH, SEQ, STEPS = 4, 8, 8, 2
 MODELS = {"gpt": {"layers": 4, "hidden": 32, "heads": 4, "vocab": 64, "max_seq": SEQ},
@@ -35,7 +35,7 @@ MODELS = {"gpt": {"layers": 4, "hidden": 32, "heads": 4, "vocab": 64, "max_seq":
 def _space(name: str) -> list[dict]:
     from autopar.cost.hybrid import ModelFacts
     from autopar.cost.plan_search import configurations
-    from autopar.workload import capture_workload, load_workload
+    from autopar.cli.workload import capture_workload, load_workload
 
     w = load_workload(name, batch=BATCH, seq=SEQ, overrides={k: str(v) for k, v in MODELS[name].items()})
     facts = ModelFacts(capture_workload(w), seq=SEQ, dtype="fp32")
@@ -91,7 +91,7 @@ def _one(name: str, cfg: dict) -> dict:
     scale = max(p.abs().max().item() for p in ref.parameters())
     owned = getattr(pm, "expert_owned", None) or {}
     if not owned and getattr(pm, "ep_runtimes", None):
-        from autopar.passes.meta import graph_info
+        from autopar.core.meta import graph_info
         owned = {f: pm.ep_runtimes[r.fqn].owned() for r in graph_info(pm.graph_module).moe_regions
                  for f in r.expert_params}
     param_err, split = 0.0, 0

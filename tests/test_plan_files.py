@@ -8,8 +8,8 @@ import pytest
 
 import autopar
 from autopar import models
-from autopar.errors import ConfigError
-from autopar.plans import Plan
+from autopar.core.errors import ConfigError
+from autopar.core.plans import Plan
 
 
 def _model(hidden: int = 32):

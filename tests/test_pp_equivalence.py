@@ -161,7 +161,7 @@ def test_pp2_generated_depth_and_microbatches(drawn):
 
 
 def _replan(rank: int, world: int) -> dict:
-    from autopar.plans import Plan
+    from autopar.core.plans import Plan
     over = {**SMALL["gpt"], "layers": 3}
     model = _build("gpt", over)
     torch.manual_seed(1)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar import models
-from autopar.passes.meta import info
+from autopar.core.meta import info
 from autopar.runtime.dp import shard_range
 from autopar.runtime.launch import run_ranks
 
@@ -63,7 +63,7 @@ class _Reference:
 
     def __init__(self, model: torch.nn.Module, key: str, example: tuple, tied: set[str] = frozenset()) -> None:
         from autopar.prepare import capture_model
-        from autopar.passes.tp_rewrite import drop_dtype_checks
+        from autopar.passes.autocast import drop_dtype_checks
         self.masters = {f: p.detach().clone().requires_grad_() for f, p in model.named_parameters()}
         self.initial = {f: p.detach().clone() for f, p in model.named_parameters()}
         self.buffers = dict(model.named_buffers())
@@ -135,7 +135,7 @@ def _owned(pm) -> dict[str, list[int]]:
     """Expert parameter -> the experts (rows of the whole tensor) this rank holds."""
     if hasattr(pm, "expert_owned"):
         return {f: list(o) for f, o in pm.expert_owned.items()}
-    from autopar.passes.meta import graph_info
+    from autopar.core.meta import graph_info
     return {f: list(pm.ep_runtimes[r.fqn].owned()) for r in graph_info(pm.graph_module).moe_regions
             for f in r.expert_params}
 

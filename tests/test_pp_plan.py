@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from autopar import models
 from autopar.prepare import capture_model
 from autopar.cost.cluster import Cluster
-from autopar.errors import ConfigError
+from autopar.core.errors import ConfigError
 from autopar.passes.pp_split import layer_cuts, op_costs, plan_cuts, shared_params, split_stages
-from autopar.pp import node_time_fn, simulate_plan
+from autopar.cost.pp_planner import node_time_fn, simulate_plan
 from autopar.runtime.pp import StageModule, stage_inputs_of
 
 SMALL = {"gpt": {"layers": 3, "hidden": 32, "heads": 4, "vocab": 64, "max_seq": 16},

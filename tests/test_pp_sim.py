@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from autopar.cost.pp_sim import (KINDS, SCHEDULES, Action, Schedule, StageCosts, gpipe,
                                  interleaved_1f1b, make, one_f_one_b, simulate, zero_bubble)
 from autopar.cost.timeline import timeline_svg, write_timeline
-from autopar.errors import ConfigError
+from autopar.core.errors import ConfigError
 
 SVG = "{http://www.w3.org/2000/svg}"
 FAST = settings(max_examples=60, deadline=None)

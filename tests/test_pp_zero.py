@@ -67,7 +67,7 @@ def _case(mesh: dict, *, schedule: str, virtual: int | None = None, zero: int = 
                              virtual_stages=virtual, zero_stage=zero, recompute=recompute, memory_budget=budget)
     again = None
     if reapply:     # the saved plan, applied to a fresh copy, builds the same pipeline
-        from autopar.plans import Plan
+        from autopar.core.plans import Plan
         twin = autopar.parallelize(copy.deepcopy(ref), mesh, local, loss_fn=_loss,
                                    plan=Plan.from_json(pm.plan.to_json()))
         again = {"same_plan": twin.plan.to_json() == pm.plan.to_json(),
@@ -214,7 +214,7 @@ def test_the_simulator_holds_what_the_last_stage_holds(worlds, zero):
     # gradients (whole fp32 sums over the micro-batches) and the optimizer's momentum
     from autopar.cost.cluster import Cluster
     from autopar.cost.hybrid import Config, ModelFacts, simulate
-    from autopar.workload import capture_workload, load_workload
+    from autopar.cli.workload import capture_workload, load_workload
     i = next(j for j, (mesh, opts) in enumerate(FOUR) if mesh == PP2_DP2 and opts.get("zero") == zero
              and opts["schedule"] == "1f1b" and "dtype" not in opts)
     w = load_workload("llama", batch=1, seq=8, overrides={k: str(v) for k, v in {**SMALL, "layers": 2}.items()})

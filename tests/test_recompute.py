@@ -16,7 +16,7 @@ import torch
 
 import autopar
 from autopar import models
-from autopar.passes.meta import evaluate, graph_info, info
+from autopar.core.meta import evaluate, graph_info, info
 from autopar.runtime import recompute as rc
 from autopar.runtime.launch import run_ranks
 

@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
 from autopar import models
-from autopar.placement import Shard
+from autopar.core.placement import Shard
 from autopar.runtime import recompute as rc
 from autopar.runtime.launch import run_ranks
 

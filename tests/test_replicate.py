@@ -10,7 +10,7 @@ from torch import nn
 
 from autopar import capture
 from autopar.passes.capture_cache import CaptureCache, _signature
-from autopar.passes.meta import graph_info
+from autopar.core.meta import graph_info
 from autopar.passes.replicate import find_run
 from autopar.prepare import default_dims
 from tests.conftest import TOKEN_DIMS, small

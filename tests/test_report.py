@@ -7,7 +7,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from autopar.report import fmt_gb, fmt_seconds, memory_chart, render_report, write_report
+from autopar.cli.report import fmt_gb, fmt_seconds, memory_chart, render_report, write_report
 
 TIMELINE = "<svg xmlns='http://www.w3.org/2000/svg' width='10' height='10'></svg>"
 HEADINGS = ["Plan", "Memory breakdown", "Pipeline timeline", "Stage map",

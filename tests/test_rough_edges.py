@@ -13,7 +13,7 @@ from torch import nn
 import autopar
 from autopar.checks import memory_bytes
 from autopar.cli import main
-from autopar.errors import ConfigError
+from autopar.core.errors import ConfigError
 from autopar.passes.sharding import reset_warnings
 
 
@@ -146,6 +146,6 @@ def test_the_cli_says_its_version(capsys):
 def test_python_dash_m_autopar_train_is_the_train_command():
     import subprocess
     import sys
-    proc = subprocess.run([sys.executable, "-m", "autopar.train", "--ranks", "0"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "autopar.cli.train", "--ranks", "0"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "autopar: error: --ranks" in proc.stderr and "Traceback" not in proc.stderr

@@ -6,7 +6,7 @@ import sympy
 import torch
 
 from autopar import models
-from autopar.passes.meta import graph_info, info
+from autopar.core.meta import graph_info, info
 from autopar.summary import at, totals
 from tests.conftest import analysed
 

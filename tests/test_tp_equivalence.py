@@ -17,7 +17,7 @@ import torch
 
 import autopar
 from autopar import models
-from autopar.placement import Shard
+from autopar.core.placement import Shard
 from autopar.runtime.launch import run_ranks
 
 STEPS = 2

@@ -6,9 +6,9 @@ import torch
 
 from autopar import models
 from autopar.prepare import planned_graph
-from autopar.passes.meta import info, within
+from autopar.core.meta import info, within
 from autopar.passes.sharding import strategies
-from autopar.placement import P, R, Shard, Spec, transition
+from autopar.core.placement import P, R, Shard, Spec, transition
 
 N = 4
 BATCH, SEQ = 8, 1024

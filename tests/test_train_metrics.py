@@ -1,5 +1,5 @@
 """``autopar train``'s measured-beside-predicted columns, its ``--log-jsonl`` file, and the
-progress bar (``autopar/progress.py``). One small training run is shared by the asserts."""
+progress bar (``autopar/core/progress.py``). One small training run is shared by the asserts."""
 from __future__ import annotations
 
 import contextlib
@@ -11,11 +11,11 @@ import os
 
 import pytest
 
-from autopar import progress as progress_mod
+from autopar.core import progress as progress_mod
 from autopar.cli import main
-from autopar.progress import progress, shows
-from autopar.train import _with_progress
-from autopar.train_metrics import COLUMNS, _record, peak_memory_bytes
+from autopar.core.progress import progress, shows
+from autopar.cli.train import _with_progress
+from autopar.cli.train_metrics import COLUMNS, step_record, peak_memory_bytes
 
 STEP_FIELDS = {"step", "loss", "reference_loss", "step_s", "tokens_per_s", "tflops_per_rank", "mfu",
                "peak_memory_bytes", "predicted_step_s", "predicted_peak_memory_bytes"}
@@ -31,7 +31,7 @@ def run(tmp_path_factory):
     return code, out.getvalue(), err.getvalue(), lines
 
 
-def _table(out: str) -> tuple[list[str], list[list[str]]]:
+def step_table(out: str) -> tuple[list[str], list[list[str]]]:
     lines = out.splitlines()
     head = next(i for i, line in enumerate(lines) if line.split()[:3] == ["step", "parallel", "loss"])
     rows = []
@@ -49,7 +49,7 @@ def _num(cell: str) -> float:
 def test_the_table_has_measured_beside_predicted(run):
     code, out, err, _ = run
     assert code == 0, out + err
-    header, rows = _table(out)
+    header, rows = step_table(out)
     for name, _ in COLUMNS:
         assert name in header
     assert len(rows) == 2 and [r[0] for r in rows] == ["0", "1"]
@@ -73,7 +73,7 @@ def test_jsonl_has_a_config_line_then_one_line_per_step(run):
     assert config["model_flops_per_step"] > 0 and config["peak_flops_per_rank"] == 100e9
     assert config["predicted"]["step_s"] > 0 and config["predicted"]["peak_memory_bytes"] > 0
     assert [s["kind"] for s in steps] == ["step", "step"] and [s["step"] for s in steps] == [0, 1]
-    _, rows = _table(out)
+    _, rows = step_table(out)
     for s, row in zip(steps, rows):
         assert STEP_FIELDS <= set(s)
         assert all(isinstance(s[k], (int, float)) and math.isfinite(s[k]) for k in STEP_FIELDS)
@@ -102,7 +102,7 @@ def test_no_bar_when_stderr_is_not_a_terminal(run):
 def test_log_every_averages_the_steps_since_the_row_before():
     ctx = {"every": 2, "world": 2, "tokens": 100, "model_flops": 4e12, "peak_flops": 1e12,
            "predicted_step_s": 0.5, "predicted_peak_memory_bytes": 1e6, "dtype": "fp32"}
-    r = _record(7, [(2.0, 2.1, 1.0, 10), (1.5, 1.6, 3.0, 30)], ctx)
+    r = step_record(7, [(2.0, 2.1, 1.0, 10), (1.5, 1.6, 3.0, 30)], ctx)
     assert (r["step"], r["loss"], r["reference_loss"], r["steps_averaged"]) == (7, 1.5, 1.6, 2)
     assert r["step_s"] == 2.0 and r["tokens_per_s"] == 50 and r["peak_memory_bytes"] == 30
     assert r["tflops_per_rank"] == 1.0 and r["mfu"] == 1.0 and r["step_vs_predicted"] == 4.0

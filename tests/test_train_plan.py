@@ -7,10 +7,10 @@ import json
 import pytest
 
 from autopar.cli import main
-from autopar.cli_hybrid import PLAN_FILE_FORMAT, SavedPlan
+from autopar.cli.hybrid import PLAN_FILE_FORMAT, SavedPlan
 from autopar.cost.hybrid import Config
-from autopar.errors import ConfigError, PlanFileError
-from autopar.train import runtime_mesh, scale_down, small_overrides, _cfg
+from autopar.core.errors import ConfigError, PlanFileError
+from autopar.cli.train import runtime_mesh, scale_down, small_overrides, _cfg
 
 
 def _saved(c: Config, microbatches: int, model: str = "gpt", dtype: str = "bf16") -> SavedPlan:

@@ -21,11 +21,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError
+from autopar.core.errors import ConfigError
+from autopar.passes.replicate import periodic_run, register_layer_kinds
 from . import hf
 from .gpt import GPTConfig
 from .llama import LlamaConfig
@@ -145,23 +146,6 @@ def _hashable(v: Any) -> Hashable:
     return repr(v) if isinstance(v, (list, dict)) else v
 
 
-def periodic_run(kinds: Sequence[Hashable]) -> tuple[int, int, int]:
-    """``(a, b, p)``: the longest stretch ``kinds[a:b]`` that repeats with period ``p``: the
-    smallest period among the longest, the last among equally long (a model's main layers come
-    after its few different first ones: deepseek-v3's dense layers)."""
-    n = len(kinds)
-    best = (0, min(n, 1), max(n, 1))
-    for p in range(1, n // 2 + 1):
-        start = 0
-        for i in range(n - p + 1):
-            if i == n - p or kinds[i] != kinds[i + p]:    # the stretch of matches ends at i
-                a, b = start, i + p
-                if b - a > best[1] - best[0] or (b - a == best[1] - best[0] and p == best[2]):
-                    best = (a, b, p)
-                start = i + 1
-    return best
-
-
 def shrink(config: Any, periods: int = 2) -> Shrunk | None:
     """``config`` with its periodic run cut to ``periods`` periods (module docstring); None when
     the pattern is not understood, the cut saves no layer, or the shrunk config's layers are not
@@ -208,3 +192,22 @@ def _with_layers(config: Any, indices: tuple[int, ...], n: int) -> Any:
 
 
 __all__ = ["Shrunk", "config_layer_kinds", "layer_count", "layer_kinds", "periodic_run", "shrink"]
+
+
+@register_layer_kinds
+def model_layer_kinds(model: Any) -> tuple[list[Any], bool] | None:
+    """One kind per layer of a zoo model or a ``transformers`` one, read from its config, and
+    whether it is a ``transformers`` one; None for any other model (the capture's layer-run
+    search, :func:`autopar.passes.replicate.find_run`, asks this)."""
+    import sys
+    cfg = getattr(model, "config", None)
+    if isinstance(cfg, (GPTConfig, LlamaConfig)):
+        return layer_kinds(cfg), False
+    tf = sys.modules.get("transformers")
+    if tf is None or not isinstance(cfg, tf.PretrainedConfig):
+        return None
+    n = getattr(cfg, "num_hidden_layers", None)
+    if not isinstance(n, int) or isinstance(n, bool):
+        return None
+    kinds = config_layer_kinds(cfg, n)
+    return (kinds, True) if kinds is not None else None

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ConfigError, UnsupportedError
+from autopar.core.errors import ConfigError, UnsupportedError
 from .moe import expert_capacity
 
 HF_PREFIX = "hf:"

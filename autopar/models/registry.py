@@ -9,7 +9,7 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from autopar.core.errors import ConfigError
 from . import hf
 from .gpt import GPT, GPTConfig
 from .llama import Llama, LlamaConfig

@@ -2,7 +2,7 @@
 
 :mod:`autopar.checkpoint` lays tensors out; this module guards the files it reads and writes.
 
-- **Nothing in a checkpoint runs code when it is read** (:mod:`autopar.safe_pickle`). ``.metadata`` goes through
+- **Nothing in a checkpoint runs code when it is read** (:mod:`autopar.checkpoint.safe_pickle`). ``.metadata`` goes through
   :class:`SafeUnpickler`, which resolves only an explicit allow-list of globals (the
   ``torch.distributed.checkpoint`` metadata dataclasses, ``torch.Size``, dtypes, layouts,
   ``torch.device``, paths, ``OrderedDict`` and plain builtin containers) and refuses to
@@ -50,8 +50,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException as DcpError   # a BaseException
 
-from autopar.errors import CheckpointError
-from autopar.safe_pickle import dump_object, load_object, safe_unpickle
+from autopar.core.errors import CheckpointError
+from autopar.checkpoint.safe_pickle import dump_object, load_object, safe_unpickle
 
 MANIFEST = "MANIFEST.json"
 LOCK = ".autopar-save.lock"
@@ -478,7 +478,7 @@ def write(root: Path, target: Path, tensors: dict[tuple[str, tuple[int, ...]], t
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-    from autopar.errors import AutoparInternalError
+    from autopar.core.errors import AutoparInternalError
     blobs = collectively(lambda: {k: dump_object(v, k) for k, v in objects.items()}, distributed) or {}
     items = items + [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in blobs]
 

@@ -1,7 +1,7 @@
 """``autopar train``: train a small model on local CPU ranks under a plan, and check every step.
 
 Two ways to get the plan. ``--plan PLAN.json`` reads what ``autopar plan ... --save-plan``
-chose for a real cluster (:class:`~autopar.cli_hybrid.SavedPlan`) and builds that structure
+chose for a real cluster (:class:`~autopar.cli.hybrid.SavedPlan`) and builds that structure
 scaled down to the local ranks (:func:`scale_down`): every axis the plan splits gets degree
 2, in the order pp, dp, tp, while ranks last, and the ZeRO stage, schedule, virtual stages,
 recomputation and micro-batches per step stay the plan's; the model is the plan's zoo model
@@ -41,9 +41,9 @@ import time
 
 import torch
 
-from autopar.errors import ConfigError, DoesNotFitError
-from autopar.train_metrics import (_json_line, _log_context, _notes, _record, _table,
-                                   _write_first, peak_memory_bytes, rank_device, rank_share)
+from autopar.core.errors import AutoparError, ConfigError, DoesNotFitError
+from autopar.cli.train_metrics import (json_line, log_context, table_notes, step_record, step_table,
+                                   write_first, peak_memory_bytes, rank_device, rank_share)
 
 SCALE_ORDER = ("pp", "dp", "tp")        # the axes scale_down gives ranks to, first to last
 # Argument limits: ``autopar train`` checks a plan on this machine's CPU, beside a single-process copy.
@@ -114,7 +114,7 @@ def small_overrides(name: str, plan_overrides: dict, *, stages: int, seq: int) -
 def _facts(name: str, overrides: dict, batch: int, seq: int, dtype: str):
     """The simulator's view (:class:`~autopar.cost.hybrid.ModelFacts`) of the small model."""
     from autopar.cost.hybrid import ModelFacts
-    from autopar.workload import capture_for_planning, load_workload
+    from autopar.cli.workload import capture_for_planning, load_workload
 
     w = load_workload(name, batch=batch, seq=seq, overrides={k: str(v) for k, v in overrides.items()})
     planned = capture_for_planning(w)
@@ -126,7 +126,7 @@ def choose(name: str, overrides: dict, ranks: int, batch: int, seq: int):
     from autopar.cost.cluster import Cluster
     from autopar.cost.hybrid import simulate
     from autopar.cost.plan_search import configurations
-    from autopar.progress import progress
+    from autopar.core.progress import progress
 
     facts = _facts(name, overrides, batch, seq, "fp32")
     cluster = Cluster.from_spec(f"1x{ranks}", hardware="cpu")
@@ -164,7 +164,7 @@ def predict(name: str, overrides: dict, cfg: dict, batch: int, seq: int):
         facts = _facts(name, overrides, batch, seq, cfg.get("precision") or "fp32")
         return simulate(facts, Cluster.from_spec(f"1x{world}", hardware=rank_device(world)), c, batch=batch)
     except ConfigError as exc:
-        from autopar.progress import quiet
+        from autopar.core.progress import quiet
         if not quiet():
             print(f"[autopar] no prediction for this configuration: {exc}", file=sys.stderr, flush=True)
         return None
@@ -180,7 +180,7 @@ def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: i
     and, beside it, the same model in one process on the whole batch; ``steps`` AdamW steps of
     both, returning each step's (parallel loss, single-process loss, seconds, peak memory bytes)
     (seconds and memory: the largest over the ranks) and, from rank 0, the logged records
-    (:func:`_record`; ``log``: a :func:`_log_context` dict, whose ``jsonl`` file rank 0
+    (:func:`step_record`; ``log``: a :func:`log_context` dict, whose ``jsonl`` file rank 0
     appends each record to and whose ``tick`` file it appends a byte to per step)."""
     import copy
 
@@ -245,11 +245,11 @@ def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: i
         rows.append((loss.item(), want.item(), worst[0].item(), int(worst[1].item())))
         since += 1
         if rank == 0 and log and (since == log["every"] or k == steps - 1):
-            records.append(_record(first + k, rows[-since:], log))
+            records.append(step_record(first + k, rows[-since:], log))
             since = 0
             if log.get("jsonl"):
                 with open(log["jsonl"], "a") as f:
-                    f.write(_json_line({"kind": "step", **records[-1]}))
+                    f.write(json_line({"kind": "step", **records[-1]}))
                     f.flush()
         if rank == 0 and log.get("tick"):
             with open(log["tick"], "ab") as f:
@@ -267,7 +267,7 @@ def _capacity_routed(model: torch.nn.Module) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from autopar.cli_checks import count, output_file
+    from autopar.cli.checks import count, output_file
 
     ap = argparse.ArgumentParser(prog="autopar train", description=__doc__.splitlines()[0],
                                  epilog="Each logged step prints the parallel and single-process losses, then "
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from autopar.cli_checks import writing
+    from autopar.cli.checks import writing
     from autopar.runtime.launch import run_ranks
 
     name, over, cfg, batch, score = _from_plan(args) if args.plan else _from_search(args)
@@ -337,7 +337,7 @@ def _train(args: argparse.Namespace) -> int:
     world = cfg["dp"] * cfg["tp"] * cfg["pp"]
     save = os.path.abspath(args.save) if args.save else None
     resume = os.path.abspath(args.resume) if args.resume else None
-    log = _log_context(score, cfg, batch, args.seq, args.log_every)
+    log = log_context(score, cfg, batch, args.seq, args.log_every)
     if args.log_jsonl:
         log["jsonl"] = os.path.abspath(args.log_jsonl)
         head = {"kind": "config", "model": name, "overrides": {k: str(v) for k, v in over.items()},
@@ -351,7 +351,7 @@ def _train(args: argparse.Namespace) -> int:
                     "tflops_per_rank": score.tflops_per_device, "mfu": score.mfu},
                 "measured": {"step_s": "the parallel step, the slowest rank's, the ranks starting together",
                              "peak_memory_bytes": "the largest max RSS over the ranks (ru_maxrss)"}}
-        writing("--log-jsonl", args.log_jsonl, lambda: _write_first(log["jsonl"], _json_line(head)))
+        writing("--log-jsonl", args.log_jsonl, lambda: write_first(log["jsonl"], json_line(head)))
     res = _with_progress(args.steps, lambda tick: run_ranks(
         _rank, world, name, over, cfg, batch, args.seq, args.steps, save, resume,
         {**log, "tick": tick}, timeout_s=600))
@@ -360,8 +360,8 @@ def _train(args: argparse.Namespace) -> int:
         print(f"resumed from {resume} at step {res[0]['first']}" + (
             f" (saved under dp={was.get('dp')} tp={was.get('tp')} pp={was.get('pp')} ZeRO-{was.get('zero_stage')})"
             if was else ""))
-    print(_table(res[0]["records"]))
-    print(_notes(log, world, args.log_every))
+    print(step_table(res[0]["records"]))
+    print(table_notes(log, world, args.log_every))
     worst = 0.0
     for got, want, *_ in res[0]["rows"]:
         worst = max(worst, abs(got - want) / abs(want))
@@ -374,10 +374,10 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _with_progress(steps: int, call):
-    """``call(tick)`` with a progress bar of the training steps on stderr (:mod:`autopar.progress`)
+    """``call(tick)`` with a progress bar of the training steps on stderr (:mod:`autopar.core.progress`)
     when one shows: rank 0 appends a byte to the file ``tick`` per step, which a thread here
     polls; ``tick`` is None (no file, no thread) when no bar shows."""
-    from autopar.progress import progress, shows
+    from autopar.core.progress import progress, shows
 
     if not shows():
         return call(None)
@@ -425,8 +425,8 @@ def _cfg(c) -> dict:
 
 def _from_search(args: argparse.Namespace) -> tuple:
     """Without --plan: the fastest configuration the simulator finds for --ranks CPU ranks."""
-    from autopar.cli_hybrid import config_line
-    from autopar.workload import parse_overrides
+    from autopar.cli.hybrid import config_line
+    from autopar.cli.workload import parse_overrides
 
     name, batch = args.model or "gpt", args.batch or 8
     over = small_overrides(name, {}, stages=1, seq=args.seq)     # a zoo token model, made small
@@ -444,8 +444,8 @@ def _from_search(args: argparse.Namespace) -> tuple:
 def _from_plan(args: argparse.Namespace) -> tuple:
     """With --plan: the saved plan's structure scaled down to --ranks (:func:`scale_down`), on
     the plan's model made small (:func:`small_overrides`), at the plan's micro-batches per step."""
-    from autopar.cli_hybrid import SavedPlan, config_line
-    from autopar.workload import parse_overrides
+    from autopar.cli.hybrid import SavedPlan, config_line
+    from autopar.cli.workload import parse_overrides
 
     for flag, given in (("--model", args.model), ("--batch", args.batch)):
         if given is not None:
@@ -493,6 +493,15 @@ def _from_plan(args: argparse.Namespace) -> tuple:
     return saved.model, over, cfg, batch, score
 
 
-if __name__ == "__main__":      # python -m autopar.train: as `autopar train` (typed errors, exit 2)
-    from autopar.cli import main as cli_main
-    sys.exit(cli_main(["train", *sys.argv[1:]]))
+def command(argv: list[str]) -> int:
+    """``autopar train ...``: :func:`main`, with a bad plan file or flag printed as its message
+    (no traceback) and exit status 2."""
+    try:
+        return main(argv)
+    except AutoparError as exc:
+        print(f"autopar: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":      # python -m autopar.cli.train: as `autopar train` (typed errors, exit 2)
+    sys.exit(command(sys.argv[1:]))

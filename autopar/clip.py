@@ -19,16 +19,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.errors import ConfigError, OptimizerError
+from autopar.core.errors import ConfigError, OptimizerError
 
 _EPS = 1e-6      # as torch.nn.utils.clip_grad_norm_
 
 
 def _entries(module: Any, optimizer: Any) -> list[tuple[str, Any, torch.Tensor]]:
-    from autopar.checkpoint import _optimizer_entries
-    from autopar.errors import CheckpointError
+    from autopar.checkpoint.layout import optimizer_entries
+    from autopar.core.errors import CheckpointError
     try:
-        return _optimizer_entries(module, optimizer)[1]
+        return optimizer_entries(module, optimizer)[1]
     except CheckpointError as exc:
         raise OptimizerError("clip_grad_norm_ takes the parallel model and the optimizer that steps it",
                              where="autopar.clip_grad_norm_", got=type(optimizer).__name__,

@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING, Any
 import torch.fx as fx
 from torch import nn
 
-from autopar.errors import ConfigError
+from autopar.core.errors import ConfigError
 from autopar.passes.capture import capture
-from autopar.passes.meta import BlockClass, graph_info
+from autopar.core.meta import BlockClass, graph_info
 from autopar.passes.pipeline import analyze
 
 if TYPE_CHECKING:
     from autopar.models.depth import Shrunk
 
-log = logging.getLogger("autopar.workload")
+log = logging.getLogger("autopar.cli.workload")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from autopar.passes.meta import NodeInfo, graph_info, info
+from autopar.core.meta import NodeInfo, graph_info, info
 from autopar.summary import Totals, at, module_rows, peak_live, state_memory, totals
 
 

@@ -21,7 +21,7 @@ optimisation (each rank's parameters may differ between synchronisations):
   ``staleness=0`` is all-reduce; the first ``staleness`` steps change nothing.
 
 These run on the dense data axis with ZeRO-0 (``dp``, ``dp x tp``, and the data axis of a
-pipeline for ``local_sgd``); anything else raises a :class:`~autopar.errors.ConfigError`
+pipeline for ``local_sgd``); anything else raises a :class:`~autopar.core.errors.ConfigError`
 that says what composes. The runtime is ``runtime/data_modes.py``; the planner prices each
 mode in ``cost/dp_modes.py``.
 """
@@ -31,7 +31,7 @@ import difflib
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from autopar.errors import ConfigError
+from autopar.core.errors import ConfigError
 
 MODES = ("allreduce", "local_sgd", "compressed", "gossip", "async")
 COMPRESSORS = ("topk", "randk", "quantize")

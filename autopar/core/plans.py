@@ -14,10 +14,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autopar import strict_json
-from autopar.errors import ConfigError, PlanFileError
-from autopar.passes.sharding import Strategy
-from autopar.placement import Spec
+from autopar.core import strict_json
+from autopar.core.errors import ConfigError, PlanFileError
+from autopar.core.placement import Spec, Strategy
 
 PLAN_VERSION = 4
 _READABLE = (1, 2, 3, 4)   # older plans read with data-axis / pipeline defaults
@@ -73,7 +72,7 @@ class Plan:
     capacity_factor: float | None = None          # MoE capacity factor (None: the model's own)
     shapes: dict[str, list[int]] = field(default_factory=dict)   # the model's parameters, by state_dict key
     fingerprint: str = ""                         # hash of ``shapes``: which model the plan is for
-    dp_mode: dict[str, Any] = field(default_factory=dict)   # data-axis mode (autopar/dp_mode.py); {}: all-reduce
+    dp_mode: dict[str, Any] = field(default_factory=dict)   # data-axis mode (autopar/core/dp_mode.py); {}: all-reduce
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
@@ -90,7 +89,7 @@ class Plan:
             raise ConfigError("a pipeline plan needs a schedule", where="plan", got=repr(self.schedule),
                               fix="one of gpipe, 1f1b, interleaved, zb")
         if self.dp_mode:
-            from autopar.dp_mode import data_mode
+            from autopar.core.dp_mode import data_mode
             data_mode(self.dp_mode, where="plan dp_mode")     # raises ConfigError on a bad one
         for axis in (self.tp_axis, self.dp_axis, self.pp_axis, self.ep_axis):
             if axis is not None and axis not in self.mesh:
@@ -117,7 +116,7 @@ class Plan:
     def from_json(cls, text: str, *, where: str = "plan") -> "Plan":
         """Read :meth:`to_json`'s text strictly: every field of its type and range (a bool is not
         an int, numbers are finite), no unknown field (the nearest valid name is suggested);
-        anything else is a :class:`~autopar.errors.PlanFileError` naming the field."""
+        anything else is a :class:`~autopar.core.errors.PlanFileError` naming the field."""
         data = strict_json.parse(text, where=where, fix=_FIX)
         if not isinstance(data, dict) or type(data.get("version")) is not int or data["version"] not in _READABLE:
             raise PlanFileError("plan has an unknown version", where=where,

@@ -11,14 +11,14 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from autopar.errors import ConfigError, DoesNotFitError, PlanFileError
+from autopar.core.errors import ConfigError, DoesNotFitError, PlanFileError
 
 
 _HYBRID_HELP = "the simulator's figures (cost/hybrid.py)"
 
 
 def _hybrid_facts(args: argparse.Namespace, planned):
-    """The simulator's facts of a :class:`~autopar.workload.PlanningCapture` (fewer layers than
+    """The simulator's facts of a :class:`~autopar.cli.workload.PlanningCapture` (fewer layers than
     the model's where it could: ``layers=`` gives the real count)."""
     from autopar.cost.hybrid import ModelFacts
     from autopar.cost.dp_planner import optimizer_floats
@@ -70,7 +70,7 @@ def emit_plan(args: argparse.Namespace, name: str, cluster, out: PlanOutcome) ->
         _write_report(args, name, cluster, out)
     if getattr(args, "save_plan", None):
         SavedPlan.of(args, cluster, out.best).save(args.save_plan)
-        _progress(args, f"wrote {args.save_plan}")
+        say(args, f"wrote {args.save_plan}")
     if args.json:
         sys.stdout.write(json.dumps(plan_json(args, name, cluster, out), indent=1) + "\n")
     else:
@@ -92,7 +92,7 @@ def plan_json(args: argparse.Namespace, name: str, cluster, out: PlanOutcome) ->
 def plan_text(args: argparse.Namespace, name: str, cluster, out: PlanOutcome) -> str:
     """The one text layout of ``autopar plan``: the plan line, the chosen configuration, the
     predicted step (TFLOP/s, MFU), memory, mode details, the alternatives table, notes."""
-    from autopar.dump import seconds
+    from autopar.cli.dump import seconds
     best = out.best
     mem = best.memory
     gb = lambda x: f"{x / 1e9:.2f}"  # noqa: E731
@@ -138,12 +138,12 @@ DP_MODE_THRESHOLD = 0.10     # a data-axis mode is shown when it shortens the st
 
 
 def dp_mode_alternatives(args: argparse.Namespace, cluster, out: PlanOutcome) -> dict:
-    """The data-axis modes (``autopar/dp_mode.py``) priced for the chosen plan's data axis by
+    """The data-axis modes (``autopar/core/dp_mode.py``) priced for the chosen plan's data axis by
     ``cost/dp_modes.py``: ``shown`` those that would shorten its step by more than
     :data:`DP_MODE_THRESHOLD`, ``priced`` every one that composes with it. They are offered,
     never chosen: each changes the optimisation, so the plan (and ``--save-plan``) keeps all-reduce."""
     from autopar.cost.dp_modes import price_modes, worth_showing
-    from autopar.dp_mode import check_composes
+    from autopar.core.dp_mode import check_composes
     best, c = out.best, out.best.config
     data = {"dp": c.dp, "threshold": DP_MODE_THRESHOLD, "step_time_s": best.step_time_s, "grad_numel": None,
             "plan_zero_stage": c.zero_stage, "shown": [], "priced": [], "none_why": ""}
@@ -175,7 +175,7 @@ def dp_mode_alternatives(args: argparse.Namespace, cluster, out: PlanOutcome) ->
 
 
 def _mode_line(p: dict, step_s: float, allreduce_s: float) -> str:
-    from autopar.dump import seconds
+    from autopar.cli.dump import seconds
     return (f"{p['label']}: data-axis communication {seconds(allreduce_s)} -> {seconds(p['exposed_s'])} per step "
             f"({'-' if p['saving_s'] >= 0 else '+'}{seconds(abs(p['saving_s']))}, "
             f"{-100 * p['saving_s'] / step_s:+.0f} % step)")
@@ -184,7 +184,7 @@ def _mode_line(p: dict, step_s: float, allreduce_s: float) -> str:
 def dp_mode_text(data: dict) -> list[str]:
     """The ``data-axis modes`` section of ``autopar plan``'s text."""
     head = "data-axis modes (offered, never chosen: each changes the optimisation; the plan keeps all-reduce"
-    from autopar.dump import seconds
+    from autopar.cli.dump import seconds
     shown = {p["label"] for p in data["shown"]}
     rest = [p for p in data.get("priced", []) if p["label"] not in shown]
     under = ("  the others, per step (- saves, + costs): " + ", ".join(
@@ -201,8 +201,8 @@ def dp_mode_text(data: dict) -> list[str]:
 def _write_report(args: argparse.Namespace, name: str, cluster, out: PlanOutcome) -> None:
     """--report: the plan as one HTML page, with the planner's measured time, each stage's
     memory, the alternatives (ep column included) and every note the text prints."""
-    from autopar.cli_checks import writing
-    from autopar.report import write_report
+    from autopar.cli.checks import writing
+    from autopar.cli.report import write_report
     svg = out.timeline_svg() if out.timeline_svg is not None else \
         "<p>no pipeline: one stage runs its micro-batches in turn</p>"
     rows = out.block_rows() if out.block_rows is not None else []
@@ -214,7 +214,7 @@ def _write_report(args: argparse.Namespace, name: str, cluster, out: PlanOutcome
         args.report, title=f"autopar plan: {name} on {cluster.name}", plan=plan,
         alternatives=[o.as_dict() | {"reason": o.reason} for o in out.others], timeline_svg=svg, block_rows=rows,
         stages=list(out.stages), notes=notes))
-    _progress(args, f"wrote {args.report}")
+    say(args, f"wrote {args.report}")
 
 
 def _hybrid_stages(best) -> list[dict]:
@@ -236,26 +236,26 @@ def _hybrid_stages(best) -> list[dict]:
     return rows
 
 
-def _plan_hybrid(args: argparse.Namespace, w, planned, cluster, start: float) -> int:
+def plan_command(args: argparse.Namespace, w, planned, cluster, start: float) -> int:
     """``autopar plan`` (default): the joint search over every parallelism (cost/hybrid.py), on
-    ``planned``, the workload's :func:`~autopar.workload.capture_for_planning`."""
+    ``planned``, the workload's :func:`~autopar.cli.workload.capture_for_planning`."""
     from autopar.cost.hybrid import RECOMPUTE
     from autopar.cost.plan_search import leanest, search, smallest_cluster
 
     facts = _hybrid_facts(args, planned)
     space = {}
     if args.tp != "auto":      # exactly this degree (as with --pp 1 and --pp N)
-        space["tp_exact"] = _positive_int(args.tp, "--tp")
+        space["tp_exact"] = positive_int(args.tp, "--tp")
     if args.zero != "auto":
         space["zero_stages"] = (int(args.zero),)
     _check_layouts(args, facts, cluster, space.get("tp_exact"))
     t0 = time.perf_counter()
-    _progress(args, f"searching dp x tp x pp x ZeRO x recompute x micro-batch x schedule for {cluster.world_size} "
+    say(args, f"searching dp x tp x pp x ZeRO x recompute x micro-batch x schedule for {cluster.world_size} "
                     f"devices …")
     best, others, scored = search(facts, cluster, batch=args.batch, budget=_budget(args, cluster),
                                   top=args.top, recomputes=RECOMPUTE, **space)
     planner_s = time.perf_counter() - t0
-    _progress(args, f"scored {scored} configurations in {planner_s:.1f}s")
+    say(args, f"scored {scored} configurations in {planner_s:.1f}s")
     if best is None:
         smallest = smallest_cluster(facts, cluster, batch=args.batch, budget=_budget(args, cluster))
         lean = leanest(facts, cluster, batch=args.batch, **space)
@@ -269,20 +269,20 @@ def _plan_hybrid(args: argparse.Namespace, w, planned, cluster, start: float) ->
                                    if smallest else "no cluster up to 65536 devices fits")
                               + "; or raise --memory-budget")
     if args.timeline:
-        _drawable(best.microbatches, "--timeline")
-        from autopar.cli_checks import writing
+        drawable(best.microbatches, "--timeline")
+        from autopar.cli.checks import writing
         from autopar.cost.hybrid import timeline_of
         from autopar.cost.timeline import write_timeline
         sim = timeline_of(facts, cluster, best.config, batch=args.batch)
         c = best.config
         title = f"{facts.layers} layers, dp={c.dp} tp={c.tp} pp={c.pp}, {c.schedule}, {best.microbatches} micro-batches"
         writing("--timeline", args.timeline, lambda: write_timeline(sim, args.timeline, title=title))
-        _progress(args, f"wrote {args.timeline}")
+        say(args, f"wrote {args.timeline}")
 
     def svg() -> str:
         from autopar.cost.hybrid import timeline_of
         from autopar.cost.timeline import timeline_svg
-        _drawable(best.microbatches, "--report")
+        drawable(best.microbatches, "--report")
         return timeline_svg(timeline_of(facts, cluster, best.config, batch=args.batch),
                             title="simulated pipeline schedule")
     notes = [f"{_HYBRID_HELP}; attention priced as {facts.attention}",
@@ -334,9 +334,9 @@ def _check_layouts(args: argparse.Namespace, facts, cluster, tp: int | None) -> 
                           f", or a cluster of at most {most} devices that the batch divides")
 
 
-def _drawable(microbatches: int, flag: str) -> None:
+def drawable(microbatches: int, flag: str) -> None:
     """Refuse to draw a schedule of more micro-batches than the event simulation runs."""
-    from autopar.cli_checks import MAX_EVENT_MICROBATCHES
+    from autopar.cli.checks import MAX_EVENT_MICROBATCHES
     if microbatches > MAX_EVENT_MICROBATCHES:
         raise ConfigError(f"{flag} draws every micro-batch; this plan has {microbatches} per step", where=flag,
                           expected=f"at most {MAX_EVENT_MICROBATCHES} micro-batches to draw",
@@ -345,7 +345,7 @@ def _drawable(microbatches: int, flag: str) -> None:
 
 def _block_rows(facts, cluster, c) -> list[dict]:
     """The first layer's ops with the tensor layout the plan gives them."""
-    from autopar.passes.meta import info
+    from autopar.core.meta import info
     axes = (("pp", c.pp), ("dp", c.dp), ("tp", c.tp))
     _, strategies = facts.parts(c.tp, c.micro_batch, cluster, axes)
     first = None
@@ -365,11 +365,11 @@ def _block_rows(facts, cluster, c) -> list[dict]:
     return rows
 
 
-def _simulate(args: argparse.Namespace) -> int:
+def simulate_command(args: argparse.Namespace) -> int:
     """``autopar simulate``: score one fixed configuration with the planner's simulator."""
-    from autopar import cli_checks
+    from autopar.cli import checks as cli_checks
     from autopar.cost.hybrid import Config, simulate
-    from autopar.workload import capture_for_planning, load_workload, parse_overrides
+    from autopar.cli.workload import capture_for_planning, load_workload, parse_overrides
 
     cli_checks.output_file(args.timeline, "--timeline")
     cluster = cli_checks.cluster(args.cluster, args.hardware)
@@ -390,23 +390,23 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.timeline:
         from autopar.cost.hybrid import timeline_of
         from autopar.cost.timeline import write_timeline
-        _drawable(score.microbatches, "--timeline")
+        drawable(score.microbatches, "--timeline")
         sim = timeline_of(facts, cluster, c, batch=args.batch)
         cli_checks.writing("--timeline", args.timeline, lambda: write_timeline(sim, args.timeline))
     sys.stdout.write(json.dumps(data, indent=1) + "\n")
     return 0
 
 
-def _positive_int(text: str, flag: str) -> int:
+def positive_int(text: str, flag: str) -> int:
     """``--tp`` / ``--pp`` of ``autopar plan``: a positive integer (``auto`` is handled before)."""
-    from autopar.cli_checks import MAX_DEVICES, bounded_int
+    from autopar.cli.checks import MAX_DEVICES, bounded_int
     if not text.strip().isdigit():
         raise ConfigError(f"{flag} takes 'auto' or a positive integer", where=flag, got=repr(text)[:60],
                           fix=f"e.g. {flag} 4")
     return bounded_int(text, flag, high=MAX_DEVICES, why="a degree of at most the largest --cluster")
 
 
-def _progress(args: argparse.Namespace, msg: str) -> None:
+def say(args: argparse.Namespace, msg: str) -> None:
     if not args.quiet:
         print(f"[autopar] {msg}", file=sys.stderr, flush=True)
 
@@ -414,7 +414,7 @@ def _progress(args: argparse.Namespace, msg: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # The plan file: ``autopar plan --save-plan FILE`` writes it, ``autopar train --plan FILE`` reads it.
 
-PLAN_FILE_FORMAT = "autopar plan"   # tells this file from a parallelize Plan (autopar.plans)
+PLAN_FILE_FORMAT = "autopar plan"   # tells this file from a parallelize Plan (autopar.core.plans)
 PLAN_FILE_VERSION = 1
 _READABLE_PLAN_FILES = (1,)
 _SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb")
@@ -444,7 +444,7 @@ class SavedPlan:
     simulator's step time, model TFLOP/s, MFU and peak memory per device (each may be absent or null).
     ``autopar train --plan`` rebuilds the structure from it (every Config field), so a file is
     checked field by field on read: a hand-edited or truncated file fails with a
-    :class:`~autopar.errors.PlanFileError` naming the field, never half-way into a run."""
+    :class:`~autopar.core.errors.PlanFileError` naming the field, never half-way into a run."""
 
     model: str
     overrides: dict
@@ -462,7 +462,7 @@ class SavedPlan:
     @classmethod
     def of(cls, args: argparse.Namespace, cluster, best) -> "SavedPlan":
         """The plan ``autopar plan`` chose (``best``, a Score) for its command line ``args``."""
-        from autopar.workload import parse_overrides
+        from autopar.cli.workload import parse_overrides
         return cls(model=args.model, overrides=parse_overrides(args.set), cluster=args.cluster,
                    hardware=args.hardware, devices=cluster.world_size, batch=args.batch, seq=args.seq,
                    dtype=args.dtype, config=best.config, microbatches=best.microbatches,
@@ -489,14 +489,14 @@ class SavedPlan:
     @classmethod
     def load(cls, path: str | Path) -> "SavedPlan":
         """Read and check a file ``autopar plan --save-plan`` wrote."""
-        from autopar import strict_json
+        from autopar.core import strict_json
         text = strict_json.read_text(path, where=f"plan file {path}",
                                      fix="pass the path of a file written by `autopar plan ... --save-plan FILE`")
         return cls.from_json(text, where=f"plan file {path}")
 
     @classmethod
     def from_json(cls, text: str, *, where: str = "plan file") -> "SavedPlan":
-        from autopar import strict_json
+        from autopar.core import strict_json
         return cls.from_dict(strict_json.parse(text, where=where, fix=_PLAN_FILE_FIX), where=where)
 
     @classmethod
@@ -516,7 +516,7 @@ class SavedPlan:
                                 expected=repr(PLAN_FILE_FORMAT), got=repr(data.get("format")),
                                 fix="that is a parallelize plan (Plan.save): pass it to autopar.parallelize(plan=...)"
                                 if other else _PLAN_FILE_FIX)
-        from autopar.strict_json import reject_unknown
+        from autopar.core.strict_json import reject_unknown
         reject_unknown(data, _PLAN_FILE_FIELDS, where=where, fix=_PLAN_FILE_FIX)
         version = _checked(data, "version", "int", where)
         if version not in _READABLE_PLAN_FILES:

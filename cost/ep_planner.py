@@ -35,10 +35,10 @@ import torch.fx as fx
 
 from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
-from autopar.errors import ConfigError, MeshError
-from autopar.passes.meta import MoERegion, evaluate, graph_info, info
+from autopar.core.errors import ConfigError, MeshError
+from autopar.core.meta import MoERegion, evaluate, graph_info, info
 
-log = logging.getLogger("autopar.ep")
+log = logging.getLogger("autopar.cost.ep_planner")
 
 AXES = ("dp", "ep", "tp")
 
@@ -270,7 +270,7 @@ def plan_experts(gm: fx.GraphModule, *, cluster: Cluster, dp: int, tp: int, size
 # ------------------------------------------------------------------------------ runtime
 
 def ep_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
-    from autopar.pp import named_axes
+    from autopar.cost.pp_planner import named_axes
     axes = named_axes(mesh, "e.g. {'ep': 2} or {'dp': 2, 'ep': 2}")
     names = [a for a, _ in axes]
     if names != [a for a in AXES if a in names] or "ep" not in names or any(s < 1 for _, s in axes):

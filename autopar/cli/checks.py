@@ -1,5 +1,5 @@
 """Checks of autopar's command-line values, made before any work: every bad value is a
-:class:`~autopar.errors.ConfigError` with a fix (``autopar`` prints it and exits 2).
+:class:`~autopar.core.errors.ConfigError` with a fix (``autopar`` prints it and exits 2).
 
 Limits, and why:
 
@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from autopar.errors import ConfigError
+from autopar.core.errors import ConfigError
 
 MAX_SIZE = 2**31 - 1
 MAX_DEVICES = 2**20

@@ -22,11 +22,11 @@ from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
 from autopar.cost.op_cost import node_seconds
 from autopar.cost.pp_sim import ZB_SPLIT_OVERHEAD
-from autopar.errors import ConfigError, DoesNotFitError, MeshError
-from autopar.passes.meta import info
+from autopar.core.errors import ConfigError, DoesNotFitError, MeshError
+from autopar.core.meta import info
 from autopar.passes.pp_split import CutPlan, OpCosts, op_costs, plan_cuts
 
-log = logging.getLogger("autopar.pp")
+log = logging.getLogger("autopar.cost.pp_planner")
 
 AXES = ("pp", "dp", "ep", "tp")      # the order a pipeline mesh lists them in (pp outermost)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
@@ -209,7 +209,7 @@ def stage_table(best: PipelinePlan, costs: OpCosts) -> list[dict[str, Any]]:
 
 
 def info_symbols(gm: fx.GraphModule):
-    from autopar.passes.meta import graph_info
+    from autopar.core.meta import graph_info
     return graph_info(gm).symbols
 
 

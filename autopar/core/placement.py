@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Union
 
-from autopar.errors import ConfigError
+from autopar.core.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -183,3 +183,24 @@ def normalize(placement: Placement, ndim: int) -> Placement:
     if isinstance(placement, Shard) and placement.dim < 0:
         return Shard(placement.dim % ndim)
     return placement
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run an op on the tensor axis.
+
+    ``inputs`` has one :class:`Spec` per distinct tensor input (:func:`autopar.passes.sharding.tensor_inputs` order),
+    ``outputs`` one per tensor output. ``work`` is the fraction of the op's FLOPs and
+    bytes one rank does. ``local_op`` names a different local kernel the rewrite must use
+    (e.g. the masked lookup of a vocabulary-parallel embedding)."""
+
+    name: str
+    inputs: tuple[Spec, ...]
+    outputs: tuple[Spec, ...]
+    work: float = 1.0
+    local_op: str | None = None
+
+    def __str__(self) -> str:
+        ins = ",".join(str(s) for s in self.inputs)
+        outs = ",".join(str(s) for s in self.outputs)
+        return f"{self.name}[{ins} -> {outs}]"

@@ -12,7 +12,7 @@ A checkpoint keeps all of it, so training resumes exactly where it stopped:
   queued gradients as tensors, the counters as an object.
 
 Loading needs the same mode's state layout: the same data-axis size for the replicas, and the
-same ranks for the mode's own state (a :class:`~autopar.errors.CheckpointError` says so).
+same ranks for the mode's own state (a :class:`~autopar.core.errors.CheckpointError` says so).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from autopar.errors import CheckpointError
+from autopar.core.errors import CheckpointError
 
 
 def mode_state(model: Any) -> Any:
@@ -37,7 +37,7 @@ def replica(state: Any, lay: Any, t: torch.Tensor) -> tuple[Any, torch.Tensor]:
     """``(layout, tensor)`` with the replica dimension in front (``state``: the mode, or None)."""
     if state is None:
         return lay, t
-    from autopar.checkpoint import Layout
+    from autopar.checkpoint.layout import Layout
     if lay.flat is not None:
         raise CheckpointError("a sharded piece under a data-axis mode", where="autopar.save",
                               fix="data-axis modes run with zero_stage=0")
@@ -54,13 +54,13 @@ def save_items(state: Any, add: Callable[[str, Any, torch.Tensor], None], object
     are waited for first: that changes when, not what, they are applied)."""
     if state is None:
         return
-    from autopar.checkpoint import _whole
+    from autopar.checkpoint.layout import whole
     prefix = _prefix()
     state.queued = [(step, b, ("done", state.finish(h))) for step, b, h in state.queued]
     for b, t in state.memory.items():
-        add(f"{prefix}/memory/{b}", _whole(tuple(t.shape)), t)
+        add(f"{prefix}/memory/{b}", whole(tuple(t.shape)), t)
     for i, (_, _, h) in enumerate(state.queued):
-        add(f"{prefix}/queued/{i}", _whole(tuple(h[1].shape)), h[1])
+        add(f"{prefix}/queued/{i}", whole(tuple(h[1].shape)), h[1])
     objects[prefix] = {"mode": state.mode.to_dict(), "steps": state.steps,
                        "issued": {str(b): c for b, c in state.issued.items()},
                        "memory": sorted(state.memory), "queued": [[s, b] for s, b, _ in state.queued]}
@@ -81,8 +81,8 @@ def load_plan(state: Any, md: dict, want: Callable[[str, Any, torch.Tensor], Non
         if key.startswith(prefix + "/"):
             name = key[len(prefix) + 1:]
             tensors[name] = torch.zeros(tuple(saved.size), dtype=saved.properties.dtype, device=state.device)
-            from autopar.checkpoint import _whole
-            want(key, _whole(tuple(saved.size)), tensors[name])
+            from autopar.checkpoint.layout import whole
+            want(key, whole(tuple(saved.size)), tensors[name])
 
     def restore(objects: dict) -> None:
         meta = objects[prefix]

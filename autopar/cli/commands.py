@@ -7,15 +7,15 @@ import logging
 import sys
 import time
 
-from autopar import cli_checks as checks
-from autopar.cli_checks import count, parse_mesh
-from autopar.cli_hybrid import _plan_hybrid, _positive_int, _progress, _simulate, emit_plan
-from autopar.errors import AutoparError, ConfigError, DoesNotFitError, UnsupportedError
+from autopar.cli import checks
+from autopar.cli.checks import count, parse_mesh
+from autopar.cli.hybrid import plan_command, positive_int, say, simulate_command, emit_plan
+from autopar.core.errors import AutoparError, ConfigError, DoesNotFitError, UnsupportedError
 
 
 def _dump(args: argparse.Namespace) -> int:
-    from autopar.dump import render
-    from autopar.workload import capture_workload, load_workload, parse_overrides
+    from autopar.cli.dump import render
+    from autopar.cli.workload import capture_workload, load_workload, parse_overrides
     mesh = parse_mesh(args.mesh) if args.mesh else None
     checks.output_file(args.out, "--out")
     if args.after and mesh is None:
@@ -26,17 +26,17 @@ def _dump(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     w = load_workload(args.model, batch=args.batch, seq=args.seq, overrides=parse_overrides(args.set),
                       device=args.device)
-    _progress(args, f"built {w.name} on {args.device} in {time.perf_counter() - start:.1f}s; capturing …")
+    say(args, f"built {w.name} on {args.device} in {time.perf_counter() - start:.1f}s; capturing …")
     parallel = None
     hardware = _dump_hardware(args) if mesh is not None else None
     if hardware is not None:
-        _progress(args, f"pricing the mesh for {hardware}")
+        say(args, f"pricing the mesh for {hardware}")
     if mesh is None:
         gm = capture_workload(w)
-        _progress(args, f"captured and analysed {len(gm.graph.nodes)} nodes in {time.perf_counter() - start:.1f}s")
+        say(args, f"captured and analysed {len(gm.graph.nodes)} nodes in {time.perf_counter() - start:.1f}s")
     elif "pp" in mesh:
         gm, parallel = _split_view(args, w, mesh, sequence)
-        _progress(args, f"captured, analysed and split {len(gm.graph.nodes)} nodes into "
+        say(args, f"captured, analysed and split {len(gm.graph.nodes)} nodes into "
                   f"{len(parallel['stages'])} stages in {time.perf_counter() - start:.1f}s")
     else:
         from autopar.prepare import planned_graph
@@ -51,7 +51,7 @@ def _dump(args: argparse.Namespace) -> int:
                                  sequence_parallel=sequence)
         parallel = {"mesh": dict(plan.mesh), "after": after, "predicted": dict(plan.predicted),
                     "zero_stage": plan.zero_stage, "overlap": plan.overlap}
-        _progress(args, f"captured, analysed and planned ({after}) {len(gm.graph.nodes)} nodes on "
+        say(args, f"captured, analysed and planned ({after}) {len(gm.graph.nodes)} nodes on "
                   f"{','.join(f'{k}={v}' for k, v in mesh.items())} in {time.perf_counter() - start:.1f}s")
     if parallel is not None:
         parallel["hardware"] = hardware
@@ -59,7 +59,7 @@ def _dump(args: argparse.Namespace) -> int:
                   fold=not args.unfold)
     if args.out:
         checks.write_text(args.out, text + "\n", "--out")
-        _progress(args, f"wrote {args.out}")
+        say(args, f"wrote {args.out}")
     else:
         sys.stdout.write(text + "\n")
     return 0
@@ -92,8 +92,8 @@ def _dump_hardware(args: argparse.Namespace) -> str:
 def _split_view(args: argparse.Namespace, w, mesh: dict[str, int], sequence: bool | None):
     """The graph with every op's pipeline stage, and the pipeline summary for the dump."""
     from autopar.prepare import planned_graph
-    from autopar.pp import pipeline_axes, split_view, stage_table
-    from autopar.workload import capture_workload
+    from autopar.cost.pp_planner import pipeline_axes, split_view, stage_table
+    from autopar.cli.workload import capture_workload
 
     if args.after not in (None, "split"):
         raise ConfigError(f"with a pp axis, dump shows the graph after split, not after {args.after}",
@@ -127,24 +127,24 @@ def _version() -> str:
 def _plan(args: argparse.Namespace) -> int:
     """Pick dp x tp and the ZeRO stage for a model on a (possibly imaginary) cluster."""
     from autopar.cost.dp_planner import plan_dp
-    from autopar.workload import capture_for_planning, capture_workload, load_workload, parse_overrides
+    from autopar.cli.workload import capture_for_planning, capture_workload, load_workload, parse_overrides
     for flag, path in (("--report", args.report), ("--save-plan", args.save_plan), ("--timeline", args.timeline)):
         checks.output_file(path, flag)
     cluster = checks.cluster(args.cluster, args.hardware)
     mixed = None if args.dtype == "fp32" else args.dtype
     stages = (0, 1, 2, 3) if args.zero == "auto" else (int(args.zero),)
-    tp = None if args.tp == "auto" else (_positive_int(args.tp, "--tp"),)
-    pp = None if args.pp == "auto" else _positive_int(args.pp, "--pp")
+    tp = None if args.tp == "auto" else (positive_int(args.tp, "--tp"),)
+    pp = None if args.pp == "auto" else positive_int(args.pp, "--pp")
     budget = None if args.memory_budget is None else args.memory_budget * 1e9
     start = time.perf_counter()
     w = load_workload(args.model, batch=args.batch, seq=args.seq, overrides=parse_overrides(args.set))
     if args.pp == "auto":   # the joint search reads one block's figures: fewer layers do (workload.py)
         planned = capture_for_planning(w)
-        _progress(args, f"built and captured {w.name} ({planned.describe()}) in {time.perf_counter() - start:.1f}s; "
+        say(args, f"built and captured {w.name} ({planned.describe()}) in {time.perf_counter() - start:.1f}s; "
                         f"planning for {cluster.name} …")
-        return _plan_hybrid(args, w, planned, cluster, start)
+        return plan_command(args, w, planned, cluster, start)
     gm = capture_workload(w)
-    _progress(args, f"built and captured {w.name} ({len(gm.graph.nodes)} nodes) in {time.perf_counter() - start:.1f}s;"
+    say(args, f"built and captured {w.name} ({len(gm.graph.nodes)} nodes) in {time.perf_counter() - start:.1f}s;"
                     f" planning for {cluster.name} …")
     args.pp = pp
     if args.pp > 1:
@@ -157,7 +157,7 @@ def _plan(args: argparse.Namespace) -> int:
                      memory_budget=budget, zero_stages=stages, tp_degrees=tp, mixed_precision=mixed,
                      optimizer=args.optimizer)
     planner_s = time.perf_counter() - t0
-    _progress(args, f"planned {(result.best is not None) + len(result.alternatives)} configurations "
+    say(args, f"planned {(result.best is not None) + len(result.alternatives)} configurations "
                     f"in {planner_s:.1f}s")
     if result.best is None:
         raise _infeasible(args, cluster, result)
@@ -186,7 +186,7 @@ def _as_score(config, *, step_s: float, microbatches: int, model_flops: float, d
 
 def _dp_outcome(args: argparse.Namespace, w, gm, cluster, result, experts, planner_s: float):
     """``--pp 1``: the dp x tp x ZeRO planner's choice (cost/dp_planner.py) as a PlanOutcome."""
-    from autopar.cli_hybrid import PlanOutcome
+    from autopar.cli.hybrid import PlanOutcome
     from autopar.cost.dp_planner import seconds as _ms
     from autopar.cost.hybrid import Config
     devices = result.devices
@@ -227,14 +227,14 @@ def _dp_outcome(args: argparse.Namespace, w, gm, cluster, result, experts, plann
 def _trainable_numel(gm) -> float:
     """The captured graph's parameter entries (the data-axis modes' price divides them by tp:
     a rough share, tensor-replicated parameters counted split)."""
-    from autopar.passes.meta import evaluate, info
+    from autopar.core.meta import evaluate, info
     return sum(float(evaluate(info(n).values[0].numel, {})) for n in gm.graph.nodes
                if n.op == "placeholder" and info(n).kind == "param")
 
 
 def _graph_block_rows(gm, tp: int) -> list[dict]:
     """The first block's ops, with the placement the graph records (replicated without tp)."""
-    from autopar.passes.meta import info
+    from autopar.core.meta import info
     rows, first = [], None
     for n in gm.graph.nodes:
         rec = info(n)
@@ -254,8 +254,8 @@ def _expert_choices(gm, cluster, result, sizes, batch: int, mixed):
     """For a mixture-of-experts model: how to split the experts on top of the chosen dp x tp
     (expert parallelism over a divisor of dp, tp inside the experts, or both). The experts may
     use the memory the chosen plan gives them, in proportion to their share of the parameters."""
-    from autopar.ep import plan_experts
-    from autopar.passes.meta import evaluate, graph_info, info
+    from autopar.cost.ep_planner import plan_experts
+    from autopar.core.meta import evaluate, graph_info, info
 
     regions = graph_info(gm).moe_regions
     if not regions:
@@ -287,13 +287,13 @@ def _experts_text(choices) -> str:
 def _plan_pipeline(args: argparse.Namespace, w, gm, cluster, tp: int) -> int:
     """``autopar plan --pp N``: stages, schedule and micro-batches for N pipeline stages (the
     remaining devices / tp are data-parallel replicas), with the simulated timeline."""
-    from autopar.cli_hybrid import PlanOutcome, _drawable
+    from autopar.cli.hybrid import PlanOutcome, drawable
     from autopar.cost.comm import collective_time
     from autopar.cost.hybrid import Config
     from autopar.cost.timeline import timeline_svg, write_timeline
-    from autopar.dump import human
+    from autopar.cli.dump import human
     from autopar.prepare import planned_graph
-    from autopar.pp import simulate_plan, split_view, stage_table
+    from autopar.cost.pp_planner import simulate_plan, split_view, stage_table
 
     devices = cluster.world_size
     if devices % (args.pp * tp):
@@ -327,7 +327,7 @@ def _plan_pipeline(args: argparse.Namespace, w, gm, cluster, tp: int) -> int:
     if args.timeline:
         checks.writing("--timeline", args.timeline, lambda: write_timeline(
             sim(), args.timeline, title=f"{title}, bubble {sim().bubble_fraction:.3f}"))
-        _progress(args, f"wrote {args.timeline}")
+        say(args, f"wrote {args.timeline}")
     # memory per device: its stages' state (fp32 parameters, gradients and two optimizer moments:
     # passes/pp_split.py) and the activations the schedule keeps in flight on it
     state = [sum(r["state_bytes"] for r in rows if r["device"] == d) for d in range(best.devices)]
@@ -346,7 +346,7 @@ def _plan_pipeline(args: argparse.Namespace, w, gm, cluster, tp: int) -> int:
     stages = [{**r, "layers": f"from {r['first']} ({r['ops']} ops)", "memory_bytes": sum(mems[r["device"]].values()),
                "detail": f"state {human(r['state_bytes'], 'B')}, activations {human(r['activation_bytes'], 'B')} "
                          f"per micro-batch, sends {human(r['sends_bytes'], 'B')}"} for r in rows]
-    notes = [f"the pipeline planner (autopar/pp.py) for exactly pp={args.pp}: stage cuts, schedule and micro-batch "
+    notes = [f"the pipeline planner (cost/pp_planner.py) for exactly pp={args.pp}: stage cuts, schedule and micro-batch "
              f"count; dp={dp} and tp={tp} are fixed" + (" (--tp auto means tp=1 with --pp N)" if args.tp == "auto"
                                                        else ""),
              "priced in fp32 with the state of fp32 parameters, gradients and two optimizer moments, no ZeRO, "
@@ -361,7 +361,7 @@ def _plan_pipeline(args: argparse.Namespace, w, gm, cluster, tp: int) -> int:
         notes.append(f"--zero {args.zero} is not used by --pp N (no ZeRO)")
 
     def svg() -> str:
-        _drawable(m, "--report")
+        drawable(m, "--report")
         return timeline_svg(sim(), title=title)
     out = PlanOutcome(mode=str(args.pp), search=f"pipeline of {args.pp} stages: cuts, schedule and micro-batches",
                       best=score, others=[], planner_s=planner_s, scored=None,
@@ -535,7 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="price attention as a flash kernel, or with the [s, s] scores written out")
     sm.add_argument("--timeline", metavar="OUT.svg", help="draw the simulated pipeline schedule to this SVG file")
     sm.add_argument("-q", "--quiet", action="store_true", help="accepted for symmetry with plan (prints no progress)")
-    sm.set_defaults(fn=_simulate)
+    sm.set_defaults(fn=simulate_command)
 
     m = sub.add_parser("models", help="list the model zoo")
     m.set_defaults(fn=_models)
@@ -561,15 +561,11 @@ def _run_quietly(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["train"]:  # its own flags, parsed by autopar.train
-        from autopar import train
-        try:
-            return train.main(argv[1:])
-        except AutoparError as exc:   # a bad plan file or flag: the message, not a traceback
-            print(f"autopar: error: {exc}", file=sys.stderr)
-            return 2
-    if argv[:1] == ["calibrate"]:  # its own flags, parsed by autopar.cost.calibrate
-        from autopar.cost import calibrate
+    if argv[:1] == ["train"]:  # its own flags, parsed by autopar.cli.train
+        from autopar.cli import train
+        return train.command(argv[1:])
+    if argv[:1] == ["calibrate"]:  # its own flags, parsed by autopar.cli.calibrate
+        from autopar.cli import calibrate
         return calibrate.main(argv[1:])
     try:
         args = build_parser().parse_args(argv)     # a flag's type check raises a ConfigError

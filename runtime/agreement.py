@@ -8,9 +8,9 @@ silently fills part of a parameter, a gloo abort, or a wait until the group's ti
 So, before any other collective, each rank all-gathers a short digest of each field (the
 model's parameter and buffer names, shapes and dtypes and its train/eval mode; the mesh; each
 option) over the default group, and every rank compares every other rank's digests with rank
-0's. A disagreement raises the same :class:`~autopar.errors.ConfigError` on every rank, naming
+0's. A disagreement raises the same :class:`~autopar.core.errors.ConfigError` on every rank, naming
 the first disagreeing rank and the fields; a rank that does not arrive within ``timeout_s``
-raises a :class:`~autopar.errors.PeerFailureError` on the ranks that did.
+raises a :class:`~autopar.core.errors.PeerFailureError` on the ranks that did.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.errors import ConfigError, PeerFailureError
+from autopar.core.errors import ConfigError, PeerFailureError
 
 __all__ = ["check_agreement", "differing", "fingerprint", "rendezvous"]
 

@@ -3,7 +3,7 @@
 ``.metadata`` goes through :class:`SafeUnpickler` (an explicit allow-list of globals, no
 attributes set on classes); stored objects through ``torch.load(..., weights_only=True)``
 (:func:`load_object`), and a save refuses what a load would refuse (:func:`dump_object`).
-:mod:`autopar.ckpt_integrity` uses both.
+:mod:`autopar.checkpoint.integrity` uses both.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from autopar.errors import CheckpointError
+from autopar.core.errors import CheckpointError
 
 
 def _one_line(exc: BaseException) -> str:

@@ -48,7 +48,7 @@ def peak_memory_bytes(device: str = "cpu") -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
-def _log_context(score, cfg: dict, batch: int, seq: int, every: int) -> dict:
+def log_context(score, cfg: dict, batch: int, seq: int, every: int) -> dict:
     """What each logged record needs (picklable, for the ranks): tokens and model FLOPs per
     step, the ranks, the ``cpu`` profile's peak FLOP/s for the compute dtype, and the
     prediction (None without one)."""
@@ -61,7 +61,7 @@ def _log_context(score, cfg: dict, batch: int, seq: int, every: int) -> dict:
             "predicted_peak_memory_bytes": score.peak_memory_bytes if score is not None else None}
 
 
-def _record(step: int, rows: list[tuple], ctx: dict) -> dict:
+def step_record(step: int, rows: list[tuple], ctx: dict) -> dict:
     """One logged record from the ``rows`` since the record before (the last is ``step``'s):
     its losses, the mean step time over them and the figures that follow from it."""
     loss, want = rows[-1][0], rows[-1][1]
@@ -79,7 +79,7 @@ def _record(step: int, rows: list[tuple], ctx: dict) -> dict:
             "memory_vs_predicted": peak / pred_mem if pred_mem else None}
 
 
-def _json_line(obj: dict) -> str:
+def json_line(obj: dict) -> str:
     """One JSON line; a non-finite number (a diverged loss) is written as null."""
     def clean(v):
         if isinstance(v, float) and not math.isfinite(v):
@@ -95,7 +95,7 @@ COLUMNS = (("step", 4), ("parallel loss", 14), ("single-process", 15), ("differe
            ("pred MB", 8), ("x pred", 7))
 
 
-def _table(records: list[dict]) -> str:
+def step_table(records: list[dict]) -> str:
     """The per-step table: losses, then measured beside predicted ('-' where there is no figure)."""
     def num(v, fmt: str, scale: float = 1.0, unit: str = "") -> str:
         return "-" if v is None or not math.isfinite(v) else f"{v * scale:{fmt}}{unit}"
@@ -111,7 +111,7 @@ def _table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _notes(log: dict, world: int, every: int) -> str:
+def table_notes(log: dict, world: int, every: int) -> str:
     """What the table's measured and predicted columns are, wrapped under it."""
     import textwrap
 
@@ -139,6 +139,6 @@ def _notes(log: dict, world: int, every: int) -> str:
     return "\n".join(textwrap.fill(n, width=118, subsequent_indent="  ") for n in notes)
 
 
-def _write_first(path: str, line: str) -> None:
+def write_first(path: str, line: str) -> None:
     with open(path, "w") as f:
         f.write(line)

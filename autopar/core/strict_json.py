@@ -1,5 +1,5 @@
-"""Strict reading of the JSON files a user may hand-edit (the plan files of autopar.plans and
-autopar.cli_hybrid): every failure is a :class:`~autopar.errors.PlanFileError` naming the
+"""Strict reading of the JSON files a user may hand-edit (the plan files of autopar.core.plans and
+autopar.cli.hybrid): every failure is a :class:`~autopar.core.errors.PlanFileError` naming the
 file and field, never a UnicodeDecodeError, RecursionError, OverflowError or a silent cast.
 
 * :func:`read_text`: the file as UTF-8 text, at most :data:`MAX_FILE_BYTES`;
@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from autopar.errors import PlanFileError
+from autopar.core.errors import PlanFileError
 
 # A 405B-parameter model's parallelize plan (one entry per parameter and per graph node) is a
 # few MB; 64 MB is far beyond any plan autopar writes and small enough to read at once.
