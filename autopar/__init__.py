@@ -22,6 +22,7 @@ from autopar.passes.capture import capture
 from autopar.passes.pipeline import analyze
 from autopar.core.plans import Plan
 from autopar.core.dp_mode import DataMode
+from autopar.core.options import DataOptions, ExpertOptions, PipelineOptions, TensorOptions
 from autopar.api import optimizer, parallelize, plan
 from autopar import checkpoint, data
 from autopar.checkpoint import load, save
@@ -35,5 +36,5 @@ __version__ = "0.1.0"
 __all__ = ["AutoparError", "AutoparInternalError", "CaptureError", "CheckpointError", "ConfigError",
            "DoesNotFitError", "InputMismatchError", "MeshError", "OptimizerError", "PeerFailureError",
            "PlanFileError", "ShardingError", "UnsupportedError",
-           "DataMode", "Plan", "ScaledPlan", "analyze", "capture", "checkpoint", "clip_grad_norm_", "data", "init_distributed", "load", "optimizer", "parallelize", "plan", "save", "scale_plan",
+           "DataMode", "DataOptions", "ExpertOptions", "PipelineOptions", "Plan", "TensorOptions", "ScaledPlan", "analyze", "capture", "checkpoint", "clip_grad_norm_", "data", "init_distributed", "load", "optimizer", "parallelize", "plan", "save", "scale_plan",
            "__version__"]

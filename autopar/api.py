@@ -1,26 +1,29 @@
 """The Python API, a thin front door: ``autopar.plan`` finds a plan, ``autopar.parallelize``
 applies one (checking the call, then handing it to the build for the mesh's axes in
-``autopar/build.py``), ``autopar.optimizer`` steps the result."""
+``autopar/build/``: one step list for every mesh), ``autopar.optimizer`` steps the result."""
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Mapping
+import dataclasses
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from autopar.runtime.agreement import check_agreement
-from autopar.build import build_dense, build_experts, build_pipeline
-from autopar.checks import check_devices, check_fits, memory_bytes
+from autopar.build import BuildRequest, build
+from autopar.build.checks import check_devices, check_fits, memory_bytes
 from autopar.runtime.compiled import backend_of, check_compile
 from autopar.core.dp_mode import DataMode, check_composes, data_mode
 from autopar.core.errors import ConfigError, InputMismatchError, OptimizerError
 from autopar.core.meta import graph_info
 from autopar.passes.meta import paused_gc
 from autopar.core.plans import Plan
-from autopar.prepare import (as_args, capture_model, has_axis, mesh_axes, plan_of, solve_tensor_axis,
+from autopar.core.mesh import dense_axes, has_axis
+from autopar.core.options import AxisOptions, collect
+from autopar.build.prepare import (as_args, capture_model, plan_of, solve_tensor_axis,
                              with_memory)
 from autopar.scaled_plan import is_saved_plan_file, merge_options, scale_plan
 
@@ -48,7 +51,7 @@ def plan(model: nn.Module, mesh: Any, example_inputs: Any = (), *, example_kwarg
     all-gather and a reduce-scatter), ``True`` leaves no activation with a sequence dim whole
     on every rank. The sequence dim is the one named ``"seq"`` in ``dims``."""
     memory_budget = memory_bytes(memory_budget)
-    axes = mesh_axes(mesh)
+    axes = dense_axes(mesh)
     gm = capture_model(model, example_inputs, dims, example_kwargs)
     sol, cluster = solve_tensor_axis(gm, axes, hardware=hardware, memory_budget=memory_budget, sizes=sizes, dtype=dtype,
                           placements=placements, sequence_parallel=sequence_parallel)
@@ -86,19 +89,35 @@ def _records_model(fn):
     return wrapped
 
 
+def _accepts_old_keywords(fn):
+    """Let ``parallelize`` take the keywords it took before its options were grouped by axis
+    (``schedule=``, ``overlap=``, ...), each folded into its options object with one
+    ``DeprecationWarning`` per call that names the new spelling. They are not part of the
+    signature (``inspect.signature`` shows the grouped one)."""
+    import functools
+    import warnings
+
+    from autopar.core.options import OLD_KEYWORDS, with_old_keywords
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any):
+        old = {k: kwargs.pop(k) for k in list(kwargs) if k in OLD_KEYWORDS}
+        if old:
+            kwargs["options"], message = with_old_keywords(kwargs.get("options"), old)
+            warnings.warn(message, DeprecationWarning, stacklevel=3)
+        return fn(*args, **kwargs)
+    return wrapped
+
+
 @_records_model
+@_accepts_old_keywords
 def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
                 example_kwargs: Mapping[str, Any] | None = None, plan: Plan | str | None = None,
-                dims: Any = None, hardware: str | None = None, memory_budget: float | str | None = None,
-                sizes: Mapping[str, int] | None = None, sync_params: bool = True, zero_stage: int | None = None,
-                overlap: bool = True, bucket_bytes: int = 0, mixed_precision: str | None = None,
-                loss_fn: Any = None, schedule: str | None = None, microbatches: int | None = None,
-                virtual_stages: int | None = None, calibration: Any = None, expert_placement: str = "balanced",
-                capacity_factor: float | None = None, recompute: str = "none",
-                placements: Mapping[str, str] | None = None, dp_mode: Any = None, compile: Any = False,
-                sequence_parallel: bool | None = None):
-    """Split ``model`` over ``mesh`` and return this rank's parallel module (built by
-    :mod:`autopar.build`: a :class:`ParallelModule`, or a ``PipelineModule`` with a pp axis).
+                hardware: str | None = None, zero_stage: int | None = None, recompute: str = "none",
+                mixed_precision: str | None = None, memory_budget: float | str | None = None, compile: Any = False,
+                options: AxisOptions | Sequence[AxisOptions] | None = None):
+    """Split ``model`` over ``mesh`` and return this rank's parallel module (built by the step
+    list of :mod:`autopar.build`: a :class:`ParallelModule`, or a ``PipelineModule`` with a pp axis).
 
     Call on every rank after ``torch.distributed.init_process_group`` with the same model
     and example inputs (one rank's call: under data parallelism, its share of the batch):
@@ -111,64 +130,69 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
     path of a cluster plan ``autopar plan ... --save-plan FILE`` wrote: that one is scaled to
     this process group (:func:`autopar.scaled_plan.scale_plan`: the mesh, ZeRO stage,
     recomputation, schedule, micro-batches and precision come from it, the mesh may be left
-    out, and what was scaled is logged) (otherwise a plan is found by cost, with ``zero_stage``, ``overlap``, ``bucket_bytes`` and
-    ``mixed_precision`` — ``"bf16"``/``"fp16"`` compute with fp32 master weights, gradient
-    reductions and optimizer state — as given). With ``sync_params`` every rank first takes rank 0's parameters, so
-    differently seeded ranks cannot silently disagree (only tensors whose checksums differ
-    from rank 0's are sent). Without a pipeline, what this rank keeps whole shares the model's
-    storage, as under DDP: training the parallel module updates those parameters and buffers
-    of ``model`` in place; split ones (and pipeline stages') are copies. Step it with the
-    optimizer from :func:`autopar.optimizer`.
-
-    With a ``pp`` axis (axes in the order pp, dp, ep, tp: ``{"pp": 2}``, ``{"pp": 2, "dp": 2, "tp": 2}``,
-    ``{"pp": 2, "dp": 2, "ep": 2}``) the model is cut into pipeline stages and a
-    :class:`~autopar.runtime.pp.PipelineModule` comes back, trained with
-    ``loss = pm.step(inputs, target=targets)``; ``loss_fn(output, target)`` runs on the last
-    stage, and ``schedule`` (gpipe, 1f1b, interleaved, zb), ``microbatches`` and
-    ``virtual_stages`` are chosen by the simulator unless given. Any ZeRO stage, recomputation
-    and ``mixed_precision`` compose with it (the data axis works per step: ``runtime/stage_dp.py``;
-    under mixed precision activations travel between stages in 16 bits and each micro-batch's
-    gradients accumulate in fp32, ``runtime/main_grads.py``).
-
-    With an ``ep`` axis (``{"ep": 2}``, ``{"dp": 2, "ep": 2}``, ``{"ep": 2, "tp": 2}``, or inside a
-    pipeline) each mixture-of-experts layer's experts are spread over it (each ep rank passes
-    its own share of the batch, as under data parallelism; the dense parameters are averaged
-    over dp x ep, the experts over dp, at the ZeRO stage given); ``calibration`` (inputs)
-    measures each expert's load so ``expert_placement="balanced"`` can even it out
-    (``"contiguous"``: experts in order; inside a pipeline experts are placed in order);
-    ``capacity_factor`` overrides the MoE layers' own (tokens over capacity drop). Mixed
-    precision composes with experts as with the dense data axis.
+    out, and what was scaled is logged). Otherwise a plan is found by cost (priced on
+    ``hardware``, default h100 with CUDA, else cpu), with ``zero_stage`` (None: the lowest that
+    fits ``memory_budget``, bytes or a size such as ``"40GB"``) and ``mixed_precision``
+    (``"bf16"``/``"fp16"`` compute with fp32 master weights, gradient reductions and optimizer
+    state). Without a pipeline, what this rank keeps whole shares the model's storage, as under
+    DDP: training the parallel module updates those parameters and buffers of ``model`` in
+    place; split ones (and pipeline stages') are copies. Step it with the optimizer from
+    :func:`autopar.optimizer`.
 
     ``recompute``: ``"none"``, ``"selective"`` (attention cores re-run in backward) or
     ``"full"`` (every layer re-run in backward; forward keeps only each layer's inputs).
-
-    ``dp_mode`` says how the data axis communicates (``autopar/core/dp_mode.py``): ``"allreduce"``
-    (the default: every gradient averaged every step), ``"local_sgd"``, ``"compressed"``,
-    ``"gossip"`` or ``"async"``, as a name, a dict with the options (``{"kind": "local_sgd",
-    "sync_every": 4}``) or an :class:`autopar.DataMode`; with ZeRO-0 on ``dp`` and ``dp x tp``
-    meshes (``local_sgd`` also with a pipeline).
-
     ``compile=True`` runs each rank's rewritten graph (each pipeline stage's) through
     ``torch.compile`` with inductor (``"aot_eager"`` or ``"eager"`` name another backend): the
     tensor axis's collectives stay in the compiled graph, the data axis's run eagerly between
     compiled pieces (``runtime/compiled.py``); not with ``recompute``.
 
-    ``placements`` (dp/tp meshes) forces how parameters are stored on the tensor axis, and
-    ``sequence_parallel`` whether activations are split along the sequence, as in :func:`plan`.
-    Bad input raises an :class:`~autopar.core.errors.AutoparError` subclass before any collective:
-    MeshError, PlanFileError, ShardingError, DoesNotFitError, UnsupportedError.
-    ``memory_budget`` is bytes or a size, as in :func:`plan`."""
+    ``options`` takes the per-axis options, one object or a list (:mod:`autopar.core.options`):
+
+    - :class:`~autopar.TensorOptions` (``placements``, ``sequence_parallel``, ``dims``, ``sizes``)
+      forces how parameters are stored on the tensor axis, whether activations are split along
+      the sequence, which input dims are symbolic and the sizes the plan is priced at, as in
+      :func:`plan` (dp/tp meshes);
+    - :class:`~autopar.DataOptions` (``overlap``, ``bucket_bytes``, ``dp_mode``, ``sync_params``):
+      bucket overlap and size; how the data axis communicates — ``"allreduce"`` (default),
+      ``"local_sgd"``, ``"compressed"``, ``"gossip"`` or ``"async"``, a name, a dict with options or an
+      :class:`autopar.DataMode`, with ZeRO-0 on ``dp`` and ``dp x tp`` meshes (``local_sgd`` also with a
+      pipeline); and whether every rank first takes rank 0's parameters (only tensors whose
+      checksums differ from rank 0's are sent);
+    - :class:`~autopar.PipelineOptions` (``schedule``, ``microbatches``, ``virtual_stages``,
+      ``loss_fn``): with a ``pp`` axis (axes in the order pp, dp, ep, tp: ``{"pp": 2}``,
+      ``{"pp": 2, "dp": 2, "tp": 2}``, ``{"pp": 2, "dp": 2, "ep": 2}``) the model is cut into
+      pipeline stages and a :class:`~autopar.runtime.pp.PipelineModule` comes back, trained with
+      ``loss = pm.step(inputs, target=targets)``; ``loss_fn(output, target)`` runs on the last stage;
+      the schedule (gpipe, 1f1b, interleaved, zb), micro-batches and virtual stages are chosen by
+      the simulator unless given. Any ZeRO stage, recomputation and mixed precision compose with
+      it (``runtime/stage_dp.py``, ``runtime/main_grads.py``);
+    - :class:`~autopar.ExpertOptions` (``calibration``, ``placement``, ``capacity_factor``): with an
+      ``ep`` axis (``{"ep": 2}``, ``{"dp": 2, "ep": 2}``, ``{"ep": 2, "tp": 2}``, or inside a pipeline)
+      each mixture-of-experts layer's experts are spread over it (each ep rank passes its own share
+      of the batch; the dense parameters are averaged over dp x ep, the experts over dp);
+      ``calibration`` (inputs) measures each expert's load so ``placement="balanced"`` can even it
+      out (``"contiguous"``: in order; inside a pipeline experts are placed in order);
+      ``capacity_factor`` overrides the MoE layers' own (tokens over capacity drop).
+
+    The keywords these replace (``schedule=``, ``overlap=``, ...) still work, each with a
+    ``DeprecationWarning`` naming its new spelling. Bad input raises an
+    :class:`~autopar.core.errors.AutoparError` subclass before any collective: MeshError,
+    PlanFileError, ShardingError, DoesNotFitError, UnsupportedError."""
 
     memory_budget = memory_bytes(memory_budget)
+    o = collect(options)
     if is_saved_plan_file(plan):       # a cluster plan: its structure, scaled to these ranks
         scaled = scale_plan(plan) if dist.is_initialized() else None
         if scaled is not None:
+            pipe = o.pipeline
             mesh, opts = merge_options(scaled, mesh, dict(
-                zero_stage=zero_stage, recompute=recompute, mixed_precision=mixed_precision, schedule=schedule,
-                microbatches=microbatches, virtual_stages=virtual_stages))
+                zero_stage=zero_stage, recompute=recompute, mixed_precision=mixed_precision, schedule=pipe.schedule,
+                microbatches=pipe.microbatches, virtual_stages=pipe.virtual_stages))
             zero_stage, recompute, mixed_precision = opts["zero_stage"], opts["recompute"], opts.get("mixed_precision")
-            schedule, microbatches = opts.get("schedule", schedule), opts.get("microbatches", microbatches)
-            virtual_stages, plan = opts.get("virtual_stages", virtual_stages), None
+            o = dataclasses.replace(o, pipeline=dataclasses.replace(
+                pipe, schedule=opts.get("schedule", pipe.schedule), microbatches=opts.get("microbatches", pipe.microbatches),
+                virtual_stages=opts.get("virtual_stages", pipe.virtual_stages)))
+            plan = None
             if dist.get_rank() == 0:      # scaled: said (a warning prints without logging set up)
                 (log.warning if scaled.notes else log.info)("%s", scaled.describe())
     if not isinstance(model, nn.Module):
@@ -178,12 +202,13 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
         plan = Plan.load(plan)
     if plan is not None:
         plan.check_model(model)    # a plan for another model stops here, before any collective
-    if plan is not None and placements:
-        raise ConfigError("placements= and plan= are both given", where="parallelize", got=str(dict(placements)),
+    t, d = o.tensor, o.data
+    if plan is not None and t.placements:
+        raise ConfigError("placements= and plan= are both given", where="parallelize", got=str(dict(t.placements)),
                           fix="put the placements in the plan (autopar.plan(..., placements=...)), or drop plan=")
-    if plan is not None and sequence_parallel is not None:
+    if plan is not None and t.sequence_parallel is not None:
         raise ConfigError("sequence_parallel= and plan= are both given", where="parallelize",
-                          got=f"sequence_parallel={sequence_parallel!r}",
+                          got=f"sequence_parallel={t.sequence_parallel!r}",
                           fix="plan with it (autopar.plan(..., sequence_parallel=...)), or drop plan=")
     mesh = mesh if plan is None or not isinstance(mesh, int) else plan.mesh     # an int with a plan: the plan's
     if mesh is None:
@@ -194,14 +219,16 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
         mesh = plan.mesh
     pipelined = has_axis(mesh, "pp") or (plan is not None and plan.pp_axis is not None)
     experts = has_axis(mesh, "ep") or (plan is not None and plan.ep_axis is not None)
-    _refuse_unused(("a pipeline", pipelined, dict(calibration=calibration, placements=placements, sizes=sizes,
-                                                 bucket_bytes=bucket_bytes, sequence_parallel=sequence_parallel)),
-                   ("expert parallelism", experts, dict(placements=placements, sizes=sizes, bucket_bytes=bucket_bytes,
-                                                        sequence_parallel=sequence_parallel)))
+    e = o.experts
+    _refuse_unused(("a pipeline", pipelined, dict(calibration=e.calibration, placements=t.placements, sizes=t.sizes,
+                                                 bucket_bytes=d.bucket_bytes, sequence_parallel=t.sequence_parallel)),
+                   ("expert parallelism", experts, dict(placements=t.placements, sizes=t.sizes,
+                                                        bucket_bytes=d.bucket_bytes,
+                                                        sequence_parallel=t.sequence_parallel)))
     _check_mixed_precision(mixed_precision, plan)
     backend = backend_of(compile)
     check_compile(backend, recompute)
-    mode = _data_mode(dp_mode, plan)
+    mode = _data_mode(d.dp_mode, plan)
     check_composes(mode, zero_stage=plan.zero_stage if plan is not None else zero_stage, pipeline=pipelined,
                    experts=experts, mixed_precision=mixed_precision or (plan.mixed_precision if plan else None))
     if mode.kind != "allreduce" and zero_stage is None and plan is None:
@@ -214,32 +241,21 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
                           fix="call torch.distributed.init_process_group (torchrun sets the environment) first")
     check_devices(model, (*args, *kwargs.values()),
                   "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
+    pipe = o.pipeline
     # before any other collective: every rank called with the same model, mesh and options
-    check_agreement(model, mesh, dict(plan=plan, dims=dims, hardware=hardware, memory_budget=memory_budget,
-                                      sizes=sizes, sync_params=sync_params, zero_stage=zero_stage, overlap=overlap,
-                                      bucket_bytes=bucket_bytes, mixed_precision=mixed_precision, loss_fn=loss_fn,
-                                      schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
-                                      expert_placement=expert_placement, capacity_factor=capacity_factor,
-                                      recompute=recompute, placements=placements, dp_mode=mode.to_dict(),
-                                      compile=backend, sequence_parallel=sequence_parallel,
+    check_agreement(model, mesh, dict(plan=plan, dims=t.dims, hardware=hardware, memory_budget=memory_budget,
+                                      sizes=t.sizes, sync_params=d.sync_params, zero_stage=zero_stage,
+                                      overlap=d.overlap, bucket_bytes=d.bucket_bytes, mixed_precision=mixed_precision,
+                                      loss_fn=pipe.loss_fn, schedule=pipe.schedule, microbatches=pipe.microbatches,
+                                      virtual_stages=pipe.virtual_stages, expert_placement=e.placement,
+                                      capacity_factor=e.capacity_factor, recompute=recompute,
+                                      placements=t.placements, dp_mode=mode.to_dict(), compile=backend,
+                                      sequence_parallel=t.sequence_parallel,
                                       inputs=[(k, _input_form(v)) for k, v in
                                               [*enumerate(args), *sorted(kwargs.items())]]))
-    if pipelined:
-        pm = build_pipeline(model, mesh, args, loss_fn=loss_fn, schedule=schedule, microbatches=microbatches,
-                            virtual_stages=virtual_stages, hardware=hardware, memory_budget=memory_budget,
-                            sync_params=sync_params, zero_stage=zero_stage, plan=plan, recompute=recompute,
-                            example_kwargs=kwargs, mixed_precision=mixed_precision, dp_mode=mode)
-    elif experts:
-        pm = build_experts(model, mesh, args, hardware=hardware, memory_budget=memory_budget,
-                           sync_params=sync_params, calibration=calibration, placement=expert_placement,
-                           dims=dims, capacity_factor=capacity_factor, example_kwargs=kwargs, plan=plan,
-                           zero_stage=zero_stage, recompute=recompute, mixed_precision=mixed_precision)
-    else:
-        pm = build_dense(model, mesh, args, kwargs, plan=plan, dims=dims, hardware=hardware,
-                         memory_budget=memory_budget, sizes=sizes, sync_params=sync_params, zero_stage=zero_stage,
-                         overlap=overlap, bucket_bytes=bucket_bytes, mixed_precision=mixed_precision,
-                         recompute=recompute, placements=placements, dp_mode=mode,
-                         sequence_parallel=sequence_parallel)
+    pm = build(BuildRequest(model=model, mesh=mesh, args=args, kwargs=kwargs, plan=plan, hardware=hardware,
+                            memory_budget=memory_budget, zero_stage=zero_stage, recompute=recompute,
+                            mixed_precision=mixed_precision, options=o, dp_mode=mode))
     return _compiled(pm, backend)
 
 

@@ -79,7 +79,7 @@ def _divisors(n: int) -> list[int]:
 def scale_plan(plan: Any, world: int | None = None) -> ScaledPlan:
     """The saved plan ``plan`` (a path or a SavedPlan) for ``world`` ranks (default: the process
     group's size)."""
-    from autopar.cli.hybrid import SavedPlan
+    from autopar.core.saved_plan import SavedPlan
     saved = plan if isinstance(plan, SavedPlan) else SavedPlan.load(plan)
     if world is None:
         import torch.distributed as dist

@@ -99,8 +99,8 @@ def _make(variant: str, name: str, overrides: dict, args: tuple, world: int, buc
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
     import autopar
     stage, overlap = _AUTOPAR[variant]
-    pm = autopar.parallelize(model, {"dp": world}, args, zero_stage=stage, overlap=overlap,
-                             bucket_bytes=bucket_bytes)
+    pm = autopar.parallelize(model, {"dp": world}, args, zero_stage=stage,
+                             options=autopar.DataOptions(overlap=overlap, bucket_bytes=bucket_bytes))
     del model                                     # pm holds the tensors it keeps (shared or pieces)
     return pm, autopar.optimizer(pm, torch.optim.AdamW, lr=1e-3)
 

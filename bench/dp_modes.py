@@ -121,7 +121,8 @@ def make(variant: str, width: int, layers: int, x: torch.Tensor, world: int, syn
     model = build_model(width, layers)
     if variant.startswith("ap-"):
         import autopar
-        pm = autopar.parallelize(model, {"dp": world}, (x,), dp_mode=dp_mode_of(variant, sync_every), zero_stage=0)
+        pm = autopar.parallelize(model, {"dp": world}, (x,), zero_stage=0,
+                                 options=autopar.DataOptions(dp_mode=dp_mode_of(variant, sync_every)))
         return pm, autopar.optimizer(pm, torch.optim.SGD, lr=LR, momentum=MOMENTUM)
     grad_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     # powerSGD_hook with more than one bucket deadlocks on gloo here (its second all-reduce is

@@ -29,7 +29,7 @@ Per world size, in the same processes:
      hand    the same model with every MoELayer replaced (same weights) by :class:`HandEPLayer`,
              written directly on torch.distributed (below), AdamW on the rank's parameters
              (its own experts only), dense gradients averaged by one flat all_reduce;
-     ap      ``autopar.parallelize(model, {"ep": N}, local_args, expert_placement="contiguous")``
+     ap      ``autopar.parallelize(model, {"ep": N}, local_args, options=ExpertOptions(placement="contiguous"))``
              + ``autopar.optimizer`` (the apples-to-apples peer of ``hand``);
      ap-bal  autopar's default ``expert_placement="balanced"``, with the global batch as
              ``calibration`` (so the placement follows the measured expert loads),
@@ -106,9 +106,10 @@ def _make(variant: str, overrides: dict, args: tuple, glob: tuple, rank: int, wo
         model = hand_model(model, rank, world, comm=variant == "hand")
         return model, HandOptimizer(model, world, comm=variant == "hand", lr=1e-3)
     if variant == "ap":
-        pm = autopar.parallelize(model, {"ep": world}, args, expert_placement="contiguous")
+        pm = autopar.parallelize(model, {"ep": world}, args, options=autopar.ExpertOptions(placement="contiguous"))
     else:
-        pm = autopar.parallelize(model, {"ep": world}, args, expert_placement="balanced", calibration=glob)
+        pm = autopar.parallelize(model, {"ep": world}, args,
+                                 options=autopar.ExpertOptions(placement="balanced", calibration=glob))
     return pm, autopar.optimizer(pm, torch.optim.AdamW, lr=1e-3)
 
 

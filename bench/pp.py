@@ -9,8 +9,8 @@ times, in the same processes, a full training step (the pipeline's forward and b
 ``--microbatches`` micro-batches, loss ``cross_entropy(logits, target)`` per micro-batch, AdamW
 step, zero_grad) of
 
-  ap-S      ``autopar.parallelize(model, {"pp": world}, args, loss_fn=..., schedule=S,
-            microbatches=M)`` + ``autopar.optimizer(pm, AdamW)``; a step is ``pm.step``;
+  ap-S      ``autopar.parallelize(model, {"pp": world}, args, options=PipelineOptions(loss_fn=...,
+            schedule=S, microbatches=M))`` + ``autopar.optimizer(pm, AdamW)``; a step is ``pm.step``;
   torch-S   the hand split a user would write: one plain ``nn.Module`` per stage built from
             copies of the zoo model's own submodules, equal numbers of blocks per stage
             (stage 0 also has the embeddings, the last stage the final norm and head), each
@@ -184,9 +184,9 @@ class AutoparPipeline:
         import torch.distributed as dist
 
         import autopar
-        self.pm = autopar.parallelize(model, {"pp": dist.get_world_size()}, args, loss_fn=loss_fn,
-                                      schedule=schedule, microbatches=micro,
-                                      virtual_stages=2 if schedule == "interleaved" else None)
+        self.pm = autopar.parallelize(model, {"pp": dist.get_world_size()}, args, options=autopar.PipelineOptions(
+            loss_fn=loss_fn, schedule=schedule, microbatches=micro,
+            virtual_stages=2 if schedule == "interleaved" else None))
         self.modules = self.pm.stages
         self.indices = [s.index for s in self.modules]
         self.opt = autopar.optimizer(self.pm, torch.optim.AdamW, lr=1e-3)

@@ -193,8 +193,8 @@ def rank_work(rank: int, world: int, overrides: dict, zeros: list[int], micro: i
         target = torch.randint(0, model.config.vocab, (rows * dp, seq))
         share = rank % dp                     # {"pp": 2, "dp": 2}: dp is the inner axis
         local, local_t = tuple(a.chunk(dp)[share] for a in args), target.chunk(dp)[share]
-        pm = autopar.parallelize(model, {"pp": 2, "dp": dp}, local, loss_fn=_loss, schedule="1f1b",
-                                 microbatches=microbatches, zero_stage=z)
+        pm = autopar.parallelize(model, {"pp": 2, "dp": dp}, local, zero_stage=z, options=autopar.PipelineOptions(
+            loss_fn=_loss, schedule="1f1b", microbatches=microbatches))
         opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-3)
         pm.step(*local, target=local_t)
         opt.step()

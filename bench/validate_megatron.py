@@ -134,7 +134,7 @@ def build(best, overrides: dict, row: dict, batch: int) -> dict:
     import subprocess
     import tempfile
 
-    from autopar.cli.hybrid import SavedPlan
+    from autopar.core.saved_plan import SavedPlan
     plan = SavedPlan(model="gpt", overrides={k: str(v) for k, v in overrides.items()}, cluster=f"{int(row['gpus']) // 8}x8",
                      hardware="a100", devices=int(row["gpus"]), batch=batch, seq=2048, dtype="fp16",
                      config=best.config, microbatches=best.microbatches,

@@ -13,8 +13,8 @@ experts' compute on the most-loaded rank grows with the imbalance when tokens ar
 (with a fixed capacity every rank computes ``E/n * n * C`` rows, and the imbalance shows up as
 dropped tokens instead).
 
-:func:`autopar.build.build_experts` (reached through :func:`autopar.parallelize` with an
-``ep`` axis and no pipeline) captures the model, rewrites each MoE region for the exchange
+The build's experts step (``autopar/build/experts.py``, reached through :func:`autopar.parallelize`
+with an ``ep`` axis and no pipeline) captures the model, rewrites each MoE region for the exchange
 (:mod:`autopar.passes.ep_rewrite`: a fixed-capacity buffer exchange, or for dropless layers an
 all-to-all with variable splits, each dropless layer first checked against its own graph on
 random routing; a layer it cannot split runs dense with a one-line warning, and when none can
@@ -35,12 +35,11 @@ import torch.fx as fx
 
 from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
-from autopar.core.errors import ConfigError, MeshError
+from autopar.core.errors import ConfigError
 from autopar.core.meta import MoERegion, evaluate, graph_info, info
 
 log = logging.getLogger("autopar.cost.ep_planner")
 
-AXES = ("dp", "ep", "tp")
 
 
 @dataclass(frozen=True)
@@ -269,16 +268,5 @@ def plan_experts(gm: fx.GraphModule, *, cluster: Cluster, dp: int, tp: int, size
 
 # ------------------------------------------------------------------------------ runtime
 
-def ep_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
-    from autopar.cost.pp_planner import named_axes
-    axes = named_axes(mesh, "e.g. {'ep': 2} or {'dp': 2, 'ep': 2}")
-    names = [a for a, _ in axes]
-    if names != [a for a in AXES if a in names] or "ep" not in names or any(s < 1 for _, s in axes):
-        raise MeshError("expert-parallel mesh axes must be dp, ep, tp in that order (ep required)", where="mesh",
-                        expected="e.g. {'ep': 2}, {'dp': 2, 'ep': 2}, {'ep': 2, 'tp': 2}", got=str(dict(axes)),
-                        fix="list the axes in the order dp, ep, tp (pp is not supported with ep)")
-    return axes
-
-
-__all__ = ["Placement", "contiguous", "place_experts", "expert_loads", "EPCost", "ep_costs", "ep_axes",
+__all__ = ["Placement", "contiguous", "place_experts", "expert_loads", "EPCost", "ep_costs",
            "ExpertChoice", "plan_experts"]

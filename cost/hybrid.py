@@ -50,30 +50,12 @@ from autopar.cost.step_terms import (DataBytes, device_memory, lone_stage_data_a
 from autopar.core.errors import ConfigError
 from autopar.core.meta import evaluate, graph_info, info
 from autopar.passes.sharding import is_decision, tensor_inputs
+from autopar.core.plans import RECOMPUTE, Config
 from autopar.core.placement import REP, Shard
 
 log = logging.getLogger("autopar.hybrid")
 
-RECOMPUTE = ("none", "selective", "full")
 SCORE_OPS = {"_softmax", "softmax", "_safe_softmax", "masked_fill", "where", "dropout", "native_dropout", "div", "mul"}
-
-
-@dataclass(frozen=True)
-class Config:
-    """One point of the search space."""
-
-    dp: int
-    tp: int
-    pp: int
-    micro_batch: int
-    schedule: str = "1f1b"
-    virtual: int = 1
-    recompute: str = "none"
-    zero_stage: int = 0
-    ep: int = 1
-
-    def degrees(self) -> dict[str, int]:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep}
 
 
 @dataclass(frozen=True)

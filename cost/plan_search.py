@@ -15,7 +15,8 @@ import time
 from typing import Any, Iterable, Sequence
 
 from autopar.cost.cluster import Cluster
-from autopar.cost.hybrid import RECOMPUTE, Config, ModelFacts, Score, simulate
+from autopar.core.plans import RECOMPUTE, Config
+from autopar.cost.hybrid import ModelFacts, Score, simulate
 from autopar.core.errors import ConfigError
 from autopar.core.progress import progress
 

@@ -1,7 +1,7 @@
 """What a plan leaves on each rank: tensor-axis-local parameter sizes and the parameters' width.
 
-Shared by the ZeRO memory split (``cost/dp_planner.py``), the fit checks (``autopar/checks.py``)
-and the plan's predicted memory (``autopar/prepare.py``).
+Shared by the ZeRO memory split (``cost/dp_planner.py``), the fit checks (``autopar/build/checks.py``)
+and the plan's predicted memory (``autopar/build/prepare.py``).
 """
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
-"""Pipeline parallelism: plan the stages and schedule, and build this rank's pipeline.
+"""Pipeline parallelism's planner: the stages, the schedule and the micro-batches.
 
 :func:`plan_pipeline` prices the captured graph op by op (the cost model), chooses the
 schedule and micro-batch count with the schedule simulator (:mod:`autopar.cost.pp_sim`)
 when they are not given, and cuts the graph into ``p * v`` stages with
-:func:`autopar.passes.pp_split.plan_cuts`. :func:`build_pipeline` (reached through
-:func:`autopar.parallelize` with a ``pp`` axis in the mesh) applies it: a tensor axis is
-solved and rewritten on the whole graph first, the rewritten graph is split, and this
-rank's stages run under a ``torch.distributed.pipelining`` schedule
-(:class:`autopar.runtime.pp.PipelineModule`).
+:func:`autopar.passes.pp_split.plan_cuts`. The build's schedule and pipeline steps
+(``autopar/build/pipeline.py``, reached through :func:`autopar.parallelize` with a ``pp`` axis
+in the mesh) apply it: a tensor axis is solved and rewritten on the whole graph first, the
+rewritten graph is split, and this rank's stages run under a ``torch.distributed.pipelining``
+schedule (:class:`autopar.runtime.pp.PipelineModule`).
 """
 from __future__ import annotations
 
@@ -22,13 +22,13 @@ from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
 from autopar.cost.op_cost import node_seconds
 from autopar.cost.pp_sim import ZB_SPLIT_OVERHEAD
-from autopar.core.errors import ConfigError, DoesNotFitError, MeshError
+from autopar.core.errors import ConfigError, DoesNotFitError
+from autopar.core.mesh import pipeline_axes
 from autopar.core.meta import info
 from autopar.passes.pp_split import CutPlan, OpCosts, op_costs, plan_cuts
 
 log = logging.getLogger("autopar.cost.pp_planner")
 
-AXES = ("pp", "dp", "ep", "tp")      # the order a pipeline mesh lists them in (pp outermost)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 
 
@@ -51,28 +51,6 @@ class PipelinePlan:
                 "microbatches": self.microbatches, "stage_starts": list(self.cuts.start_nodes),
                 "stage_time_s": list(self.cuts.stage_time_s), "step_time_s": self.step_time_s,
                 "bubble_fraction": self.bubble_fraction}
-
-
-def named_axes(mesh: Any, example: str) -> tuple[tuple[str, int], ...]:
-    """``[(axis, size)]`` of a ``{axis: size}`` mapping or a DeviceMesh with named axes."""
-    if hasattr(mesh, "mesh_dim_names") and hasattr(mesh, "size"):
-        return tuple((n, mesh.size(i)) for i, n in enumerate(mesh.mesh_dim_names or ()))
-    if isinstance(mesh, Mapping):
-        return tuple((str(k), int(v)) for k, v in mesh.items())
-    raise MeshError("the mesh must be a {axis: size} mapping or a DeviceMesh with named axes", where="mesh",
-                    got=type(mesh).__name__, fix=example)
-
-
-def pipeline_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
-    """``[(axis, size)]`` of a pipeline mesh: ``pp`` first, then ``dp`` and/or ``tp``."""
-    axes = named_axes(mesh, "e.g. {'pp': 2, 'tp': 2}")
-    names = [a for a, _ in axes]
-    order = [a for a in AXES if a in names]
-    if names != order or len(set(names)) != len(names) or any(n < 1 for _, n in axes):
-        raise MeshError("pipeline mesh axes must be pp, then dp, ep and/or tp, each of size >= 1", where="mesh",
-                        expected="e.g. {'pp': 2}, {'pp': 2, 'dp': 2}, {'pp': 2, 'ep': 2} or {'pp': 2, 'tp': 2}",
-                        got=str(dict(axes)), fix="list the axes in the order pp, dp, ep, tp")
-    return axes
 
 
 def node_time_fn(device, dtype: str, sizes: Mapping[str, int] | None = None) -> Callable[[fx.Node], float]:
@@ -213,5 +191,5 @@ def info_symbols(gm: fx.GraphModule):
     return graph_info(gm).symbols
 
 
-__all__ = ["PipelinePlan", "pipeline_axes", "plan_pipeline", "simulate_plan", "inflight",
+__all__ = ["PipelinePlan", "plan_pipeline", "simulate_plan", "inflight",
            "node_time_fn", "SCHEDULES"]

@@ -13,7 +13,8 @@ from autopar.cost.comm import collective_time
 from autopar.cost.compute import op_time
 
 if TYPE_CHECKING:
-    from autopar.cost.hybrid import Config, ModelFacts
+    from autopar.core.plans import Config
+    from autopar.cost.hybrid import ModelFacts
 
 
 def stage_layers(layers: int, stages: int, block: float, pre: float = 0.0, post: float = 0.0) -> list[int]:

@@ -110,7 +110,7 @@ class Pricer:
         if node not in self._strategies:
             opts = (placeholder_options(node, self.cfg)
                     if node.op == "placeholder" else strategies(node, self.cfg.n, self.cfg.sizes))
-            if node.name in self.cfg.forced:     # checked divisible before solving (autopar/checks.py)
+            if node.name in self.cfg.forced:     # checked divisible before solving (autopar/build/checks.py)
                 opts = [s for s in opts if str(s.outputs[0].value) == self.cfg.forced[node.name]]
             if self.cfg.sequence is not None and node.op != "placeholder":
                 opts = sequence_filter(node, opts, self.cfg.sequence)

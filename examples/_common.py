@@ -73,7 +73,7 @@ def layout(args) -> tuple[dict, dict, int, int]:
     mesh = {k: int(v) for k, v in (part.split("=") for part in args.mesh.split(","))}
     opts = {"zero_stage": args.zero} if args.zero is not None else {}
     if "pp" in mesh:
-        opts.update(schedule="1f1b", microbatches=2)
+        opts.update(options=autopar.PipelineOptions(schedule="1f1b", microbatches=2))
         return mesh, opts, args.batch // 2, 2
     return mesh, opts, args.batch, 1
 

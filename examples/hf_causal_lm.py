@@ -29,7 +29,8 @@ if layout == "dp":                           # each data rank passes its share o
     pm = autopar.parallelize(model, {"dp": 2}, example_kwargs=mine, zero_stage=3)
 elif layout == "pp":
     mine = batch
-    pm = autopar.parallelize(model, {"pp": 2}, example_kwargs=mine, schedule="1f1b", microbatches=2)
+    pm = autopar.parallelize(model, {"pp": 2}, example_kwargs=mine,
+                                 options=autopar.PipelineOptions(schedule="1f1b", microbatches=2))
 else:
     mine = batch
     pm = autopar.parallelize(model, {"tp": 2}, example_kwargs=mine)

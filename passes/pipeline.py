@@ -33,24 +33,6 @@ ANALYSIS_PASSES: list[tuple[str, Pass, str]] = [
 ]
 
 
-# The rewrite passes, in the order every build applies them (autopar/build.py), each only where
-# its axis exists: (name, where it lives, why it comes here).
-REWRITE_PASSES: list[tuple[str, str, str]] = [
-    ("tensor", "passes/tp_rewrite.py",
-     "on the whole graph, so the solver sees every op; experts are pinned whole when there is an expert axis"),
-    ("experts", "passes/ep_rewrite.py",
-     "after the tensor rewrite, whose collectives stay outside the exchanged expert region"),
-    ("stages", "passes/pp_split.py",
-     "after every rewrite that changes the ops, so the cuts price the ops each rank really runs"),
-    ("recompute", "runtime/recompute.py",
-     "per graph (per stage with a pipeline): a region re-runs its rewritten ops, collectives included"),
-    ("data", "passes/dp_rewrite.py (one graph) or runtime/stage_dp.py (stages)",
-     "last: buckets follow the parameters each graph (or stage) holds, dense over dp x ep, experts over dp"),
-    ("overlap", "passes/dp_rewrite.py: schedule",
-     "after the data axis's nodes exist: moves each issue early and each wait late"),
-]
-
-
 def analyze(gm: fx.GraphModule, *, upto: str | None = None) -> fx.GraphModule:
     """Run the analysis passes in order (through ``upto`` if given) on a captured graph."""
     names = [name for name, _, _ in ANALYSIS_PASSES]

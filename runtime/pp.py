@@ -246,7 +246,7 @@ class PipelineModule(nn.Module):
         from torch.distributed import pipelining
 
         self.plan = plan
-        self.mode_source = None          # switches the stages between train and eval (autopar/modes.py)
+        self.mode_source = None          # switches the stages between train and eval (autopar/build/modes.py)
         self.schedule_name = schedule
         self.microbatches = microbatches
         self._stages = stages            # not submodules: the parameters are registered below
@@ -310,7 +310,7 @@ class PipelineModule(nn.Module):
 
     def train(self, mode: bool = True) -> "PipelineModule":
         """Switch this rank's stages (not submodules) and the module to ``mode``, as on the
-        original model; a mode the capture could not express raises (autopar/modes.py)."""
+        original model; a mode the capture could not express raises (autopar/build/modes.py)."""
         if self.mode_source is not None:
             self.mode_source.switch([st.graph_module for st in self._stages], mode, "PipelineModule.train")
         for st in self._stages:

@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 from autopar.core.errors import InputMismatchError
 from autopar.runtime.dp import DPRuntime, row_count_issue, row_weight, shard_range
 from autopar.runtime.health import note_step
+from autopar.core.mesh import names as mesh_names
 from autopar.core.meta import evaluate, graph_info, info, ready
 from autopar.core.placement import Shard, parse
 from autopar.runtime.collectives import c10d
@@ -47,7 +48,7 @@ class ParallelModule(nn.Module):
         self.plan = plan
         self._placements = {k: parse(v) for k, v in placements.items()}
         self._dims = dims                        # symbol -> (input index, dim)
-        names = list(mesh.mesh_dim_names or ())
+        names = list(mesh_names(mesh))
         self._tp_dim = names.index(plan.tp_axis) if plan.tp_axis in names else None
         self._dp_dim = names.index(plan.dp_axis) if plan.dp_axis in names else None
         self._rank = mesh.get_local_rank(self._tp_dim) if self._tp_dim is not None else 0
@@ -97,7 +98,7 @@ class ParallelModule(nn.Module):
 
     def train(self, mode: bool = True) -> "ParallelModule":
         """Switch the graph to ``mode`` as the original model would (dropout, BatchNorm, any
-        op whose arguments depend on ``self.training``; autopar/modes.py), then the module."""
+        op whose arguments depend on ``self.training``; autopar/build/modes.py), then the module."""
         source = graph_info(self.graph_module).mode_source
         if source is not None:
             source.switch([self.graph_module], mode, "ParallelModule.train")
@@ -245,10 +246,11 @@ class ParallelModule(nn.Module):
         self._compiled = compile_graph(self.graph_module, backend) if backend else None
         self.compiled = backend
 
-    def set_recompute(self, mode: str) -> None:
-        """``none``, ``selective`` (attention cores) or ``full`` (every layer) recomputation."""
+    def set_recompute(self, mode: str, where: dict | None = None) -> None:
+        """``none``, ``selective`` (attention cores) or ``full`` (every layer) recomputation;
+        ``where`` (node -> region) when the regions were already found (the build's recompute step)."""
         from autopar.runtime.recompute import regions
-        self._recompute = regions(self.graph_module, mode)
+        self._recompute = regions(self.graph_module, mode) if where is None else where
         self.recompute = mode
 
     def _check_like_example(self, flat: list) -> None:

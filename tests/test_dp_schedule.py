@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar import models
-from autopar.prepare import planned_graph
+from autopar.build.prepare import planned_graph
 from autopar.runtime.dp import grad_reduce_issue, grad_reduce_wait, param_gather_issue, param_gather_wait
 from autopar.runtime.launch import run_ranks
 

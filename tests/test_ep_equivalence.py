@@ -88,7 +88,7 @@ def _train(rank: int, world: int, overrides: dict, mesh: dict, batch: int, seq: 
 
 
 def _skewed_calibration(model, overrides: dict, ep: int, batch: int, seq: int) -> tuple:
-    from autopar.prepare import capture_model
+    from autopar.build.prepare import capture_model
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     for token in range(overrides["vocab"]):
         cal = (torch.full((batch, seq), token, dtype=torch.long),)

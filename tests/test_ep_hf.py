@@ -177,7 +177,7 @@ def _case(rank: int, world: int, name: str, mesh: dict, dtype: torch.dtype, skew
 
 def _skewed_calibration(model: nn.Module, ep: int) -> tuple:
     """A batch of one repeated token whose experts the contiguous placement puts on one rank."""
-    from autopar.prepare import capture_model
+    from autopar.build.prepare import capture_model
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     gm = capture_model(model, (torch.zeros(2, 8, dtype=torch.long),), {})
     for token in range(3, VOCAB):

@@ -68,7 +68,7 @@ def _mixtral() -> torch.nn.Module:
 def _unbalanced_calibration(model: torch.nn.Module) -> tuple:
     """A batch of one repeated token for which the balanced placement of some MoE layer is
     not experts in order (so a plan that lost the placement would show)."""
-    from autopar.prepare import capture_model
+    from autopar.build.prepare import capture_model
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     gm = capture_model(model, (torch.zeros(2, SEQ, dtype=torch.long),), {})
     for token in range(3, MOE["vocab"]):

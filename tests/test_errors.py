@@ -109,7 +109,7 @@ def test_an_edited_plan_splitting_an_indivisible_dim_is_refused():
     bad = Plan.from_json(good.to_json().replace('"up.weight": "R"', '"up.weight": "S(0)"'))
     assert bad.params["up.weight"] == "S(0)"
     with pytest.raises(ShardingError) as err:
-        autopar.prepare.planned_graph(model, {"tp": 4}, (_x(),), plan=bad)
+        autopar.build.prepare.planned_graph(model, {"tp": 4}, (_x(),), plan=bad)
     _says(err, "parameter up.weight", "size 6", "size 4")
 
 

@@ -219,7 +219,7 @@ import io  # noqa: E402
 import json  # noqa: E402
 
 from autopar.cli import main as cli_main  # noqa: E402
-from autopar.cli.hybrid import SavedPlan  # noqa: E402
+from autopar.core.saved_plan import SavedPlan  # noqa: E402
 from autopar.core.errors import PlanFileError  # noqa: E402
 from autopar.core.plans import Plan  # noqa: E402
 

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from autopar.cli import main
-from autopar.cli.hybrid import SavedPlan
+from autopar.core.saved_plan import SavedPlan
 from autopar.cost.pp_sim import StageCosts, make, simulate
 from autopar.core.errors import PlanFileError
 from autopar.core.plans import Plan

@@ -311,7 +311,7 @@ def test_state_dict_under_zero3_on_one_rank_raises_instead_of_hanging(results) -
 
 def test_only_a_model_that_can_depend_on_its_mode_is_captured_twice() -> None:
     from autopar import models
-    from autopar.modes import mode_dependent
+    from autopar.build.modes import mode_dependent
     assert not mode_dependent(models.build("gpt", {}, device="meta"))       # its code never reads the mode
     assert not mode_dependent(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
     assert mode_dependent(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1)))

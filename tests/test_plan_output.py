@@ -10,7 +10,7 @@ import re
 import pytest
 
 from autopar.cli import main
-from autopar.cli.hybrid import SavedPlan
+from autopar.core.saved_plan import SavedPlan
 
 # small enough that each plan runs in about a second on 2 CPU cores
 PLAN = ["plan", "--model", "gpt", "--set", "layers=2", "--set", "hidden=64", "--set", "heads=4", "--set", "vocab=256",

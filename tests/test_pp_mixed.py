@@ -62,7 +62,7 @@ class _Reference:
     gradients summed in fp32, as the pipeline sums its copies' fp32 accumulators."""
 
     def __init__(self, model: torch.nn.Module, key: str, example: tuple, tied: set[str] = frozenset()) -> None:
-        from autopar.prepare import capture_model
+        from autopar.build.prepare import capture_model
         from autopar.passes.autocast import drop_dtype_checks
         self.masters = {f: p.detach().clone().requires_grad_() for f, p in model.named_parameters()}
         self.initial = {f: p.detach().clone() for f, p in model.named_parameters()}

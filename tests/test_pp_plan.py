@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autopar import models
-from autopar.prepare import capture_model
+from autopar.build.prepare import capture_model
 from autopar.cost.cluster import Cluster
 from autopar.core.errors import ConfigError
 from autopar.passes.pp_split import layer_cuts, op_costs, plan_cuts, shared_params, split_stages

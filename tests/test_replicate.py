@@ -12,7 +12,7 @@ from autopar import capture
 from autopar.passes.capture_cache import CaptureCache, _signature
 from autopar.core.meta import graph_info
 from autopar.passes.replicate import find_run
-from autopar.prepare import default_dims
+from autopar.build.prepare import default_dims
 from tests.conftest import TOKEN_DIMS, small
 from tests.hf_tiny import build as hf_build
 

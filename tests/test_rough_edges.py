@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import autopar
-from autopar.checks import memory_bytes
+from autopar.build.checks import memory_bytes
 from autopar.cli import main
 from autopar.core.errors import ConfigError
 from autopar.passes.sharding import reset_warnings

@@ -7,7 +7,7 @@ import json
 import pytest
 
 import autopar
-from autopar.cli.hybrid import SavedPlan
+from autopar.core.saved_plan import SavedPlan
 from autopar.scaled_plan import is_saved_plan_file, merge_options
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from autopar import models
-from autopar.prepare import planned_graph
+from autopar.build.prepare import planned_graph
 from autopar.core.meta import info, within
 from autopar.passes.sharding import strategies
 from autopar.core.placement import P, R, Shard, Spec, transition

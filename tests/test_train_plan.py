@@ -7,7 +7,7 @@ import json
 import pytest
 
 from autopar.cli import main
-from autopar.cli.hybrid import PLAN_FILE_FORMAT, SavedPlan
+from autopar.core.saved_plan import PLAN_FILE_FORMAT, SavedPlan
 from autopar.cost.hybrid import Config
 from autopar.core.errors import ConfigError, PlanFileError
 from autopar.cli.train import runtime_mesh, scale_down, small_overrides, _cfg

@@ -39,7 +39,7 @@ def _dump(args: argparse.Namespace) -> int:
         say(args, f"captured, analysed and split {len(gm.graph.nodes)} nodes into "
                   f"{len(parallel['stages'])} stages in {time.perf_counter() - start:.1f}s")
     else:
-        from autopar.prepare import planned_graph
+        from autopar.build.prepare import planned_graph
         after = args.after or "plan"
         if after == "split":
             raise ConfigError("--after split needs a pp axis in --mesh", where="autopar dump",
@@ -91,8 +91,9 @@ def _dump_hardware(args: argparse.Namespace) -> str:
 
 def _split_view(args: argparse.Namespace, w, mesh: dict[str, int], sequence: bool | None):
     """The graph with every op's pipeline stage, and the pipeline summary for the dump."""
-    from autopar.prepare import planned_graph
-    from autopar.cost.pp_planner import pipeline_axes, split_view, stage_table
+    from autopar.build.prepare import planned_graph
+    from autopar.core.mesh import pipeline_axes
+    from autopar.cost.pp_planner import split_view, stage_table
     from autopar.cli.workload import capture_workload
 
     if args.after not in (None, "split"):
@@ -188,7 +189,7 @@ def _dp_outcome(args: argparse.Namespace, w, gm, cluster, result, experts, plann
     """``--pp 1``: the dp x tp x ZeRO planner's choice (cost/dp_planner.py) as a PlanOutcome."""
     from autopar.cli.hybrid import PlanOutcome
     from autopar.cost.dp_planner import seconds as _ms
-    from autopar.cost.hybrid import Config
+    from autopar.core.plans import Config
     devices = result.devices
     flops = _model_flops(gm, w.sizes, args.batch)
     peak = cluster.device.peak("fp32" if args.dtype == "fp32" else args.dtype)
@@ -289,10 +290,10 @@ def _plan_pipeline(args: argparse.Namespace, w, gm, cluster, tp: int) -> int:
     remaining devices / tp are data-parallel replicas), with the simulated timeline."""
     from autopar.cli.hybrid import PlanOutcome, drawable
     from autopar.cost.comm import collective_time
-    from autopar.cost.hybrid import Config
+    from autopar.core.plans import Config
     from autopar.cost.timeline import timeline_svg, write_timeline
     from autopar.cli.dump import human
-    from autopar.prepare import planned_graph
+    from autopar.build.prepare import planned_graph
     from autopar.cost.pp_planner import simulate_plan, split_view, stage_table
 
     devices = cluster.world_size

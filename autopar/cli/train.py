@@ -1,7 +1,7 @@
 """``autopar train``: train a small model on local CPU ranks under a plan, and check every step.
 
 Two ways to get the plan. ``--plan PLAN.json`` reads what ``autopar plan ... --save-plan``
-chose for a real cluster (:class:`~autopar.cli.hybrid.SavedPlan`) and builds that structure
+chose for a real cluster (:class:`~autopar.core.saved_plan.SavedPlan`) and builds that structure
 scaled down to the local ranks (:func:`scale_down`): every axis the plan splits gets degree
 2, in the order pp, dp, tp, while ranks last, and the ZeRO stage, schedule, virtual stages,
 recomputation and micro-batches per step stay the plan's; the model is the plan's zoo model
@@ -155,7 +155,8 @@ def predict(name: str, overrides: dict, cfg: dict, batch: int, seq: int):
     (:func:`rank_device`), in the ranks' compute dtype. None
     when the simulator cannot score it (a model without repeated layers, say)."""
     from autopar.cost.cluster import Cluster
-    from autopar.cost.hybrid import Config, simulate
+    from autopar.core.plans import Config
+    from autopar.cost.hybrid import simulate
 
     world = cfg["dp"] * cfg["tp"] * cfg["pp"]
     c = Config(**{k: cfg[k] for k in ("dp", "tp", "pp", "ep", "zero_stage", "recompute", "micro_batch",
@@ -444,7 +445,8 @@ def _from_search(args: argparse.Namespace) -> tuple:
 def _from_plan(args: argparse.Namespace) -> tuple:
     """With --plan: the saved plan's structure scaled down to --ranks (:func:`scale_down`), on
     the plan's model made small (:func:`small_overrides`), at the plan's micro-batches per step."""
-    from autopar.cli.hybrid import SavedPlan, config_line
+    from autopar.cli.hybrid import config_line
+    from autopar.core.saved_plan import SavedPlan
     from autopar.cli.workload import parse_overrides
 
     for flag, given in (("--model", args.model), ("--batch", args.batch)):

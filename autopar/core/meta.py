@@ -164,7 +164,7 @@ class GraphInfo:
     # a graph exported with only the first layers of a run (passes/replicate.py): the run as
     # (layer list fqn, layers, start, period), so a cache hit needs no search for it
     layer_run: tuple[str, int, int, int] | None = None
-    # how to switch the graph between train and eval mode (autopar/modes.py); None: it cannot differ
+    # how to switch the graph between train and eval mode (autopar/build/modes.py); None: it cannot differ
     mode_source: Any = None
 
 

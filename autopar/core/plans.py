@@ -257,3 +257,26 @@ def _node(name: str, v: Any, where: str) -> NodeStrategy:
                                       for x in sj.array(v["outputs"], f"{key}.outputs", **at)),
                         work=float(sj.number(v.get("work", 1.0), f"{key}.work", **at)),
                         local_op=sj.text(v.get("local_op"), f"{key}.local_op", optional=True, **at))
+
+
+#: The recomputation modes a configuration may name.
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Config:
+    """One point of the joint planner's search space (:mod:`autopar.cost.plan_search`): the
+    degrees, micro-batch size, schedule, recomputation and ZeRO stage the simulator scores."""
+
+    dp: int
+    tp: int
+    pp: int
+    micro_batch: int
+    schedule: str = "1f1b"
+    virtual: int = 1
+    recompute: str = "none"
+    zero_stage: int = 0
+    ep: int = 1
+
+    def degrees(self) -> dict[str, int]:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep}

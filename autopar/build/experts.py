@@ -1,8 +1,14 @@
-"""The expert-axis steps of a build (:mod:`autopar.build`): which mixture-of-experts layers can
-be split (:func:`checked_moe_plans`), the rewrite for the exchange that keeps this rank's
-experts (:func:`exchange_experts`, :func:`split_experts`), which nodes are expert-side, and the
-placement a plan or a calibration batch gives (:func:`planned_placements`,
-:func:`calibrated_loads`), and a layer's capacity (:func:`set_capacity`)."""
+"""The expert axis's two steps. The capacity step sets an MoE capacity override on the modules
+(before the tensor step captures them); the experts step finds which mixture-of-experts layers
+can be split (:func:`checked_moe_plans`), places their experts (the plan's placement, a
+calibration batch's balanced one, or in order; always in order inside a pipeline), rewrites
+each for the exchange and keeps this rank's experts' rows (:func:`exchange_experts`).
+
+Without a pipeline the experts step also completes the plan (the pipeline step does it with one).
+Where no layer can be split the step does not apply: the ``ep`` axis is then one more data axis
+for every parameter (the data step averages over dp x ep), and says so. Both steps do nothing
+without an expert axis.
+"""
 from __future__ import annotations
 
 import logging
@@ -13,12 +19,71 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from autopar.cost.ep_planner import Placement, contiguous, expert_loads
+from autopar.build.checks import check_runtime_dtypes
+from autopar.build.prepare import capture_model
+from autopar.build.state import BuildState
 from autopar.core.errors import ConfigError, PlanFileError
 from autopar.core.meta import MoERegion, graph_info, info
-from autopar.prepare import capture_model
+from autopar.core.plans import Plan
+from autopar.cost.ep_planner import Placement, contiguous, expert_loads, place_experts
 
 log = logging.getLogger("autopar.build")
+
+
+def capacity_step(s: BuildState) -> None:
+    """``capacity_factor`` (given, or the plan's) set on each MoE layer the graph shows (the
+    model is captured once for that, then again by the tensor step)."""
+    r = s.request
+    if r.pipelined or not r.expert_axis or s.capacity_factor is None:
+        return
+    set_capacity(r.model, capture_model(r.model, r.args, (), r.kwargs), s.capacity_factor)
+
+
+def experts_step(s: BuildState) -> None:
+    """Split every MoE layer that can be split over the ``ep`` axis and keep this rank's experts."""
+    r = s.request
+    if r.pipelined and s.ep == 1 or not r.pipelined and not r.expert_axis:
+        return
+    n_ep = s.ep
+    group, rank = s.group("ep")
+    plans = checked_moe_plans(s.gm, s.tensors)
+    regions = [p.region for p in plans if p.kind != "dense"]
+    if r.pipelined:        # inside a pipeline the experts are placed in order
+        placed = {q.fqn: contiguous(q.num_experts, n_ep) for q in regions}
+    elif r.plan is not None:
+        placed = planned_placements(r.plan, regions, n_ep)
+    else:
+        how = r.options.experts
+        loads = calibrated_loads(r.model, how.calibration, s.tensors) \
+            if how.calibration is not None and how.placement == "balanced" and regions else {}
+        placed = {q.fqn: place_experts(q.num_experts, n_ep, loads.get(q.fqn)) if how.placement == "balanced" else
+                  contiguous(q.num_experts, n_ep, loads.get(q.fqn)) for q in regions}
+    if not regions and not r.pipelined:
+        log.warning("no MoE layer's experts can be split: the ep axis runs as data parallelism (mesh %s)",
+                    {"dp": s.sizes.get("dp", 1) * n_ep, **({"tp": s.tp} if s.tp > 1 else {})})
+    s.expert_runtimes, s.experts = exchange_experts(s.gm, s.tensors, plans, {f: p.perm for f, p in placed.items()},
+                                                    group=group, n=n_ep, rank=rank)
+    s.expert_placements = placed
+    if not r.pipelined:
+        s.plan = _expert_plan(s, placed)
+        check_runtime_dtypes(r.model, s.gm, s.plan)
+
+
+def _expert_plan(s: BuildState, placed: Mapping[str, Placement]) -> Plan:
+    """The plan of an expert-parallel build without a pipeline: the tensor axis's placements, the
+    experts' owners, and (found, not re-applied) each layer's load imbalance."""
+    r = s.request
+    shapes = {k: list(p.shape) for k, p in r.model.named_parameters()}   # what Plan.check_model compares
+    # a re-applied plan keeps its predictions (the loads behind its imbalance are not in the plan)
+    predicted = dict(r.plan.predicted) if r.plan is not None else \
+        {"imbalance": {f: p.imbalance for f, p in placed.items()}}
+    zero = s.zero_stage or 0
+    return Plan(mesh=s.sizes, tp_axis="tp" if s.tp > 1 else None, params=s.placements, nodes=s.nodes,
+                model=type(r.model).__name__, ep_axis="ep", capacity_factor=s.capacity_factor,
+                dp_axis="dp" if "dp" in s.sizes else None,
+                zero_stage=zero if s.sizes.get("dp", 1) * s.ep > 1 else 0,
+                expert_placement={f: list(p.perm) for f, p in placed.items()}, mixed_precision=s.mixed_precision,
+                predicted=predicted, shapes=shapes, fingerprint=Plan.fingerprint_of(shapes))
 
 
 def expert_side(node: fx.Node) -> bool:
@@ -28,15 +93,6 @@ def expert_side(node: fx.Node) -> bool:
         return True
     return rec.kind == "param" and any(rec.target_fqn in r.expert_params
                                        for r in graph_info(node.graph.owning_module).moe_regions)
-
-
-def split_experts(gm: fx.GraphModule, tensors: dict[str, torch.Tensor], *, group: Any, n: int,
-                  rank: int) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Every MoE layer of ``gm`` that can be split, its experts in order (``E/n`` per rank) on
-    the expert axis: :func:`exchange_experts` with contiguous placements."""
-    plans = checked_moe_plans(gm, tensors)
-    perms = {q.region.fqn: contiguous(q.region.num_experts, n).perm for q in plans if q.kind != "dense"}
-    return exchange_experts(gm, tensors, plans, perms, group=group, n=n, rank=rank)[1]
 
 
 def exchange_experts(gm: fx.GraphModule, tensors: dict[str, torch.Tensor], plans: list, perms: Mapping[str, Any], *,
@@ -132,5 +188,5 @@ def set_capacity(model: nn.Module, gm: fx.GraphModule, factor: float) -> None:
         mod.capacity_factor = float(factor)
 
 
-__all__ = ["expert_side", "split_experts", "exchange_experts", "checked_moe_plans", "planned_placements",
+__all__ = ["capacity_step", "experts_step", "expert_side", "exchange_experts", "checked_moe_plans", "planned_placements",
            "calibrated_loads", "set_capacity"]

@@ -4,7 +4,7 @@
 tensor-axis solver (``cost/tp_solver.py``) how to split each op; ``planned_graph`` annotates
 every node with its placement and, on request, rewrites the graph for the tensor axis
 (``passes/tp_rewrite.py``) and inserts the data axis's buckets (``passes/dp_rewrite.py``):
-what ``autopar plan``, ``autopar dump`` and the builds (``autopar/build.py``) start from.
+what ``autopar plan``, ``autopar dump`` and the build's tensor step (``autopar/build/tensor.py``) start from.
 The helpers below them turn a mesh argument into axes and a DeviceMesh, copy the model's
 tensors (rank 0's, on every rank) and find the inputs' named sizes.
 """
@@ -19,11 +19,12 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from autopar.checks import check_options, check_plan_placements, check_sequence_option, forced_placements
+from autopar.build.checks import check_options, check_plan_placements, check_sequence_option, forced_placements
 from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
 from autopar.cost.plan_sizes import dtype_of, local_numels, local_shape, param_bytes
 from autopar.cost.tp_solver import Solution, SolverConfig, solve
+from autopar.core.mesh import dense_axes
 from autopar.core.errors import CaptureError, MeshError, PlanFileError
 from autopar.passes.capture import capture
 from autopar.core.meta import graph_info, info
@@ -33,8 +34,6 @@ from autopar.passes.tp_rewrite import tp_rewrite
 from autopar.core.plans import NodeStrategy, Plan
 
 log = logging.getLogger("autopar")
-_FIXED_ROLES = ("pp", "ep")
-_SUPPORTED = ("dp", "tp")
 
 
 def default_dims(example_inputs: tuple, kwargs: Mapping[str, Any] | None = None) -> Any:
@@ -57,34 +56,6 @@ def as_args(example_inputs: Any) -> tuple:
     return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
 
 
-def mesh_axes(mesh: Any) -> tuple[tuple[str, int], ...]:
-    """``[(axis name, size)]`` of a DeviceMesh, an int (one ``tp`` axis) or a ``{name: size}``
-    (axes ``dp`` and/or ``tp``; ``dp`` is the outer one)."""
-    if isinstance(mesh, int) and not isinstance(mesh, bool):
-        axes = (("tp", mesh),)
-    elif isinstance(mesh, Mapping):
-        axes = tuple((str(k), int(v)) for k, v in mesh.items())
-    elif hasattr(mesh, "mesh_dim_names") and hasattr(mesh, "size"):
-        names = mesh.mesh_dim_names or (("tp",) if mesh.ndim == 1 else tuple(f"axis{i}" for i in range(mesh.ndim)))
-        axes = tuple((names[i], mesh.size(i)) for i in range(mesh.ndim))
-    else:
-        raise MeshError("mesh must be a DeviceMesh, an int or a {axis: size} mapping", where="mesh",
-                        got=type(mesh).__name__, fix="pass e.g. {'dp': 2, 'tp': 2}, init_device_mesh('cpu', (2, 2), "
-                                                     "mesh_dim_names=('dp', 'tp')) or 4")
-    names = [a for a, _ in axes]
-    if not axes or len(set(names)) != len(names) or any(a not in _SUPPORTED for a in names) \
-            or any(size < 1 for _, size in axes):
-        raise MeshError("this takes a mesh of a data axis and/or a tensor axis", where="mesh",
-                        expected="axes named dp and/or tp (dp outermost), each of size >= 1", got=str(axes),
-                        fix="with pp or ep axes, call autopar.parallelize with that mesh (it plans the pipeline and "
-                            "the experts) or run `autopar plan` for a cluster"
-                        if any(a in _FIXED_ROLES for a in names) else "name the axes dp and tp")
-    if names == ["tp", "dp"]:
-        raise MeshError("the data axis must be the outer mesh axis", where="mesh", got=str(axes),
-                        fix="list dp before tp, e.g. {'dp': 2, 'tp': 2}: tensor-parallel ranks are neighbours")
-    return axes
-
-
 def tp_axes(axes: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
     return tuple(a for a in axes if a[0] == "tp")
 
@@ -92,14 +63,14 @@ def tp_axes(axes: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
 def capture_model(model: nn.Module, example_inputs: Any, dims: Any,
              kwargs: Mapping[str, Any] | None = None, *, modes: bool = False) -> fx.GraphModule:
     """Capture and analyse ``model``; with ``modes`` also record what differs in its other
-    train/eval mode (:mod:`autopar.modes`), for a build whose module can be switched."""
+    train/eval mode (:mod:`autopar.build.modes`), for a build whose module can be switched."""
     if modes:
-        from autopar.modes import mode_dependent
+        from autopar.build.modes import mode_dependent
         modes = mode_dependent(model)       # a model whose code never looks at its mode: one capture
     if modes and not model.training and not any(m.training for m in model.modules()):
         # an eval-mode model is captured in train mode (its graph then has what training adds,
         # e.g. BatchNorm's counters) and switched to eval: both modes stay available
-        from autopar.modes import modes_of
+        from autopar.build.modes import modes_of
         with modes_of(model, True):
             gm = capture_model(model, example_inputs, dims, kwargs, modes=True)
         graph_info(gm).mode_source.switch([gm], False, "autopar.parallelize")
@@ -118,7 +89,7 @@ def capture_model(model: nn.Module, example_inputs: Any, dims: Any,
         labels = dims or None
         gm = analyze(capture(model, args, kwargs=kwargs, dims=labels))
     if modes:
-        from autopar.modes import ModeSource
+        from autopar.build.modes import ModeSource
         graph_info(gm).mode_source = ModeSource(gm, model, args, kwargs, labels)
     return gm
 
@@ -218,7 +189,7 @@ def planned_graph(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
     additionally inserts the data-axis collectives and schedules them (what ``autopar dump
     --after`` shows)."""
     after = after or ("rewrite" if rewrite else "plan")
-    axes = mesh_axes(mesh)
+    axes = dense_axes(mesh)
     gm = capture_model(model, example_inputs, dims, example_kwargs, modes=modes)
     sol, cluster = solve_tensor_axis(gm, axes if plan is None else (), hardware=hardware, memory_budget=memory_budget,
                           sizes=sizes, dtype=None, pinned=pinned, placements=placements,
@@ -342,12 +313,6 @@ def device_mesh(mesh: Any, axes: tuple[tuple[str, int], ...]):
         return mesh
     device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
     return init_device_mesh(device, tuple(n for _, n in axes), mesh_dim_names=tuple(a for a, _ in axes))
-
-
-def has_axis(mesh: Any, axis: str) -> bool:
-    if isinstance(mesh, Mapping):
-        return axis in mesh
-    return axis in (getattr(mesh, "mesh_dim_names", None) or ())
 
 
 def torch_dtype(name: str) -> torch.dtype:

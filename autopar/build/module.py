@@ -1,0 +1,55 @@
+"""The module step: what :func:`autopar.parallelize` returns, over what the steps before made — a
+:class:`~autopar.runtime.tp_module.ParallelModule` running the whole rewritten graph, or a
+:class:`~autopar.runtime.pp.PipelineModule` running this rank's stages on the schedule.
+"""
+from __future__ import annotations
+
+from autopar.build.prepare import input_dims
+from autopar.build.state import BuildState
+from autopar.core.meta import graph_info, info
+
+
+def module_step(s: BuildState) -> None:
+    if s.request.pipelined:
+        _pipeline_module(s)
+    else:
+        _graph_module(s)
+
+
+def _graph_module(s: BuildState) -> None:
+    from autopar.runtime.tp_module import ParallelModule
+
+    r, gm = s.request, s.gm
+    used = {info(n).target_fqn for n in gm.graph.nodes if n.op == "placeholder" and info(n).target_fqn}
+    pm = ParallelModule(gm, s.placements, {k: v for k, v in s.tensors.items() if k in used}, s.trainable, s.mesh,
+                        s.plan, input_dims(r.model, r.args, r.options.tensor.dims, r.kwargs), dp=s.data)
+    if r.expert_axis:
+        stored = {f: how for f, (how, _) in s.experts.items()}
+        if s.sizes.get("dp", 1) == 1:    # no data axis for the experts: divide where their gradients arrive
+            from autopar.runtime.ep import average_over_senders
+            average_over_senders([q for f, q in pm.named_parameters() if f in stored], s.ep)
+        pm.expert_params = set(stored)
+        pm.expert_storage = stored        # fqn -> "rows" (owned rows of stacked experts) | "whole" (an owned module's)
+        pm.ep_runtimes = s.expert_runtimes
+        pm.placements = s.expert_placements
+    pm.set_recompute(r.recompute, s.regions)   # none | selective (attention cores) | full (every layer)
+    s.module = pm
+
+
+def _pipeline_module(s: BuildState) -> None:
+    from autopar.runtime.pp import PipelineModule
+
+    mb_inputs = (*s.capture_args, *s.capture_kwargs.values())
+    pm = PipelineModule(s.stages, plan=s.plan, schedule=s.schedule, microbatches=s.microbatches,
+                        num_stages=s.pipeline_plan.stages, loss_fn=s.loss_fn, pp_group=s.group("pp")[0],
+                        pp_rank=s.group("pp")[1], pp_size=s.sizes["pp"], data=s.data, grads=s.grads,
+                        master_init=s.master_init, shared=s.shared_groups, device=s.device,
+                        keyword_names=list(s.capture_kwargs), own_loss=s.own_loss,
+                        examples=[st.io_examples(s.tp, s.device, mb_inputs if st.index == 0 else None)
+                                  for st in s.stages])
+    pm.stage_graphs = s.stage_graphs
+    pm.expert_storage = {f: how for f, (how, _) in s.experts.items()}    # fqn -> "rows" | "whole"
+    pm.expert_owned = {f: owned for f, (_, owned) in s.experts.items()}  # fqn -> the experts this rank holds
+    pm.pipeline_plan = s.pipeline_plan       # the simulator's view: stage times, step time, bubble
+    pm.mode_source = graph_info(s.gm).mode_source       # switches the stages between train and eval
+    s.module = pm

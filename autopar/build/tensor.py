@@ -1,0 +1,84 @@
+"""The tensor step: capture the whole model (one micro-batch with a pipeline), solve or apply the
+tensor-axis plan and rewrite the graph for this rank's share (:mod:`autopar.passes.tp_rewrite`).
+
+Without a pipeline or experts this plans the whole dense mesh (the data axis's ZeRO stage and
+memory included: :func:`autopar.build.prepare.planned_graph`); with them it plans the tensor axis
+alone, keeping the experts' side whole (the expert axis owns their leading dim) — the pipeline
+and experts steps complete the plan. A graph that runs under autocast loses the capture's dtype
+checks.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from autopar.build.checks import check_fits, check_runtime_dtypes
+from autopar.build.experts import expert_side
+from autopar.build.prepare import capture_model, planned_graph
+from autopar.build.state import BuildState
+from autopar.core.meta import graph_info
+from autopar.core.plans import Plan
+from autopar.passes.autocast import drop_dtype_checks
+
+log = logging.getLogger("autopar.build")
+
+
+def tensor_step(s: BuildState) -> None:
+    r = s.request
+    if r.pipelined or r.expert_axis:
+        _tensor_axis_alone(s)
+    else:
+        _dense_mesh(s)
+
+
+def _dense_mesh(s: BuildState) -> None:
+    """No pipeline, no experts: the plan of the dp x tp mesh, found (or given) on the whole graph."""
+    r, t, d = s.request, s.request.options.tensor, s.request.options.data
+    tp_group = s.group("tp")[0] if "tp" in s.names else None
+    s.gm, s.plan = planned_graph(r.model, s.mesh, r.args, example_kwargs=r.kwargs, dims=t.dims, plan=r.plan,
+                                 hardware=r.hardware, memory_budget=r.memory_budget, sizes=t.sizes, after="rewrite",
+                                 group_name=tp_group.group_name if tp_group is not None else "tp",
+                                 zero_stage=r.zero_stage, overlap=d.overlap, bucket_bytes=d.bucket_bytes,
+                                 mixed_precision=r.mixed_precision, placements=t.placements, modes=True,
+                                 sequence_parallel=t.sequence_parallel)
+    if r.plan is None:
+        check_fits(s.gm, s.plan, r.memory_budget, {**graph_info(s.gm).example_sizes, **dict(t.sizes or {})})
+    check_runtime_dtypes(r.model, s.gm, s.plan)
+    s.placements, s.nodes = dict(s.plan.params), dict(s.plan.nodes)
+    if s.plan.tp > 1 and all(p == "R" for p in s.plan.params.values()):   # tp asked for, nothing split
+        log.warning("the plan splits no parameter over the tensor axis (tp=%d): every rank holds the whole "
+                    "model, because %s", s.plan.tp,
+                    "the plan given says so" if r.plan is not None else "placements= forces it" if t.placements else
+                    "the cost model found replication cheaper (splitting would communicate more than it saves)"
+                    if any(d % s.plan.tp == 0 for p in r.model.parameters() for d in p.shape) else
+                    f"no parameter has a dimension divisible by {s.plan.tp}")
+
+
+def _tensor_axis_alone(s: BuildState) -> None:
+    """With a pipeline or experts: the tensor axis's plan on the whole graph, experts pinned whole."""
+    r = s.request
+    pinned = expert_side if (s.ep > 1 or not r.pipelined) else None
+    if s.tp > 1:
+        given = None if r.plan is None else _tensor_part(r.plan, s.tp)
+        s.gm, tp_plan = planned_graph(r.model, {"tp": s.tp}, s.capture_args, example_kwargs=s.capture_kwargs,
+                                      dims=s.capture_dims, after="rewrite", hardware=r.hardware,
+                                      group_name=s.group("tp")[0].group_name, memory_budget=r.memory_budget,
+                                      plan=given, pinned=pinned, modes=True)
+        s.placements, s.nodes = dict(tp_plan.params), dict(tp_plan.nodes)
+    else:
+        s.gm = capture_model(r.model, s.capture_args, s.capture_dims, s.capture_kwargs, modes=True)
+        # a pipeline stores what the plan does not name whole; the expert build names every tensor
+        s.placements = {} if r.pipelined else {k: "R" for k in _tensor_keys(r.model)}
+        s.nodes = {}
+    if s.mixed_precision and not r.pipelined:
+        drop_dtype_checks(s.gm)      # the graph runs under autocast (the tensor rewrite drops them too)
+
+
+def _tensor_part(plan: Plan, tp: int) -> Plan:
+    """A plan's tensor axis alone (what the tensor rewrite applies; the other steps read the rest)."""
+    return replace(plan, mesh={"tp": tp}, dp_axis=None, pp_axis=None, ep_axis=None, stage_starts=(), schedule=None,
+                   expert_placement={}, capacity_factor=None)
+
+
+def _tensor_keys(model) -> list[str]:
+    return [*dict(model.named_parameters()), *dict(model.named_buffers())]

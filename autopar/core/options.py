@@ -1,0 +1,209 @@
+"""The per-axis options of :func:`autopar.parallelize`, one small frozen dataclass per build step
+that reads them.
+
+The options every build reads (mesh, example inputs, plan, ZeRO stage, recomputation, mixed
+precision, memory budget, compile) are :func:`~autopar.parallelize`'s own keywords; the rest
+belong to one axis each and are given as ``options=`` — one of these or a sequence of them::
+
+    autopar.parallelize(model, {"pp": 2, "dp": 2}, (x,),
+                        options=[PipelineOptions(schedule="1f1b", loss_fn=loss), DataOptions(overlap=False)])
+
+Each is validated on construction (a wrong type raises a :class:`~autopar.core.errors.ConfigError`
+naming the field), and a build refuses one whose axis it does not have, as it refuses any option
+it would silently drop.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.core.errors import ConfigError
+
+
+def _check(cls_name: str, field: str, value: Any, ok: bool, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"{cls_name}.{field} must be {expected}", where=f"{cls_name}({field}=...)",
+                          got=repr(value), fix=f"pass {expected}")
+
+
+def _count(value: Any) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorOptions:
+    """The tensor axis (read by the tensor step, ``autopar/build/tensor.py``).
+
+    ``placements`` forces how parameters are stored on the tensor axis (``{"fc1.weight": "S(0)"}``);
+    ``sequence_parallel`` whether activations between the tensor-parallel regions are split along
+    the sequence (None: the cost model chooses per value); ``dims`` labels each input's symbolic
+    dims (``({0: "batch", 1: "seq"},)``) and ``sizes`` gives the sizes the plan is priced at
+    (``{"batch": 8, "seq": 2048}``)."""
+
+    placements: Mapping[str, str] | None = None
+    sequence_parallel: bool | None = None
+    dims: Any = None
+    sizes: Mapping[str, int] | None = None
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        _check(name, "placements", self.placements, self.placements is None or isinstance(self.placements, Mapping),
+               "a {parameter: placement} mapping or None")
+        _check(name, "sequence_parallel", self.sequence_parallel,
+               self.sequence_parallel is None or isinstance(self.sequence_parallel, bool), "True, False or None")
+        _check(name, "sizes", self.sizes, self.sizes is None or isinstance(self.sizes, Mapping),
+               "a {symbol: size} mapping or None")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataOptions:
+    """The data axis (read by the data and overlap steps, ``autopar/build/data.py``, ``overlap.py``).
+
+    ``overlap`` issues each gradient bucket's reduction as soon as its gradients exist and waits
+    late; ``bucket_bytes`` sizes the buckets (0: the cost model's size); ``dp_mode`` says how the
+    data axis communicates (``"allreduce"``, ``"local_sgd"``, ...; :mod:`autopar.core.dp_mode`);
+    ``sync_params`` makes every rank take rank 0's weights first."""
+
+    overlap: bool = True
+    bucket_bytes: int = 0
+    dp_mode: Any = None
+    sync_params: bool = True
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        _check(name, "overlap", self.overlap, isinstance(self.overlap, bool), "True or False")
+        _check(name, "bucket_bytes", self.bucket_bytes,
+               isinstance(self.bucket_bytes, int) and not isinstance(self.bucket_bytes, bool) and self.bucket_bytes >= 0,
+               "a byte count >= 0")
+        _check(name, "sync_params", self.sync_params, isinstance(self.sync_params, bool), "True or False")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineOptions:
+    """The pipeline axis (read by the schedule and pipeline steps, ``autopar/build/pipeline.py``).
+
+    ``schedule`` (gpipe, 1f1b, interleaved, zb), ``microbatches`` and ``virtual_stages`` are chosen
+    by the simulator unless given; ``loss_fn(output, target)`` runs on the last stage (None: the
+    model's own loss, a ``transformers`` model given ``labels``)."""
+
+    schedule: str | None = None
+    microbatches: int | None = None
+    virtual_stages: int | None = None
+    loss_fn: Callable | None = None
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        _check(name, "schedule", self.schedule, self.schedule is None or isinstance(self.schedule, str),
+               "a schedule name (gpipe, 1f1b, interleaved, zb) or None")
+        _check(name, "microbatches", self.microbatches, _count(self.microbatches), "an int >= 1 or None")
+        _check(name, "virtual_stages", self.virtual_stages, _count(self.virtual_stages), "an int >= 1 or None")
+        _check(name, "loss_fn", self.loss_fn, self.loss_fn is None or callable(self.loss_fn),
+               "a callable loss_fn(output, target) or None")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertOptions:
+    """The expert axis (read by the capacity and experts steps, ``autopar/build/experts.py``).
+
+    ``calibration`` (example inputs) measures each expert's load so ``placement="balanced"`` can
+    even it out (``"contiguous"``: experts in order); ``capacity_factor`` overrides the MoE
+    layers' own."""
+
+    calibration: Any = None
+    placement: str = "balanced"
+    capacity_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        _check(name, "placement", self.placement, self.placement in ("balanced", "contiguous"),
+               "'balanced' or 'contiguous'")
+        _check(name, "capacity_factor", self.capacity_factor,
+               self.capacity_factor is None or (isinstance(self.capacity_factor, (int, float))
+                                                and not isinstance(self.capacity_factor, bool)),
+               "a number or None")
+
+
+AxisOptions = TensorOptions | DataOptions | PipelineOptions | ExpertOptions
+KINDS: tuple[type, ...] = (TensorOptions, DataOptions, PipelineOptions, ExpertOptions)
+
+
+@dataclass(frozen=True)
+class Options:
+    """One of each kind, defaults where not given (what the build reads)."""
+
+    tensor: TensorOptions = TensorOptions()
+    data: DataOptions = DataOptions()
+    pipeline: PipelineOptions = PipelineOptions()
+    experts: ExpertOptions = ExpertOptions()
+    given: frozenset[str] = frozenset()      # the kinds the caller passed
+
+    def flat(self) -> dict[str, Any]:
+        """Every option by its field name (``expert_placement`` for ``ExpertOptions.placement``)."""
+        out: dict[str, Any] = {}
+        for part in (self.tensor, self.data, self.pipeline, self.experts):
+            for f in dataclasses.fields(part):
+                key = "expert_placement" if isinstance(part, ExpertOptions) and f.name == "placement" else f.name
+                out[key] = getattr(part, f.name)
+        return out
+
+
+_ATTR = {TensorOptions: "tensor", DataOptions: "data", PipelineOptions: "pipeline", ExpertOptions: "experts"}
+
+
+def collect(options: AxisOptions | Sequence[AxisOptions] | None) -> Options:
+    """``options=`` as given to parallelize (None, one per-axis object or a sequence of them, at
+    most one of each kind) as one :class:`Options`."""
+    if options is None:
+        return Options()
+    items = [options] if isinstance(options, KINDS) else options
+    if not isinstance(items, (list, tuple)) or not all(isinstance(o, KINDS) for o in items):
+        raise ConfigError("options= takes TensorOptions, DataOptions, PipelineOptions or ExpertOptions, or a list "
+                          "of them", where="parallelize(options=...)", got=repr(options),
+                          fix="e.g. options=[autopar.PipelineOptions(schedule='1f1b'), autopar.DataOptions(overlap=False)]")
+    parts: dict[str, Any] = {}
+    for o in items:
+        attr = _ATTR[type(o)]
+        if attr in parts:
+            raise ConfigError(f"options= has two {type(o).__name__}", where="parallelize(options=...)",
+                              got=repr(options), fix=f"merge them into one {type(o).__name__}")
+        parts[attr] = o
+    return Options(**parts, given=frozenset(parts))
+
+
+#: The keywords parallelize took before the options were grouped: old name -> (class, field).
+OLD_KEYWORDS: dict[str, tuple[type, str]] = {
+    "placements": (TensorOptions, "placements"), "sequence_parallel": (TensorOptions, "sequence_parallel"),
+    "dims": (TensorOptions, "dims"), "sizes": (TensorOptions, "sizes"),
+    "overlap": (DataOptions, "overlap"), "bucket_bytes": (DataOptions, "bucket_bytes"),
+    "dp_mode": (DataOptions, "dp_mode"), "sync_params": (DataOptions, "sync_params"),
+    "schedule": (PipelineOptions, "schedule"), "microbatches": (PipelineOptions, "microbatches"),
+    "virtual_stages": (PipelineOptions, "virtual_stages"), "loss_fn": (PipelineOptions, "loss_fn"),
+    "calibration": (ExpertOptions, "calibration"), "expert_placement": (ExpertOptions, "placement"),
+    "capacity_factor": (ExpertOptions, "capacity_factor"),
+}
+
+
+def with_old_keywords(options: Any, old: Mapping[str, Any]) -> tuple[Any, str]:
+    """``options`` with the old keywords ``old`` folded in, and the text of the warning that
+    says how to spell them now. A field given both ways is a :class:`ConfigError`."""
+    merged = collect(options)
+    by_class: dict[type, dict[str, Any]] = {}
+    for key, value in old.items():
+        cls, field = OLD_KEYWORDS[key]
+        by_class.setdefault(cls, {})[field] = value
+    parts = {}
+    for cls, fields in by_class.items():
+        attr = _ATTR[cls]
+        current = getattr(merged, attr)
+        if attr in merged.given:
+            clash = sorted(f for f in fields if getattr(current, f) != getattr(cls(), f))
+            if clash:
+                raise ConfigError(f"{', '.join(clash)} given both as a keyword and in {cls.__name__}",
+                                  where="parallelize", fix=f"give it once, in options={cls.__name__}(...)")
+        parts[attr] = dataclasses.replace(current, **fields)
+    result = dataclasses.replace(merged, **parts, given=merged.given | frozenset(parts))
+    spelled = ", ".join(f"{k}= -> options={OLD_KEYWORDS[k][0].__name__}({OLD_KEYWORDS[k][1]}=...)" for k in old)
+    return [getattr(result, a) for a in ("tensor", "data", "pipeline", "experts") if a in result.given], \
+        f"parallelize keywords are grouped by axis now: {spelled}"
