@@ -38,7 +38,15 @@ class ScaledPlan:
     mesh: dict[str, int]                        # axes pp, dp, ep, tp (size-1 axes left out)
     micro_batch: int
     microbatches: int                           # per step, per data share
-    options: dict[str, Any] = field(default_factory=dict)   # parallelize keyword arguments
+    options: dict[str, Any] = field(default_factory=dict)   # the settings, by parallelize's flat keyword names
+
+    def parallelize_kwargs(self) -> dict[str, Any]:
+        """:attr:`options` as :func:`autopar.parallelize` takes them: the common ones as keywords,
+        the pipeline's in ``options=PipelineOptions(...)``."""
+        from autopar.core.options import PipelineOptions
+        pipe = {k: self.options[k] for k in ("schedule", "microbatches", "virtual_stages") if k in self.options}
+        flat = {k: v for k, v in self.options.items() if k not in pipe}
+        return {**flat, "options": PipelineOptions(**pipe)} if pipe else flat
     notes: tuple[str, ...] = ()
 
     @property

@@ -33,7 +33,7 @@ from autopar.passes import capture_cache, replicate
 from autopar.passes.capture_errors import capture_error, describe, module_tracker, source_of, user_line
 from autopar.passes.capture_key import capture_key
 from autopar.core.meta import META_KEY, GraphInfo, NodeInfo, graph_info, set_info, symbol
-from autopar.passes.meta import number_ops, paused_gc
+from autopar.passes.meta import number_ops, paused_gc, training_config
 
 log = logging.getLogger("autopar.capture")
 
@@ -129,35 +129,6 @@ def _export(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], flat_dims:
     log.info("capture: %d nodes, %d parameters, symbols %s%s", len(gm.graph.nodes),
              len(ginfo.param_fqns), sorted(ginfo.symbols), " (use_cache off)" if ginfo.without_cache else "")
     return gm
-
-
-def _cache_configs(model: nn.Module) -> list[Any]:
-    """The distinct configs with ``use_cache`` on, of the model and its submodules (an
-    encoder-decoder keeps a copy per stack)."""
-    out: dict[int, Any] = {}
-    for module in model.modules():
-        cfg = getattr(module, "config", None)
-        if getattr(cfg, "use_cache", False) is True:
-            out.setdefault(id(cfg), cfg)
-    return list(out.values())
-
-
-def uses_cache(model: nn.Module) -> bool:
-    """Does the model keep an inference cache it would return (``config.use_cache``)?"""
-    return bool(_cache_configs(model))
-
-
-@contextmanager
-def training_config(model: nn.Module) -> Iterator[None]:
-    """``config.use_cache`` off while the model is traced: a training graph has no cache."""
-    configs = _cache_configs(model)
-    for cfg in configs:
-        cfg.use_cache = False
-    try:
-        yield
-    finally:
-        for cfg in configs:
-            cfg.use_cache = True
 
 
 @contextmanager

@@ -22,6 +22,7 @@ from torch import nn
 
 from autopar.core.layout import package_roots
 from autopar.core.errors import AutoparError, CaptureError, InputMismatchError
+from autopar.passes.meta import training_config
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
@@ -96,7 +97,6 @@ def is_tracing_limit(exc: Exception) -> bool:
 def eager_failure(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> tuple[Exception, list[str]] | None:
     """Run the model eagerly (no grad, buffers and RNG restored): the exception and module stack
     it fails with, or None when it runs."""
-    from autopar.passes.capture import training_config   # capture imports this module
     saved = {k: b.detach().clone() for k, b in model.named_buffers()}
     with module_tracker(model) as stack:
         try:

@@ -1,13 +1,15 @@
-"""Helpers the capture and analysis passes share: node naming and a pause of the cyclic
-garbage collector. The node metadata record itself is :mod:`autopar.core.meta`."""
+"""Helpers the capture and analysis passes share: node naming, a pause of the cyclic garbage
+collector, and a model's inference-cache switch (a training graph has no cache). The node
+metadata record itself is :mod:`autopar.core.meta`."""
 from __future__ import annotations
 
 import gc
 import re
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch.fx as fx
+from torch import nn
 
 
 @contextmanager
@@ -63,3 +65,32 @@ def number_ops(gm: fx.GraphModule | fx.Graph) -> bool:
     if isinstance(gm, fx.GraphModule):
         gm.recompile()
     return True
+
+
+def cache_configs(model: nn.Module) -> list[Any]:
+    """The distinct configs with ``use_cache`` on, of the model and its submodules (an
+    encoder-decoder keeps a copy per stack)."""
+    out: dict[int, Any] = {}
+    for module in model.modules():
+        cfg = getattr(module, "config", None)
+        if getattr(cfg, "use_cache", False) is True:
+            out.setdefault(id(cfg), cfg)
+    return list(out.values())
+
+
+def uses_cache(model: nn.Module) -> bool:
+    """Does the model keep an inference cache it would return (``config.use_cache``)?"""
+    return bool(cache_configs(model))
+
+
+@contextmanager
+def training_config(model: nn.Module) -> Iterator[None]:
+    """``config.use_cache`` off while the model is traced: a training graph has no cache."""
+    configs = cache_configs(model)
+    for cfg in configs:
+        cfg.use_cache = False
+    try:
+        yield
+    finally:
+        for cfg in configs:
+            cfg.use_cache = True

@@ -75,3 +75,12 @@ def test_options_are_checked_on_construction() -> None:
     with pytest.raises(ConfigError, match="options= takes"):
         collect({"schedule": "zb"})
     assert collect(None) == Options()
+
+
+def test_a_scaled_plan_spells_its_options_for_parallelize() -> None:
+    scaled = autopar.ScaledPlan(saved=None, world=4, mesh={"pp": 2, "dp": 2}, micro_batch=1, microbatches=4,
+                                options={"zero_stage": 1, "recompute": "none", "schedule": "1f1b", "microbatches": 4})
+    kwargs = scaled.parallelize_kwargs()
+    assert kwargs == {"zero_stage": 1, "recompute": "none",
+                      "options": autopar.PipelineOptions(schedule="1f1b", microbatches=4)}
+    assert set(kwargs) <= set(inspect.signature(autopar.parallelize).parameters)

@@ -202,11 +202,12 @@ def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: i
     local, local_t = tuple(a.chunk(dp)[share] for a in args), target.chunk(dp)[share]
     mesh = runtime_mesh(cfg)
     budget = 0.75 * 16 * sum(p.numel() for p in model.parameters()) if tp > 1 else None  # make tp split
-    pipeline = dict(loss_fn=_loss, schedule=cfg["schedule"], microbatches=batch // dp // cfg["micro_batch"],
-                    virtual_stages=cfg["virtual"] if cfg["schedule"] == "interleaved" else None) if pp > 1 else {}
+    pipeline = autopar.PipelineOptions(
+        loss_fn=_loss, schedule=cfg["schedule"], microbatches=batch // dp // cfg["micro_batch"],
+        virtual_stages=cfg["virtual"] if cfg["schedule"] == "interleaved" else None) if pp > 1 else None
     pm = autopar.parallelize(model, mesh, local, zero_stage=cfg["zero_stage"], recompute=cfg["recompute"],
                              mixed_precision=cfg.get("precision"), compile=cfg.get("compile", False),
-                             memory_budget=budget, **pipeline)
+                             memory_budget=budget, options=pipeline)
     opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     first, resumed = 0, None
