@@ -29,7 +29,11 @@ from autopar.checkpoint import load, save
 from autopar.runtime.health import init_distributed
 from autopar.clip import clip_grad_norm_
 from autopar.scaled_plan import ScaledPlan, scale_plan
-from autopar.models import depth as _layer_kinds  # noqa: F401 - registers the zoo's and transformers' layer kinds with the capture
+from autopar.models.depth import model_layer_kinds
+from autopar.passes.replicate import register_layer_kinds
+
+register_layer_kinds(model_layer_kinds)      # the capture learns the zoo's and transformers' layer kinds
+del model_layer_kinds, register_layer_kinds
 
 __version__ = "0.1.0"
 

@@ -125,7 +125,7 @@ def find_run(model: nn.Module) -> Run | None:
 #: Readers of a model's layer kinds, tried in order: each returns ``(one hashable kind per layer,
 #: whether the model is a transformers one)`` or None when it does not know the model. The
 #: passes know no model family themselves; the model zoo registers its reader
-#: (:func:`autopar.models.depth.model_layer_kinds`) when ``autopar`` is imported.
+#: (:func:`autopar.models.depth.model_layer_kinds`) when ``autopar`` is imported (``autopar/__init__.py``).
 LAYER_KIND_READERS: list[Callable[[nn.Module], "tuple[list[Any], bool] | None"]] = []
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.core.errors import ConfigError
-from autopar.passes.replicate import periodic_run, register_layer_kinds
+from autopar.passes.replicate import periodic_run
 from . import hf
 from .gpt import GPTConfig
 from .llama import LlamaConfig
@@ -194,11 +194,11 @@ def _with_layers(config: Any, indices: tuple[int, ...], n: int) -> Any:
 __all__ = ["Shrunk", "config_layer_kinds", "layer_count", "layer_kinds", "periodic_run", "shrink"]
 
 
-@register_layer_kinds
 def model_layer_kinds(model: Any) -> tuple[list[Any], bool] | None:
     """One kind per layer of a zoo model or a ``transformers`` one, read from its config, and
     whether it is a ``transformers`` one; None for any other model (the capture's layer-run
-    search, :func:`autopar.passes.replicate.find_run`, asks this)."""
+    search, :func:`autopar.passes.replicate.find_run`, asks this: ``autopar/__init__.py``
+    registers it)."""
     import sys
     cfg = getattr(model, "config", None)
     if isinstance(cfg, (GPTConfig, LlamaConfig)):
