@@ -16,6 +16,7 @@ from autopar.runtime.agreement import check_agreement
 from autopar.build import BuildRequest, build
 from autopar.build.checks import check_devices, check_fits, memory_bytes
 from autopar.runtime.compiled import backend_of, check_compile
+from autopar.runtime.optim import refuse_replaced_parameters
 from autopar.core.dp_mode import DataMode, check_composes, data_mode
 from autopar.core.errors import ConfigError, InputMismatchError, OptimizerError
 from autopar.core.meta import graph_info
@@ -64,7 +65,9 @@ def plan(model: nn.Module, mesh: Any, example_inputs: Any = (), *, example_kwarg
 
 def _records_model(fn):
     """Let the parallel module remember the original model's whole shapes and tied names
-    (what checkpoints are keyed by, whatever the plan). Set-up runs without cyclic garbage
+    (what checkpoints are keyed by, whatever the plan), and have a torch optimizer refuse to
+    step the original model's parameters the parallel module does not use
+    (:func:`autopar.runtime.optim.refuse_replaced_parameters`). Set-up runs without cyclic garbage
     collection: the graphs, records and modules it makes all live on, so scanning them again and
     again is wasted (on a 32-layer GPT the collections took 50 ms of 0.5 s; the one after set-up
     takes 20-30 ms)."""
@@ -81,6 +84,7 @@ def _records_model(fn):
                    for name, p in model.named_parameters(remove_duplicate=False)}
         with paused_gc():
             pm = fn(model, *args, **kwargs)
+        refuse_replaced_parameters(model, (pm, *getattr(pm, "stages", ())))
         pm.global_shapes, pm.param_aliases = shapes, aliases
         for top in (pm, *getattr(pm, "stages", ())):   # the graphs run in the mode they were captured in
             for m in top.modules():
@@ -137,7 +141,8 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
     state). Without a pipeline, what this rank keeps whole shares the model's storage, as under
     DDP: training the parallel module updates those parameters and buffers of ``model`` in
     place; split ones (and pipeline stages') are copies. Step it with the optimizer from
-    :func:`autopar.optimizer`.
+    :func:`autopar.optimizer`: a torch optimizer built on ``model.parameters()`` raises an
+    :class:`~autopar.core.errors.OptimizerError` at its first ``step()``.
 
     ``recompute``: ``"none"``, ``"selective"`` (attention cores re-run in backward) or
     ``"full"`` (every layer re-run in backward; forward keeps only each layer's inputs).

@@ -29,6 +29,7 @@ place, and skips the step on every rank when any rank found an inf or nan
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Iterable
 
 import torch
@@ -80,6 +81,53 @@ def check_params(module: nn.Module, params: Iterable | None) -> Any:
             if id(p) not in known:
                 raise unknown_param_error(module, p)
     return groups
+
+
+# The original model's parameters a parallel module does not use (id -> weak reference): a
+# torch optimizer built on them would step tensors nothing computes a gradient for.
+_REPLACED: dict[int, weakref.ref] = {}
+_VERDICTS: "weakref.WeakKeyDictionary[Any, tuple[int, int]]" = weakref.WeakKeyDictionary()
+_HOOKED = False
+
+
+def refuse_replaced_parameters(model: nn.Module, parallel: Iterable[nn.Module]) -> None:
+    """Mark ``model``'s parameters that none of the modules ``parallel`` (the parallel module and
+    its stages) holds, and have every torch optimizer refuse, at its first ``step()``, to step
+    any of them: the DDP habit ``torch.optim.SGD(model.parameters())`` would otherwise train
+    nothing, silently."""
+    global _HOOKED
+    used = {id(q) for m in parallel for q in m.parameters()}
+    for q in model.parameters():
+        if id(q) not in used:
+            _REPLACED[id(q)] = weakref.ref(q, lambda _, key=id(q): _REPLACED.pop(key, None))
+    if not _HOOKED and _REPLACED:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        register_optimizer_step_pre_hook(_refuse_replaced)
+        _HOOKED = True
+
+
+def _replaced(p: Any) -> bool:
+    ref = _REPLACED.get(id(p))
+    return ref is not None and ref() is p
+
+
+def _refuse_replaced(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """A torch optimizer's step pre-hook: refuse one that steps a replaced parameter (checked
+    once per optimizer, again if its parameter groups grow)."""
+    if not _REPLACED:
+        return
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    seen = _VERDICTS.get(optimizer)
+    if seen is None or seen[0] != count:
+        seen = (count, sum(1 for g in optimizer.param_groups for p in g["params"] if _replaced(p)))
+        _VERDICTS[optimizer] = seen
+    if seen[1]:
+        raise OptimizerError(f"{type(optimizer).__name__} steps parameters of the model given to autopar.parallelize, "
+                             "which the parallel model does not use: it would train nothing",
+                             where=f"{type(optimizer).__name__}.step",
+                             got=f"{seen[1]} of its {count} parameters are the original model's",
+                             fix="build the optimizer from the parallel model: opt = autopar.optimizer(pm, "
+                                 f"torch.optim.{type(optimizer).__name__}, lr=...)")
 
 
 class ShardedOptimizer:
