@@ -446,6 +446,8 @@ class _Autocast:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self.stage.autocast():
             loss = self.fn(*args, **kwargs)
+        if isinstance(loss, torch.Tensor) and loss._is_view():
+            loss = loss.clone()      # the zero-bubble schedule detaches the loss in place, which a view refuses
         weight = self.pipeline._row_weight
         if weight is not None and isinstance(loss, torch.Tensor) and loss.requires_grad:
             loss.register_hook(lambda g: g * weight.to(g.dtype))
