@@ -229,7 +229,8 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
                                                  bucket_bytes=d.bucket_bytes, sequence_parallel=t.sequence_parallel)),
                    ("expert parallelism", experts, dict(placements=t.placements, sizes=t.sizes,
                                                         bucket_bytes=d.bucket_bytes,
-                                                        sequence_parallel=t.sequence_parallel)))
+                                                        sequence_parallel=t.sequence_parallel)),
+                   ("no pipeline", not pipelined, dict(batchnorm=o.pipeline.batchnorm)))
     _check_mixed_precision(mixed_precision, plan)
     backend = backend_of(compile)
     check_compile(backend, recompute)
@@ -252,7 +253,7 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
                                       sizes=t.sizes, sync_params=d.sync_params, zero_stage=zero_stage,
                                       overlap=d.overlap, bucket_bytes=d.bucket_bytes, mixed_precision=mixed_precision,
                                       loss_fn=pipe.loss_fn, schedule=pipe.schedule, microbatches=pipe.microbatches,
-                                      virtual_stages=pipe.virtual_stages, expert_placement=e.placement,
+                                      virtual_stages=pipe.virtual_stages, batchnorm=pipe.batchnorm, expert_placement=e.placement,
                                       capacity_factor=e.capacity_factor, recompute=recompute,
                                       placements=t.placements, dp_mode=mode.to_dict(), compile=backend,
                                       sequence_parallel=t.sequence_parallel,

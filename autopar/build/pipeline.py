@@ -21,8 +21,8 @@ from torch import nn
 from autopar.build.checks import check_runtime_dtypes
 from autopar.build.prepare import capture_model, torch_dtype
 from autopar.build.state import BuildState
-from autopar.core.errors import ConfigError
-from autopar.core.meta import graph_info
+from autopar.core.errors import ConfigError, UnsupportedError
+from autopar.core.meta import graph_info, info
 from autopar.core.plans import Plan
 from autopar.cost.pp_planner import info_symbols, node_time_fn, plan_pipeline
 from autopar.passes.pp_split import OpCosts, op_costs
@@ -81,6 +81,7 @@ def pipeline_step(s: BuildState) -> None:
     if not r.pipelined:
         return
     gm, model = s.gm, r.model
+    check_batch_statistics(s)
     s.own_loss = r.options.pipeline.loss_fn is None
     s.loss_fn = r.options.pipeline.loss_fn or own_loss(gm)
     # under mixed precision a value crosses between stages in its autocast dtype
@@ -125,6 +126,30 @@ def pipeline_step(s: BuildState) -> None:
         s.stages.append(st)
     s.stage_graphs, s.pipeline_plan = stages, final
     s.shared_groups = shared_groups(s.mesh, s.names, shared, p)
+
+
+BATCH_STATISTICS = {torch.ops.aten.batch_norm.default, torch.ops.aten._native_batch_norm_legit_functional.default,
+                    torch.ops.aten.native_batch_norm.default}
+
+
+def check_batch_statistics(s: BuildState) -> None:
+    """A training-mode BatchNorm in a pipeline would normalise each micro-batch, on each data
+    rank, by that piece's own statistics: refused unless ``PipelineOptions(batchnorm="microbatch")``
+    accepts it, or the batch is not split (one micro-batch, no data axis)."""
+    pieces = s.microbatches * s.sizes.get("dp", 1) * s.ep
+    if pieces == 1 or s.request.options.pipeline.batchnorm == "microbatch":
+        return
+    norms = [n for n in s.gm.graph.nodes if n.op == "call_function" and n.target in BATCH_STATISTICS]
+    if norms:
+        where = sorted({info(n).fqn or "<root>" for n in norms})
+        raise UnsupportedError(f"BatchNorm in a pipeline: each of the {pieces} pieces of the batch (micro-batches x "
+                               "data ranks) would be normalised by its own statistics in training, which one process "
+                               "on the whole batch does not do", where=", ".join(where[:4]) + (" ..." if len(where) > 4 else ""),
+                               got=f"{len(norms)} batch-norm op(s), {s.microbatches} micro-batches, "
+                                   f"dp x ep = {s.sizes.get('dp', 1) * s.ep}",
+                               fix="accept micro-batch statistics with options=PipelineOptions(batchnorm='microbatch'), "
+                                   "or run one micro-batch with no data axis (microbatches=1), or train without a "
+                                   "pp axis (the data axis syncs BatchNorm over the whole batch)")
 
 
 def shared_groups(mesh, names: list[str], shared: Mapping[str, list[int]], p: int) -> dict[str, Any]:

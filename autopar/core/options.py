@@ -86,12 +86,16 @@ class PipelineOptions:
 
     ``schedule`` (gpipe, 1f1b, interleaved, zb), ``microbatches`` and ``virtual_stages`` are chosen
     by the simulator unless given; ``loss_fn(output, target)`` runs on the last stage (None: the
-    model's own loss, a ``transformers`` model given ``labels``)."""
+    model's own loss, a ``transformers`` model given ``labels``). ``batchnorm="microbatch"``
+    accepts that a training-mode BatchNorm in a pipeline normalises each micro-batch (on each data
+    rank) by its own statistics, which one process on the whole batch does not; without it such a
+    model is refused when the batch is split."""
 
     schedule: str | None = None
     microbatches: int | None = None
     virtual_stages: int | None = None
     loss_fn: Callable | None = None
+    batchnorm: str | None = None
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -101,6 +105,7 @@ class PipelineOptions:
         _check(name, "virtual_stages", self.virtual_stages, _count(self.virtual_stages), "an int >= 1 or None")
         _check(name, "loss_fn", self.loss_fn, self.loss_fn is None or callable(self.loss_fn),
                "a callable loss_fn(output, target) or None")
+        _check(name, "batchnorm", self.batchnorm, self.batchnorm in (None, "microbatch"), "None or 'microbatch'")
 
 
 @dataclass(frozen=True, kw_only=True)
