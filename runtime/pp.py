@@ -56,13 +56,14 @@ class StageModule(nn.Module):
 
     def __init__(self, sg: StageGraph, tensors: dict[str, torch.Tensor], trainable: dict[str, bool],
                  placements: dict[str, str], tp_rank: int, tp_n: int, input_names: Sequence[str] = (),
-                 shared: dict[str, nn.Parameter] | None = None) -> None:
+                 shared: dict[str, nn.Parameter] | None = None, constants: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self.index = sg.index
         self._graph = [sg.gm]            # not a submodule: keeps state_dict keys original
         self._order = sg.order
         self._inputs = list(sg.inputs)
-        self._user_inputs = list(input_names)   # stage 0: the model's input names, in call order
+        self._user_inputs = list(input_names)   # stage 0: the model's tensor input names, in call order
+        self._constants = dict(constants or {})  # stage 0: its non-tensor inputs, fixed by the capture
         self.outputs = list(sg.outputs)
         self.is_last = False             # set by PipelineModule
         self.compute_dtype: torch.dtype | None = None    # mixed precision: the 16-bit dtype (to_compute_dtype)
@@ -146,7 +147,7 @@ class StageModule(nn.Module):
                 raise InputMismatchError("the pipeline's first stage got the wrong number of inputs",
                                          where="PipelineModule.step", expected=str(len(self._user_inputs)),
                                          got=str(len(args)), fix="call step() with the model's inputs")
-            by_name = dict(zip(self._user_inputs, args))
+            by_name = {**dict(zip(self._user_inputs, args)), **self._constants}
             acts = iter(by_name[n] for n in self._inputs)
         else:
             acts = iter(args)
@@ -178,7 +179,7 @@ class StageModule(nn.Module):
         phs = {n.name: n for n in self.graph_module.graph.nodes if n.op == "placeholder"}
         sent = self._sent           # mixed precision: the dtypes activations travel in
         if user_args is not None:
-            ins = tuple(torch.empty_like(a, device=device) for a in user_args)
+            ins = tuple(torch.empty_like(a, device=device) for a in user_args if isinstance(a, torch.Tensor))
         else:
             ins = tuple(_example(phs[name], tp_n, device, sent.get(name))
                         for kind, name in self._order if kind == "act")
@@ -241,7 +242,8 @@ class PipelineModule(nn.Module):
                  device: torch.device,
                  examples: list[tuple[tuple, tuple]] | None = None, keyword_names: Sequence[str] = (),
                  own_loss: bool = False, grads: MainGrads | None = None,
-                 master_init: Mapping[str, torch.Tensor] | None = None) -> None:
+                 master_init: Mapping[str, torch.Tensor] | None = None,
+                 constant_inputs: Mapping[int, Any] | None = None, loss_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         from torch.distributed import pipelining
 
@@ -255,6 +257,9 @@ class PipelineModule(nn.Module):
         self._loss_fn = loss_fn
         self._own_loss = own_loss
         self.keyword_names = list(keyword_names)
+        # position -> value of each non-tensor input (a flag such as return_loss=True): the capture
+        # fixed it, and torch's schedule moves tensors only, so step() checks it and holds it back
+        self._constant_inputs = dict(constant_inputs or {})
         self._num_stages = num_stages
         self._device = device
         self._shared = dict(shared)      # parameter -> the group of pipeline ranks holding a copy
@@ -281,8 +286,9 @@ class PipelineModule(nn.Module):
             self._register_load_state_dict_pre_hook(self._to_pieces)
         cls = getattr(pipelining, SCHEDULE_CLASSES[schedule])
         floats = [p.dtype for st in stages for p in st.parameters() if p.dtype.is_floating_point]
-        # every pipeline rank agrees on the loss's dtype (fp32, or fp64 for a float64 model)
-        self._loss_dtype = torch.promote_types(torch.float32, floats[0] if floats else torch.float32)
+        # every pipeline rank agrees on the loss's dtype (fp32, or fp64 for a float64 model): the
+        # whole model's (``loss_dtype``), which a rank whose stages hold no parameter cannot see
+        self._loss_dtype = loss_dtype or torch.promote_types(torch.float32, floats[0] if floats else torch.float32)
         # the loss runs under autocast, as the stages do (mixed precision), weighted by this data
         # rank's rows (uneven shares) and scaled (fp16)
         self._row_weight: torch.Tensor | None = None
@@ -372,7 +378,7 @@ class PipelineModule(nn.Module):
         if target is None and not self._own_loss:
             raise ConfigError("a pipeline step needs the target", where="PipelineModule.step",
                               fix="call pm.step(inputs, target=targets) on every rank")
-        inputs = (*inputs, *self._keyword_inputs(kwargs))
+        inputs = self._tensor_inputs((*inputs, *self._keyword_inputs(kwargs)))
         for t in (*inputs, target):
             if isinstance(t, torch.Tensor) and t.shape[0] % self.microbatches:
                 raise InputMismatchError(f"batch of {t.shape[0]} does not split into {self.microbatches} micro-batches",
@@ -399,6 +405,21 @@ class PipelineModule(nn.Module):
             src = dist.get_global_rank(pp_group, (self._num_stages - 1) % self._pp[2])
             dist.broadcast(loss, src=src, group=pp_group)
         return loss
+
+    def _tensor_inputs(self, inputs: tuple) -> tuple:
+        """The step's inputs without the non-tensor ones, each checked against the value the model
+        was parallelized with (the graph holds that value)."""
+        if not self._constant_inputs:
+            return inputs
+        names = [f"input {i}" for i in range(len(inputs) - len(self.keyword_names))] + self.keyword_names
+        for i, want in self._constant_inputs.items():
+            got = inputs[i] if i < len(inputs) else None
+            if type(got) is not type(want) or got != want:
+                name = names[i] if i < len(names) else f"input {i}"
+                raise InputMismatchError(f"{name} differs from the value the model was parallelized with, which "
+                                         "its pipeline stages hold", where="PipelineModule.step", expected=repr(want),
+                                         got=repr(got), fix="pass the same value, or parallelize again with this one")
+        return tuple(v for i, v in enumerate(inputs) if i not in self._constant_inputs)
 
     def _keyword_inputs(self, kwargs: dict[str, Any]) -> list[Any]:
         """The keyword inputs in the order the model was captured with."""

@@ -4,6 +4,8 @@
 """
 from __future__ import annotations
 
+import torch
+
 from autopar.build.prepare import input_dims
 from autopar.build.state import BuildState
 from autopar.core.meta import graph_info, info
@@ -39,12 +41,14 @@ def _graph_module(s: BuildState) -> None:
 def _pipeline_module(s: BuildState) -> None:
     from autopar.runtime.pp import PipelineModule
 
-    mb_inputs = (*s.capture_args, *s.capture_kwargs.values())
+    mb_inputs = tuple(v for i, v in enumerate((*s.capture_args, *s.capture_kwargs.values()))
+                      if i not in s.constant_inputs)
     pm = PipelineModule(s.stages, plan=s.plan, schedule=s.schedule, microbatches=s.microbatches,
                         num_stages=s.pipeline_plan.stages, loss_fn=s.loss_fn, pp_group=s.group("pp")[0],
                         pp_rank=s.group("pp")[1], pp_size=s.sizes["pp"], data=s.data, grads=s.grads,
                         master_init=s.master_init, shared=s.shared_groups, device=s.device,
                         keyword_names=list(s.capture_kwargs), own_loss=s.own_loss,
+                        constant_inputs=s.constant_inputs, loss_dtype=_loss_dtype(s.request.model),
                         examples=[st.io_examples(s.tp, s.device, mb_inputs if st.index == 0 else None)
                                   for st in s.stages])
     pm.stage_graphs = s.stage_graphs
@@ -53,3 +57,9 @@ def _pipeline_module(s: BuildState) -> None:
     pm.pipeline_plan = s.pipeline_plan       # the simulator's view: stage times, step time, bubble
     pm.mode_source = graph_info(s.gm).mode_source       # switches the stages between train and eval
     s.module = pm
+
+
+def _loss_dtype(model) -> torch.dtype:
+    """The dtype every pipeline rank hands the loss around in: fp32, or the model's wider one."""
+    floats = [p.dtype for p in model.parameters() if p.dtype.is_floating_point]
+    return torch.promote_types(torch.float32, floats[0] if floats else torch.float32)

@@ -115,12 +115,18 @@ def pipeline_step(s: BuildState) -> None:
     _, pp_rank = s.group("pp")
     tp_rank = s.group("tp")[1] if "tp" in s.names else 0
     inputs = stage_inputs_of(gm)
+    examples = (*s.capture_args, *s.capture_kwargs.values())
+    if len(examples) == len(inputs):       # non-tensor inputs (flags) are fixed in the graph: held back
+        s.constant_inputs = {i: v for i, v in enumerate(examples) if not isinstance(v, torch.Tensor)}
+    constants = {inputs[i]: v for i, v in s.constant_inputs.items()}
+    inputs = [n for i, n in enumerate(inputs) if i not in s.constant_inputs]
     made: dict[str, nn.Parameter] = {}
     for sg in stages:
         if sg.index % p != pp_rank:
             continue
         st = StageModule(sg, s.tensors, s.trainable, s.placements, tp_rank, tp_n,
-                         input_names=inputs if sg.index == 0 else (), shared=made)
+                         input_names=inputs if sg.index == 0 else (), shared=made,
+                         constants=constants if sg.index == 0 else None)
         st.is_last = sg.index == len(stages) - 1
         made.update({k: v for k, v in st.named_parameters(remove_duplicate=False)})
         s.stages.append(st)

@@ -100,6 +100,7 @@ class BuildState:
     own_loss: bool = False
     shared_groups: dict[str, Any] = field(default_factory=dict)
     sent: dict[str, torch.dtype] = field(default_factory=dict)
+    constant_inputs: dict[int, Any] = field(default_factory=dict)   # position -> a non-tensor input's value
 
     # recompute: node -> region of the whole graph (without a pipeline; stages keep their own)
     regions: dict[fx.Node, int] = field(default_factory=dict)
