@@ -14,6 +14,7 @@ import torch.fx as fx
 from torch import nn
 
 from autopar.core.dp_mode import ALLREDUCE, DataMode
+from autopar.core.mesh import has_axis
 from autopar.core.options import Options
 from autopar.core.plans import Plan
 
@@ -39,17 +40,13 @@ class BuildRequest:
     @property
     def pipelined(self) -> bool:
         """A pipeline axis, in the mesh or the plan."""
-        return _names(self.mesh, "pp") or (self.plan is not None and self.plan.pp_axis is not None)
+        return has_axis(self.mesh, "pp") or (self.plan is not None and self.plan.pp_axis is not None)
 
     @property
     def expert_axis(self) -> bool:
-        """An expert axis (without a pipeline: inside one, the pipeline's steps place experts)."""
-        return _names(self.mesh, "ep") or (self.plan is not None and self.plan.ep_axis is not None)
-
-
-def _names(mesh: Any, axis: str) -> bool:
-    from autopar.core.mesh import has_axis
-    return has_axis(mesh, axis)
+        """An expert axis, in the mesh or the plan (with a pipeline too: the steps test
+        :attr:`pipelined` first, and inside a pipeline the experts are placed in order)."""
+        return has_axis(self.mesh, "ep") or (self.plan is not None and self.plan.ep_axis is not None)
 
 
 @dataclass(kw_only=True)
