@@ -10,8 +10,9 @@ without autopar, reports the largest loss difference, the median step time, mode
 MFU against the device's peak for the compute dtype, and the simulator's predicted step time
 and MFU for that configuration (``cost/hybrid.py`` on one device of the matching built-in
 profile). Cases: a data axis of one at ZeRO 0-3 in fp32, bf16 and fp16 (with dynamic loss
-scaling), full and selective recomputation, and a mixture-of-experts model on an expert axis
-of one. Then ``autopar calibrate`` measures the device and writes a hardware profile.
+scaling), full and selective recomputation, a mixture-of-experts model on an expert axis
+of one, a tensor axis and a pipeline axis of one, and ``torch.compile`` (inductor) on the data
+and tensor axes. Then ``autopar calibrate`` measures the device and writes a hardware profile.
 
 Without a GPU it runs the same cases on the CPU with a small model (so the harness cannot rot)
 and says which parts it skipped: the CUDA timings, MFU against a GPU datasheet, and the GPU
@@ -45,6 +46,12 @@ def cases(gpu: bool) -> list[dict]:
     out = [{"zero_stage": z, "mixed_precision": p} for z in (0, 1, 2, 3) for p in precisions]
     out += [{"zero_stage": 0, "mixed_precision": "bf16" if gpu else None, "recompute": r} for r in ("full", "selective")]
     out.append({"zero_stage": 0, "mixed_precision": "bf16" if gpu else None, "moe": True})
+    half = "bf16" if gpu else None
+    out += [{"zero_stage": 0, "mixed_precision": half, "mesh": {"tp": 1}},
+            {"zero_stage": 0, "mixed_precision": half, "mesh": {"pp": 1}},
+            {"zero_stage": 0, "mixed_precision": half, "compile": True},
+            {"zero_stage": 3, "mixed_precision": half, "compile": True},
+            {"zero_stage": 0, "mixed_precision": half, "mesh": {"tp": 1}, "compile": True}]
     return out
 
 
@@ -85,9 +92,13 @@ def run_case(case: dict, device: torch.device, args) -> dict:
     x = torch.randint(0, over["vocab"], (batch, seq), device=device)
     y = torch.randint(0, over["vocab"], (batch, seq), device=device)
     loss_fn = torch.nn.functional.cross_entropy
-    mesh = {"ep": 1} if case.get("moe") else {"dp": 1}
-    pm = autopar.parallelize(model, mesh, (x,), zero_stage=case["zero_stage"],
-                             mixed_precision=case.get("mixed_precision"), recompute=case.get("recompute", "none"))
+    mesh = {"ep": 1} if case.get("moe") else case.get("mesh", {"dp": 1})
+    pipe = "pp" in mesh
+    flat_loss = lambda logits, t: loss_fn(logits.float().flatten(0, 1), t.flatten())  # noqa: E731
+    extra = {"options": autopar.PipelineOptions(loss_fn=flat_loss)} if pipe else {}
+    pm = autopar.parallelize(model, mesh, (x,), zero_stage=case["zero_stage"], compile=case.get("compile", False),
+                             mixed_precision=case.get("mixed_precision"), recompute=case.get("recompute", "none"),
+                             **extra)
     opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-4)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4)
     times, worst = [], 0.0
@@ -95,8 +106,11 @@ def run_case(case: dict, device: torch.device, args) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = loss_fn(pm(x).float().flatten(0, 1), y.flatten())
-        loss.backward()
+        if pipe:
+            loss = pm.step(x, target=y)          # the schedule runs forward and backward
+        else:
+            loss = flat_loss(pm(x), y)
+            loss.backward()
         opt.step()
         opt.zero_grad()
         if device.type == "cuda":
@@ -107,7 +121,7 @@ def run_case(case: dict, device: torch.device, args) -> dict:
         ref_opt.step()
         ref_opt.zero_grad()
         worst = max(worst, abs(loss.item() - want.item()) / abs(want.item()))
-    step = statistics.median(times[1:] if len(times) > 1 else times)
+    step = statistics.median(times[2:] if len(times) > 2 else times)   # compiled: first steps compile
     hw = profile_name(device)
     score = predicted(name, over, case, batch, seq, hw)
     out = {"case": _label(case), "loss_diff": worst, "step_s": step, "pred_s": None, "tflops": None, "mfu": None,
@@ -121,8 +135,10 @@ def run_case(case: dict, device: torch.device, args) -> dict:
 
 
 def _label(case: dict) -> str:
-    return (("moe ep=1" if case.get("moe") else "dp=1") + f" ZeRO-{case['zero_stage']} "
-            + (case.get("mixed_precision") or "fp32") + (f" recompute {case['recompute']}" if "recompute" in case else ""))
+    axis = "moe ep=1" if case.get("moe") else ",".join(f"{k}={v}" for k, v in case.get("mesh", {"dp": 1}).items())
+    return (axis + f" ZeRO-{case['zero_stage']} " + (case.get("mixed_precision") or "fp32")
+            + (f" recompute {case['recompute']}" if "recompute" in case else "")
+            + (" compiled" if case.get("compile") else ""))
 
 
 def main() -> int:
@@ -130,6 +146,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--batch", type=int, default=None, help="default 8 on a GPU, 4 on a CPU")
     ap.add_argument("--seq", type=int, default=None, help="default 1024 on a GPU, 32 on a CPU")
+    ap.add_argument("--only", help="run only the cases whose label contains this text (e.g. 'pp=1')")
     ap.add_argument("--out", help="a directory for the calibrated profile (profile.json)")
     args = ap.parse_args()
     autopar.init_distributed()           # nccl and cuda:LOCAL_RANK with a GPU, gloo without; world size 1
@@ -145,21 +162,49 @@ def main() -> int:
               "calibration", flush=True)
     rows = []
     for case in cases(gpu):
+        if args.only and args.only not in _label(case):
+            continue
         try:
             rows.append(run_case(case, device, args))
-        except autopar.AutoparError as exc:
-            rows.append({"case": _label(case), "error": str(exc).splitlines()[0]})
+        except Exception as exc:          # noqa: BLE001 - a smoke run reports every case, then fails
+            rows.append({"case": _label(case), "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"})
         print(_row(rows[-1]), flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "autopar.cli", "calibrate", "--device", "cuda" if gpu else "cpu",
+        cmd = [sys.executable, "-m", "autopar", "calibrate", "--device", "cuda" if gpu else "cpu",
                "--out", os.path.join(args.out, "profile.json")] + ([] if gpu else ["--quick"])
         done = subprocess.run(cmd, capture_output=True, text=True)
         print(f"calibrate: exit {done.returncode}, {os.path.join(args.out, 'profile.json')}"
               + ("" if done.returncode == 0 else f": {done.stderr.strip().splitlines()[-1:]}"), flush=True)
+        if done.returncode == 0:
+            _efficiencies(os.path.join(args.out, "profile.json"), profile_name(device))
     bad = [r for r in rows if "error" in r or r["loss_diff"] > (5e-2 if "16" in r["case"] else 1e-4)]
     print(f"{len(rows) - len(bad)} of {len(rows)} cases ran and matched the plain model")
     return 1 if bad else 0
+
+
+def _efficiencies(path: str, hw: str) -> None:
+    """The calibrated rates as fractions of the datasheet figures the built-in profile ``hw``
+    cites, beside the efficiencies that profile assumes."""
+    import json
+
+    from autopar.cost.hardware import load_hardware
+    spec, m = load_hardware(hw), json.loads(Path(path).read_text())["measurements"]
+    for dtype, rates in sorted(m["matmul_flops_per_s"].items()):
+        try:
+            peak = spec.peak(dtype)
+        except autopar.AutoparError:
+            continue
+        sizes = "  ".join(f"n={n}: {r / 1e12:.1f}" for n, r in rates.items())
+        print(f"  matmul {dtype:<5} TFLOP/s {sizes}  best {max(rates.values()) / peak:.1%} of {spec.name} peak "
+              f"(profile assumes {spec.matmul_efficiency:.0%})", flush=True)
+    for dtype, rate in sorted(m["attention_flops_per_s"].items()):
+        print(f"  attention {dtype:<5} {rate / 1e12:.1f} TFLOP/s = {rate / spec.peak(dtype):.1%} of peak "
+              f"(profile assumes {spec.attention_efficiency:.0%})", flush=True)
+    bw = m["copy_bandwidth"]
+    print(f"  copy bandwidth {bw / 1e9:.0f} GB/s = {bw / spec.memory_bandwidth:.1%} of the datasheet's "
+          f"(profile assumes {spec.memory_efficiency:.0%}); kernel overhead {m['kernel_overhead_s'] * 1e6:.1f} us "
+          f"(profile {spec.kernel_overhead_s * 1e6:.1f} us)", flush=True)
 
 
 def _row(r: dict) -> str:

@@ -50,7 +50,7 @@ def _visit(node: fx.Node, mode: FakeTensorMode, fakes: dict, dtypes: dict[str, t
         dtype = captured[0].dtype if captured else None
         if rec is not None and rec.kind == "param" and dtype is not None and dtype.is_floating_point:
             dtype = compute
-        fakes[node] = _fake(mode, captured[0], dtype) if captured else None
+        fakes[node] = _fake(mode, captured[0], dtype, device_type) if captured else None
     elif node.op == "call_function":
         fakes[node] = _run(mode, node, fakes, compute, device_type, captured, dtypes)
     else:
@@ -74,13 +74,15 @@ def _quiet() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _fake(mode: FakeTensorMode, value: Any, dtype: torch.dtype | None) -> torch.Tensor | None:
+def _fake(mode: FakeTensorMode, value: Any, dtype: torch.dtype | None, device_type: str) -> torch.Tensor | None:
+    """A fake of ``value``'s shape on ``device_type``: autocast acts only on tensors of its own
+    device type, so a CPU fake under CUDA autocast would keep fp32 where the GPU gives bf16."""
     try:
         shape = [int(d) for d in value.shape]
     except TypeError:          # a symbolic size: no fake value, the dtype still propagates
         return None
     with mode:
-        return torch.empty(shape, dtype=dtype or value.dtype)
+        return torch.empty(shape, dtype=dtype or value.dtype, device=device_type)
 
 
 def _run(mode: FakeTensorMode, node: fx.Node, fakes: dict, compute: torch.dtype, device_type: str,
@@ -98,7 +100,7 @@ def _run(mode: FakeTensorMode, node: fx.Node, fakes: dict, compute: torch.dtype,
         except Exception:      # noqa: BLE001 - any op fake tensors cannot run keeps its inputs' dtype
             pass
     dtype = _follow(node, dtypes)
-    outs = [_fake(mode, v, dtype if v.dtype.is_floating_point else v.dtype) for v in captured]
+    outs = [_fake(mode, v, dtype if v.dtype.is_floating_point else v.dtype, device_type) for v in captured]
     return outs[0] if len(outs) == 1 else tuple(outs) if outs else None
 
 

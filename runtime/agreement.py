@@ -29,7 +29,7 @@ __all__ = ["check_agreement", "differing", "fingerprint", "rendezvous"]
 TIMEOUT_S = 10.0
 
 
-def _device(group: Any = None) -> torch.device:
+def collective_device(group: Any = None) -> torch.device:
     """Where a collective's tensor must live: the current GPU for NCCL, else the CPU."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -84,7 +84,7 @@ def check_agreement(model: nn.Module, mesh: Any, options: Mapping[str, Any], *,
     # the field count first travels inside the vector, so ranks with different option sets
     # still exchange equally long vectors
     width = 64
-    mine = torch.zeros(width + 1, dtype=torch.int64, device=_device())
+    mine = torch.zeros(width + 1, dtype=torch.int64, device=collective_device())
     mine[0] = len(names)
     mine[1:1 + min(len(names), width)] = torch.tensor([fields[k] for k in names][:width], dtype=torch.int64,
                                                        device=mine.device)
@@ -178,7 +178,7 @@ def differing(tensors: list[torch.Tensor]) -> list[int]:
     list is empty the ranks already agree and taking rank 0's values would move nothing."""
     if not tensors:
         return []
-    device = _device()
+    device = collective_device()
     # tensors under _SMALL bytes (biases, norms) are summed as one byte stream per device, so
     # a model's many small tensors cost one checksum; the group differs or agrees as a whole
     groups: dict[Any, list[int]] = {}
@@ -208,7 +208,7 @@ def rendezvous(group_name: str, what: str, timeout_s: float) -> None:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     group = _resolve_process_group(group_name)
-    flag = torch.ones(1, device=_device(group))
+    flag = torch.ones(1, device=collective_device(group))
     work = dist.all_reduce(flag, group=group, async_op=True)
     try:
         work.wait(timeout=datetime.timedelta(seconds=timeout_s))

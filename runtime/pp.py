@@ -185,7 +185,7 @@ class StageModule(nn.Module):
                         for kind, name in self._order if kind == "act")
         out_node = next(n for n in self.graph_module.graph.nodes if n.op == "output")
         outs = out_node.args[0] if isinstance(out_node.args[0], (tuple, list)) else (out_node.args[0],)
-        outs = tuple(_example(n, tp_n, device, None if self.is_last else sent.get(name))
+        outs = tuple(_example(n, tp_n, device, sent.get(name))
                      for n, name in zip(outs, self.outputs))
         if self.is_last:
             outs = tuple(o.reshape(1) if o.dim() == 0 else o for o in outs)

@@ -95,7 +95,9 @@ def test_every_datasheet_number_has_a_source(name: str) -> None:
         for key in (f"peak_flops.{k}" for k in TENSOR if k in device.peak_flops):
             assert "dense" in device.sources[key], f"{name}: {key} does not say it is the dense figure"
         for key in ("matmul_efficiency", "memory_efficiency", "attention_efficiency", "kernel_overhead_s"):
-            assert "assumption" in device.sources[key], f"{name}: {key} is not stated as an assumption"
+            src = device.sources[key]
+            assert "assumption" in src or "measured by `autopar calibrate`" in src, \
+                f"{name}: {key} is neither stated as an assumption nor as measured"
 
 
 @pytest.mark.parametrize("name", GPUS)
@@ -181,3 +183,21 @@ def test_v100_refuses_bf16_on_the_command_line_too(capsys, one_capture) -> None:
     assert rc == 2 and not out
     assert "v100-sxm2-32gb" in err and "'bf16'" in err and "no bf16 tensor cores" in err
     assert "Traceback" not in err
+
+
+def test_h200_efficiencies_are_the_measured_profiles():
+    """The H200's matmul and memory efficiencies come from a calibration run on an H200 that
+    ships with the package: the built-in entry and the measured file must agree, and the file
+    loads as a profile (``--hardware path``)."""
+    from pathlib import Path
+
+    import autopar.cost as cost
+
+    path = Path(cost.__file__).parent / "profiles" / "h200-sxm-141gb.measured.json"
+    measured = load_hardware(path)
+    builtin = load_hardware("h200")
+    assert measured.name == "h200-sxm-141gb (calibrated)"
+    assert builtin.matmul_efficiency == pytest.approx(measured.matmul_efficiency, abs=0.005)
+    assert builtin.memory_efficiency == pytest.approx(measured.memory_efficiency, abs=0.005)
+    assert "h200-sxm-141gb.measured.json" in builtin.sources["matmul_efficiency"]
+    assert measured.peak("bf16") == builtin.peak("bf16")

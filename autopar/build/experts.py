@@ -26,6 +26,7 @@ from autopar.core.errors import ConfigError, PlanFileError
 from autopar.core.meta import MoERegion, graph_info, info
 from autopar.core.plans import Plan
 from autopar.cost.ep_planner import Placement, contiguous, expert_loads, place_experts
+from autopar.runtime.agreement import collective_device
 
 log = logging.getLogger("autopar.build")
 
@@ -109,7 +110,7 @@ def exchange_experts(gm: fx.GraphModule, tensors: dict[str, torch.Tensor], plans
     region_of = {f: q.region.fqn for q in plans if q.kind != "dense" for f in q.region.expert_params}
     for fqn, how in stored.items():
         if how == "rows":
-            owned = torch.tensor(rts[region_of[fqn]].owned())
+            owned = torch.tensor(rts[region_of[fqn]].owned(), device=tensors[fqn].device)
             tensors[fqn] = tensors[fqn].detach().index_select(0, owned).clone()
     return rts, {fqn: (how, tuple(rts[region_of[fqn]].owned())) for fqn, how in stored.items()}
 
@@ -165,7 +166,7 @@ def calibrated_loads(model: nn.Module, calibration: Any, tensors: Mapping[str, t
     cal = tuple(calibration) if isinstance(calibration, (tuple, list)) else (calibration,)
     loads = expert_loads(capture_model(model, cal, ()), cal, tensors)
     for f in sorted(loads):
-        t = torch.tensor(loads[f], dtype=torch.float64)
+        t = torch.tensor(loads[f], dtype=torch.float64, device=collective_device())
         dist.all_reduce(t)
         loads[f] = t.tolist()
     return loads
