@@ -12,8 +12,11 @@ Where autopar applies ``S`` (user code is unchanged: ``pm(x) -> loss.backward()`
 ``pm.step(x, target=y)``, then ``opt.step()``):
 
 - a :class:`~autopar.runtime.tp_module.ParallelModule` returns its floating-point outputs in
-  fp32 under fp16 (an fp16 output is widened), each with a tensor hook that multiplies the
-  gradient arriving there by ``S`` (installed by a forward hook, :func:`attach`). The user's loss and its
+  fp32 under fp16 (an fp16 output is widened, an fp32 one aliased by a view), each with a tensor
+  hook that multiplies the gradient arriving there by ``S`` (installed by a forward hook,
+  :func:`attach`). The hook sits on the new tensor handed to the user, not on the graph's own:
+  a model that returns both its logits and a loss computed from them (``transformers``'
+  ``out.loss``) sends the loss's gradient into the graph's logits, which must not be scaled again. The user's loss and its
   gradient down to the model's outputs are therefore computed in fp32, and scaling the
   gradient where it enters the model equals scaling the loss (backward is linear in it). A
   loss term on the parameters themselves (not through the model's outputs, e.g. an L2 penalty
@@ -23,6 +26,13 @@ Where autopar applies ``S`` (user code is unchanged: ``pm(x) -> loss.backward()`
   result (in fp32) gets the same hook, so the schedule's backward starts from ``S`` while the
   loss it reports is unscaled. (A hook, not an identity autograd function: the zero-bubble
   schedules ``detach_()`` the loss, which a function's view output refuses.)
+
+Under a data axis each rank's loss is the mean over its share of the batch, so its gradients are
+about ``n`` times the whole batch's (``n`` data ranks); summed over ranks and divided by ``n``
+they become the whole batch's. Backward therefore runs at ``S / n`` and the step unscales by
+``S / n`` (:attr:`LossScaler.applied`): the same fp16 range as one process at ``S``, where ``S``
+itself would overflow ``n`` times sooner. Any factor gives the same result in exact arithmetic;
+this one keeps ``S`` meaning what it means without autopar.
 
 The optimizer (:class:`~autopar.runtime.optim.ShardedOptimizer`) unscales the fp32 gradients
 of its masters in place, checking them for inf/nan in the same pass, then all-reduces the
@@ -91,10 +101,15 @@ class LossScaler:
     """The dynamic scale of one optimizer (module docstring). ``groups`` returns the optimizer's
     current parameter groups, where the state is kept (read from the first, written to all)."""
 
-    def __init__(self, config: LossScale, groups: Callable[[], list[dict]]) -> None:
+    def __init__(self, config: LossScale, groups: Callable[[], list[dict]], share: int = 1) -> None:
         self.config = config
         self._groups = groups
         self.skipped = 0                       # steps skipped so far (not saved)
+        # the data ranks whose mean the gradients become: each rank's loss is the mean over its
+        # share of the batch, so its gradients are about ``share`` times the whole batch's; the
+        # backward runs at ``scale / share`` (and the step unscales by the same), so an fp16
+        # gradient on each rank is as large as one process's at ``scale``, not ``share`` times
+        self.share = max(1, int(share))
         for g in groups():
             g.setdefault(SCALE_KEY, float(config.init))
             g.setdefault(GOOD_STEPS_KEY, 0)
@@ -112,25 +127,35 @@ class LossScaler:
             g[SCALE_KEY], g[GOOD_STEPS_KEY] = float(scale), int(good_steps)
 
     # -- backward: scale -----------------------------------------------------------------------
-    def scale_outputs(self, out: Any) -> Any:
+    def scale_outputs(self, out: Any, alias: bool = True) -> Any:
         """``out`` (any pytree) with each fp16 tensor widened to fp32 and each floating tensor
         that requires grad hooked so that its gradient is multiplied by the scale (once per
-        tensor, however often the pytree holds it)."""
+        tensor, however often the pytree holds it). ``alias=False``: hook fp32 tensors themselves
+        (a pipeline's loss, which nothing else reads and which the zero-bubble schedule
+        detaches in place, as a view cannot be)."""
         done: dict[int, torch.Tensor] = {}
 
         def one(t: Any) -> Any:
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 return t
             if id(t) not in done:
-                wide = t.float() if t.dtype == torch.float16 else t
+                # a new autograd node: a hook on ``t`` itself would also fire for the gradient the
+                # model's own code sends into ``t`` (``out.loss`` computed from the ``logits`` it
+                # also returns), scaling that path twice
+                wide = t.float() if t.dtype == torch.float16 else t.view_as(t) if alias and t.requires_grad else t
                 if wide.requires_grad:
                     wide.register_hook(self._scaled)
                 done[id(t)] = wide
             return done[id(t)]
         return pytree.tree_map(one, out)
 
+    @property
+    def applied(self) -> float:
+        """The factor backward multiplies gradients by (and the step divides them by)."""
+        return self.scale / self.share
+
     def _scaled(self, grad: torch.Tensor) -> torch.Tensor:
-        return grad * self.scale
+        return grad * self.applied
 
     # -- step: unscale, decide, adapt --------------------------------------------------------------
     @torch.no_grad()
@@ -138,7 +163,7 @@ class LossScaler:
         """Divide ``grads`` (fp32) in place by the scale; True when every gradient on every rank
         is finite (one all-reduce over the whole process group)."""
         found = torch.zeros(1, dtype=torch.float32, device=device)
-        inv = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=device)
+        inv = torch.full((1,), 1.0 / self.applied, dtype=torch.float32, device=device)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
@@ -172,7 +197,7 @@ class LossScaler:
 
 
 def make_scaler(module: Any, compute: torch.dtype | None, config: LossScale | None,
-                groups: Callable[[], list[dict]]) -> LossScaler | None:
+                groups: Callable[[], list[dict]], share: int = 1) -> LossScaler | None:
     """The scaler for an optimizer over ``module`` (fp16 compute only), attached to the module;
     ``config`` given for any other precision is refused rather than ignored."""
     if config is not None and not isinstance(config, LossScale):
@@ -182,7 +207,7 @@ def make_scaler(module: Any, compute: torch.dtype | None, config: LossScale | No
     if compute != torch.float16:
         refuse_loss_scale(config)
         return None
-    scaler = LossScaler(config or LossScale(), groups)
+    scaler = LossScaler(config or LossScale(), groups, share)
     attach(module, scaler)
     return scaler
 

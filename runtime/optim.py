@@ -172,7 +172,8 @@ class ShardedOptimizer:
         groups = self._groups(params)
         self.inner = optimizer_cls(groups, **kwargs)
         self._ready: bool | None = None      # prepare_grads()'s answer for this step, once it ran
-        self.scaler = make_scaler(module, compute, loss_scale, lambda: self.inner.param_groups)
+        self.scaler = make_scaler(module, compute, loss_scale, lambda: self.inner.param_groups,
+                                  share=max((getattr(rt, "divisor", 1) for rt in self.rts), default=1))
 
     def _groups(self, params: Iterable | None) -> list[dict]:
         if params is None:

@@ -473,7 +473,7 @@ class _Autocast:
         if weight is not None and isinstance(loss, torch.Tensor) and loss.requires_grad:
             loss.register_hook(lambda g: g * weight.to(g.dtype))
         scaler = self.pipeline.loss_scaler
-        return loss if scaler is None else scaler.scale_outputs(loss)
+        return loss if scaler is None else scaler.scale_outputs(loss, alias=False)
 
 
 class _Stage(PipelineStage):
