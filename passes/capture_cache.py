@@ -45,6 +45,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.utils._sympy.value_ranges import ValueRanges
 
+from autopar.passes import autograd_functions
 from autopar.core.meta import META_KEY, GraphInfo, NodeInfo, graph_info, graph_module, symbol
 
 log = logging.getLogger("autopar.capture")
@@ -269,6 +270,8 @@ def _target(n: fx.Node) -> Any:
     if n.op != "call_function":
         raise _Uncacheable(f"node {n.name} is a {n.op}")
     if isinstance(t, torch._ops.OpOverload):
+        if autograd_functions.is_call(t):      # names a class this process registered: never from a file
+            raise _Uncacheable(f"node {n.name} calls a model's own torch.autograd.Function")
         ns, name = t.name().split("::", 1)
         return ["op", ns, name.split(".")[0], t._overloadname]
     mod = getattr(t, "__module__", None)

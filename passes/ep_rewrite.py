@@ -25,6 +25,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 import torch.fx as fx
 
 from autopar.core.errors import AutoparInternalError, ConfigError
@@ -47,9 +48,16 @@ def expert_regions(gm: fx.GraphModule) -> list[MoERegion]:
     """The graph's MoE regions (a ConfigError when it has none: an ep axis needs one)."""
     regions = graph_info(gm).moe_regions
     if not regions:
-        raise ConfigError("expert parallelism needs a mixture-of-experts layer, and the graph has none",
-                          where="mesh axis ep",
-                          fix="drop the ep axis, or check that the router's top-k picks between expert weights")
+        topks = sum(1 for n in gm.graph.nodes if n.target is torch.ops.aten.topk.default)
+        named = sorted({f.rsplit(".", 1)[0] for f in graph_info(gm).param_fqns if "expert" in f.lower()})
+        got = (f"{topks} topk op(s), none choosing between expert weights"
+               + (f"; parameters named like experts under {', '.join(named[:3])}{' ...' if len(named) > 3 else ''}"
+                  " (routed some other way: argmax, sampling)" if named else ""))
+        raise ConfigError("expert parallelism needs a mixture-of-experts layer autopar recognises, and it "
+                          "recognised none: a layer is found from a topk over a learned gate whose indices pick "
+                          "the expert weights", where="mesh axis ep", got=got,
+                          fix="drop the ep axis (tensor and data axes run the model as it is), or route with "
+                              "torch.topk over the gate's scores")
     return regions
 
 

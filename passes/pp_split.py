@@ -379,7 +379,10 @@ def split_stages(gm: fx.GraphModule, starts: Sequence[int] | Sequence[str]) -> l
                 inputs.append(node.name)
                 order.append(("act", node.name))
         for node in gm.graph.nodes:
-            if node.op == "call_function" and (node in needed_const and node.op != "placeholder" or stage_of.get(node) == s):
+            if node.op == "get_attr" and any(stage_of.get(u) == s or u in needed_const for u in node.users):
+                env[node] = g.node_copy(node)       # a higher-order op's body (a no_grad block): the stage keeps it
+            elif node.op == "call_function" and (node in needed_const and node.op != "placeholder"
+                                                 or stage_of.get(node) == s):
                 env[node] = g.node_copy(node, lambda a: env[a])
         if s == last:
             outs = [a for a in out_node.args[0]] if isinstance(out_node.args[0], (tuple, list)) else [out_node.args[0]]
