@@ -217,3 +217,22 @@ def average_over_senders(params: Sequence[torch.Tensor], n: int) -> None:
 
 __all__ = ["EPRuntime", "DroplessMoE", "autopar_ep_dispatch", "autopar_ep_combine", "autopar_ep_moe", "EP_OPS",
            "average_over_senders"]
+
+
+def whole_experts(local: torch.Tensor, rt: "EPRuntime") -> torch.Tensor:
+    """The whole stacked expert tensor ``[E, ...]`` from each ep rank's owned rows (``local``:
+    this rank's, in its owned order); every rank of the ep group must call it."""
+    if rt.n == 1 or rt.group is None:
+        return local
+    parts = [torch.empty_like(local) for _ in range(rt.n)]
+    dist.all_gather(parts, local.contiguous(), group=rt.group)
+    whole = local.new_empty((rt.experts, *local.shape[1:]))
+    for r, part in enumerate(parts):
+        whole[torch.tensor(rt.owned(r), device=local.device)] = part
+    return whole
+
+
+def owned_rows(whole: torch.Tensor, rt: "EPRuntime") -> torch.Tensor:
+    """This rank's owned expert rows of a whole ``[E, ...]`` tensor (what it holds)."""
+    return whole.index_select(0, torch.tensor(rt.owned(), device=whole.device)).clone()
+

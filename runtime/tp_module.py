@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 from autopar.core.errors import InputMismatchError
 from autopar.runtime.dp import DPRuntime, row_count_issue, row_weight, shard_range
 from autopar.runtime.health import note_step
+from autopar.runtime.ep import owned_rows, whole_experts
 from autopar.core.mesh import names as mesh_names
 from autopar.core.meta import evaluate, graph_info, info, ready
 from autopar.core.placement import Shard, parse
@@ -59,6 +60,9 @@ class ParallelModule(nn.Module):
         self._master_init: dict[str, torch.Tensor] = {}
         # how long state_dict() under ZeRO-3 waits for the other data-axis ranks before raising
         self.collective_wait_s = 60.0
+        self.expert_rows: dict[str, Any] = {}    # expert fqn -> its EPRuntime, for stacked experts split by rows
+        # a ModuleList of experts (this rank holds its own members) -> (its EPRuntime, each member's parameter names)
+        self.expert_modules: dict[str, tuple[Any, tuple[str, ...]]] = {}
         ginfo = graph_info(gm)
         first = self._dps[0] if self._dps else None
         params = set(ginfo.param_fqns.values())
@@ -287,11 +291,18 @@ class ParallelModule(nn.Module):
                         fix=f"pad the inputs so {expr} divides by {self._n}, or plan with these sizes")
 
     def _from_whole(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        for name, (ep, suffixes) in self.expert_modules.items():   # the other ranks' expert members
+            for e in set(range(ep.experts)) - set(ep.owned()):
+                for suffix in suffixes:
+                    state_dict.pop(f"{prefix}{name}.{e}.{suffix}", None)
         for key in list(state_dict):
             fqn = self._aliases.get(key[len(prefix):], key[len(prefix):])
             value = state_dict[key]
             if isinstance(value, DTensor):
                 value = value.full_tensor()
+            ep = self.expert_rows.get(fqn)
+            if ep is not None and isinstance(value, torch.Tensor) and value.shape[0] == ep.experts != ep.experts // ep.n:
+                value = state_dict[key] = owned_rows(value, ep)      # a whole [E, ...]: this rank's experts
             p = self._placements.get(fqn)
             rt = self._rt_of.get(fqn)
             if isinstance(value, torch.Tensor) and rt is not None and rt.stage == 3:
@@ -312,16 +323,31 @@ def _to_dtensors(module: ParallelModule, state_dict: dict, prefix: str, local_me
     for rt in module._dps:       # ZeRO-3 gathers below: a rank calling alone must not hang
         if rt.stage == 3 and rt.n > 1:
             rendezvous(rt.group_name, f"{type(module).__name__}.state_dict() under ZeRO-3", module.collective_wait_s)
+    gathering = [*module.expert_rows.values(), *(e for e, _ in module.expert_modules.values())]
+    for ep in {id(e): e for e in gathering if e.n > 1}.values():   # and the experts' gathers
+        rendezvous(ep.group.group_name, f"{type(module).__name__}.state_dict() under expert parallelism",
+                   module.collective_wait_s)
     for key in list(state_dict):
         fqn = module._aliases.get(key[len(prefix):], key[len(prefix):])
         rt = module._rt_of.get(fqn)
         if rt is not None and rt.stage == 3:
             state_dict[key] = module._whole_local(fqn, state_dict[key])
+        ep = module.expert_rows.get(fqn)
+        if ep is not None:                 # this rank's experts' rows -> the whole [E, ...] tensor
+            state_dict[key] = whole_experts(state_dict[key].detach(), ep)
         p = module._placements.get(fqn)
         if isinstance(p, Shard) and module._tp_dim is not None:
             places = [DReplicate()] * module._mesh.ndim
             places[module._tp_dim] = DShard(p.dim)
             state_dict[key] = DTensor.from_local(state_dict[key], module._mesh, places, run_check=False)
+    for name, (ep, suffixes) in module.expert_modules.items():   # every member of a ModuleList of experts
+        for suffix in suffixes:
+            mine = [state_dict[f"{prefix}{name}.{e}.{suffix}"].detach() for e in ep.owned()]
+            if any(isinstance(t, DTensor) for t in mine):     # split on the tensor axis too: whole first
+                mine = [t.full_tensor() if isinstance(t, DTensor) else t for t in mine]
+            stacked = whole_experts(torch.stack(mine), ep)    # [E, ...] in expert order
+            for e in range(ep.experts):
+                state_dict[f"{prefix}{name}.{e}.{suffix}"] = stacked[e].clone()
     return state_dict
 
 

@@ -132,6 +132,8 @@ def _held(kind: str, pm, opt) -> dict:
     for fqn, v in pm.state_dict().items():
         if hasattr(v, "full_tensor"):   # a tensor-axis DTensor: assembled whole by torch
             out[f"model/{fqn}"] = (v.full_tensor().detach().clone(), ("whole",))
+        elif kind == "ep":              # experts gathered from every ep rank: whole, as the model's
+            out[f"model/{fqn}"] = (v.detach().clone(), ("whole",))
         else:
             out[f"model/{fqn}"] = (v.detach().clone(), where(fqn, v))
     sd = opt.state_dict()

@@ -172,7 +172,28 @@ def _case(rank: int, world: int, name: str, mesh: dict, dtype: torch.dtype, skew
         err = abs(mean.item() - want.item()) / abs(want.item())
         loss_err = max(loss_err, err if math.isfinite(err) else math.inf)
     return {"loss_err": loss_err, "param_err": _param_err(pm, ref, tp, rank), "parallelize_s": took,
-            "case_s": time.perf_counter() - begin, **_experts_held(pm)}
+            "state": _state_check(pm, ref), "case_s": time.perf_counter() - begin, **_experts_held(pm)}
+
+
+def _state_check(pm, ref: nn.Module) -> dict:
+    """``pm.state_dict()``: the original model's keys, each tensor whole (stacked experts
+    gathered from every ep rank) and equal to one process's after the same steps; loading it
+    back leaves every parameter as it was."""
+    def whole(v):
+        return v.full_tensor() if hasattr(v, "full_tensor") else v
+    sd = pm.state_dict()
+    want = ref.state_dict()
+    err = 0.0
+    for k, v in want.items():
+        if k in sd and tuple(sd[k].shape) == tuple(v.shape) and v.is_floating_point():
+            e = ((whole(sd[k]).detach() - v).abs().max() / v.abs().max().clamp_min(1e-30)).item()
+            err = max(err, e if math.isfinite(e) else math.inf)
+    before = {f: p.detach().clone() for f, p in pm.named_parameters()}
+    pm.load_state_dict(sd)
+    moved = max(((p.detach() - before[f]).abs().max().item() for f, p in pm.named_parameters()), default=0.0)
+    return {"missing": sorted(set(want) - set(sd)), "extra": sorted(set(sd) - set(want)),
+            "shapes": sorted(f"{k} {tuple(sd[k].shape)}" for k in want if k in sd and tuple(sd[k].shape) != tuple(want[k].shape)),
+            "err": err, "reload_moved": moved}
 
 
 def _skewed_calibration(model: nn.Module, ep: int) -> tuple:
@@ -325,6 +346,17 @@ def _check(results: list[dict], name: str, mesh: dict, dtype: torch.dtype, skewe
 @pytest.mark.parametrize("name,mesh,dtype", EP2, ids=lambda v: str(v))
 def test_ep2_matches_single_process(world2, name, mesh, dtype):
     _check(world2, name, mesh, dtype)
+
+
+@pytest.mark.parametrize("name,mesh,dtype", EP2 + FOUR, ids=lambda v: str(v))
+def test_ep_state_dict_is_whole(request, name, mesh, dtype):
+    """Under ep each rank holds its experts' rows; ``pm.state_dict()`` still has the model's
+    keys with whole shapes (before: this rank's rows under the whole tensor's name)."""
+    for r in request.getfixturevalue("world2" if mesh == {"ep": 2} else "world4"):
+        st = r[_key(name, mesh, dtype, False)]["state"]
+        assert not st["missing"] and not st["extra"] and not st["shapes"], st
+        tol = TOL_TP64 if "tp" in mesh and dtype == torch.float64 else TOL[dtype]
+        assert st["err"] <= tol and st["reload_moved"] == 0.0, st
 
 
 def test_whole_expert_modules_checkpoint_and_load(world2):

@@ -4,6 +4,8 @@
 """
 from __future__ import annotations
 
+import re
+
 import torch
 
 from autopar.build.prepare import input_dims
@@ -33,6 +35,16 @@ def _graph_module(s: BuildState) -> None:
         pm.expert_params = set(stored)
         pm.expert_storage = stored        # fqn -> "rows" (owned rows of stacked experts) | "whole" (an owned module's)
         pm.ep_runtimes = s.expert_runtimes
+        runtime_of = {f: s.expert_runtimes[region.fqn] for region in graph_info(gm).moe_regions
+                      if region.fqn in s.expert_runtimes for f in region.expert_params}
+        pm.expert_rows = {f: runtime_of[f] for f, how in stored.items() if how == "rows" and f in runtime_of}
+        members: dict[str, set[str]] = {}
+        for f, how in stored.items():         # "<list>.<expert>.<parameter>" of a ModuleList of experts
+            m = re.match(r"^(.*)\.(\d+)\.(.+)$", f)
+            if how == "whole" and m is not None and f in runtime_of:
+                members.setdefault(m[1], set()).add(m[3])
+                runtime_of[m[1]] = runtime_of[f]
+        pm.expert_modules = {name: (runtime_of[name], tuple(sorted(sfx))) for name, sfx in members.items()}
         pm.placements = s.expert_placements
     pm.set_recompute(r.recompute, s.regions)   # none | selective (attention cores) | full (every layer)
     s.module = pm
