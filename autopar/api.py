@@ -335,7 +335,8 @@ def optimizer(module: Any, optimizer_cls: type, params: Any = None, *, loss_scal
                              got=type(module).__name__,
                              fix="pm = autopar.parallelize(model, mesh, inputs); autopar.optimizer(pm, ...)")
     check_optimizer_class(optimizer_cls)
-    if isinstance(module, PipelineModule) and not module.dp_runtimes and not module.mixed:   # its stages' parameters
+    holds_any = next(iter(module.parameters()), None) is not None      # a pipeline rank may hold none
+    if isinstance(module, PipelineModule) and not module.dp_runtimes and not module.mixed and holds_any:
         params = check_params(module, params)
         refuse_loss_scale(loss_scale)      # fp32 stages: nothing to scale
         return optimizer_cls(params if params is not None else module.parameters(), **kwargs)

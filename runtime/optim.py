@@ -170,6 +170,13 @@ class ShardedOptimizer:
         self.mixed = bool(self.copies)
         self._master_fqn = {id(m): f for f, m in self.masters.items()}
         groups = self._groups(params)
+        self._placeholder: nn.Parameter | None = None
+        if not any(g["params"] for g in groups):
+            # this rank steps no parameter (a pipeline stage holding none): torch refuses an empty
+            # list, so the inner optimizer holds one empty tensor that never has a gradient; its
+            # parameter groups exist as on every other rank (learning-rate schedules, loss scale)
+            self._placeholder = nn.Parameter(torch.zeros(0))
+            groups = [{**(groups[0] if groups else {}), "params": [self._placeholder]}]
         self.inner = optimizer_cls(groups, **kwargs)
         self._ready: bool | None = None      # prepare_grads()'s answer for this step, once it ran
         self.scaler = make_scaler(module, compute, loss_scale, lambda: self.inner.param_groups,
@@ -364,13 +371,14 @@ class ShardedOptimizer:
     def state_dict(self) -> dict:
         sd = self.inner.state_dict()
         order = [self._fqn_of_master(p) for g in self.inner.param_groups for p in g["params"]]
-        state = {order[k]: {name: self._whole(order[k], v) for name, v in s.items()} for k, s in sd["state"].items()}
-        groups = [{**g, "params": [order[k] for k in g["params"]]} for g in sd["param_groups"]]
+        state = {order[k]: {name: self._whole(order[k], v) for name, v in s.items()} for k, s in sd["state"].items()
+                 if order[k] is not None}
+        groups = [{**g, "params": [order[k] for k in g["params"] if order[k] is not None]} for g in sd["param_groups"]]
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict) -> None:
         order = [self._fqn_of_master(p) for g in self.inner.param_groups for p in g["params"]]
-        index = {f: k for k, f in enumerate(order)}
+        index = {f: k for k, f in enumerate(order) if f is not None}
         unknown = sorted(set(state_dict["state"]) - set(index))
         if unknown:
             raise OptimizerError("optimizer state names parameters this optimizer does not step",
@@ -379,10 +387,12 @@ class ShardedOptimizer:
                                  fix="load a state_dict saved from an optimizer over the same model")
         state = {index[f]: {name: self._piece(f, v) for name, v in s.items()} for f, s in state_dict["state"].items()}
         groups = [{**g, "params": [index[f] for f in g["params"]]} for g in state_dict["param_groups"]]
+        if self._placeholder is not None and groups:      # the empty stand-in, which no state names
+            groups[0]["params"] = [*groups[0]["params"], order.index(None)]
         self.inner.load_state_dict({"state": state, "param_groups": groups})
 
-    def _fqn_of_master(self, p: torch.Tensor) -> str:
-        return self._master_fqn[id(p)]
+    def _fqn_of_master(self, p: torch.Tensor) -> str | None:
+        return None if p is self._placeholder else self._master_fqn[id(p)]
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer(ZeRO-{self.stage}, {self.inner!r})"
