@@ -92,16 +92,9 @@ def _case(name: str) -> dict:
         loss_err = max(loss_err, abs(got.item() / 2 - want.item()) / abs(want.item()))
     after = _counts()
     ref_state, param_err = ref.state_dict(), 0.0
-    owned = {}                  # expert parameters: this rank's experts only (rows of the stacked tensor)
-    for region, rt in getattr(pm, "ep_runtimes", {}).items():
-        for key in pm.expert_params:
-            if key.startswith(region + ".") or region == "":
-                owned[key] = torch.tensor(rt.owned())
-    for key, value in pm.state_dict().items():      # a pipeline rank: its stage's keys
+    for key, value in pm.state_dict().items():      # a pipeline rank: its stage's keys; experts gathered whole
         value = value.full_tensor() if hasattr(value, "full_tensor") else value
         want = ref_state[key]
-        if key in owned:
-            want = want.index_select(0, owned[key])
         if want.is_floating_point():
             param_err = max(param_err, ((value - want).abs().max() / want.abs().max().clamp_min(1e-3)).item())
     split = sum(1 for fqn, _ in pm.named_parameters() if str(pm.placement_of(fqn)).startswith("S(")) \

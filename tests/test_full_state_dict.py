@@ -9,7 +9,6 @@ One world of 2 ranks runs every case.
 """
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
