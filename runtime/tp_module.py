@@ -28,6 +28,7 @@ from torch.distributed.tensor import Shard as DShard
 from torch.utils import _pytree as pytree
 
 from autopar.core.errors import InputMismatchError
+from autopar.runtime import token_loss
 from autopar.runtime.dp import DPRuntime, row_count_issue, row_weight, shard_range
 from autopar.runtime.health import note_step
 from autopar.runtime.ep import owned_rows, whole_experts
@@ -94,6 +95,9 @@ class ParallelModule(nn.Module):
         self._inputs = _input_specs(gm)
         self._register_state_dict_hook(_to_dtensors)
         self._register_load_state_dict_pre_hook(self._from_whole)
+        widest = max(self._dps, key=lambda r: r.n, default=None)
+        # a token-mean loss the model returns: over the global batch's real tokens (runtime/token_loss.py)
+        self._token_losses = token_loss.prepare(gm) if widest is not None and widest.n > 1 else []
         ready(gm)                                # its code, generated once here rather than at the first step
 
     @property
@@ -178,8 +182,16 @@ class ParallelModule(nn.Module):
             outs = self._run(gm, call)
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         weight = row_weight(counting[0], counting[1], counting[2]) if counting is not None else None
+        losses = {}
+        for pos, at in self._token_losses:
+            losses[pos] = (token_loss.global_mean(outs[pos], outs[at], counting[1].n, counting[1].group_name)
+                           if counting is not None else token_loss.local_mean(outs[pos], outs[at]))
+        if self._token_losses:
+            outs = outs[:min(at for _, at in self._token_losses)]
         if weight is not None:
-            outs = [_weighted(o, weight) for o in outs]
+            outs = [o if i in losses else _weighted(o, weight) for i, o in enumerate(outs)]
+        for pos, value in losses.items():
+            outs[pos] = value
         user = []
         for (kind, target), value in zip(ginfo.output_targets, outs):
             if kind == "BUFFER_MUTATION" and target in state:

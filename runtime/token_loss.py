@@ -1,0 +1,117 @@
+"""A model's own token-mean loss over the global batch under a data axis.
+
+A loss such as ``F.cross_entropy(logits, labels)`` with labels padded by ``ignore_index``
+(``transformers`` models given ``labels``) is the mean over the real tokens *of the batch it
+sees*. When the data axis gives each rank its share of the batch and the ranks hold different
+numbers of real tokens, averaging the ranks' means (what DDP does) is not the mean over the
+global batch that one process computes: each rank's tokens weigh ``1 / (ranks x its count)``
+instead of ``1 / total count``.
+
+Where the loss a model returns *is* such a mean (the output reached from a mean-reduced
+``cross_entropy_loss``/``nll_loss`` through views and casts only, integer targets, no class
+weights), :func:`prepare` rewrites the graph to return the rank's sum and its count of real
+tokens instead; :func:`global_mean` exchanges (count, sum) once per step (one all-reduce of
+two numbers) and returns the global batch's mean, the same value on every rank, whose
+gradient on this rank is ``ranks / total count`` times the sum's: averaged over the data axis,
+exactly the single-process gradient, whatever each rank's count (0 included).
+
+Without gradients (evaluation, possibly on one rank alone) there is no exchange: the value is
+this rank's own mean, as the unmodified model computes it on this rank's rows.
+
+A loss built otherwise (the model adds an auxiliary term, scales it, or the user computes it
+outside the model from the logits) keeps the rows weighting of ``runtime/dp.py:row_weight``:
+exact when every rank holds as many real tokens per row.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from autopar.runtime.collectives import c10d
+
+aten = torch.ops.aten
+
+_MEAN, _SUM = 1, 2
+# ops that pass a scalar loss on unchanged (a view, a copy, a cast)
+_SAME_VALUE = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
+               aten.alias.default, aten.squeeze.default, aten.squeeze.dim, aten.unsqueeze.default,
+               aten.to.dtype, aten._to_copy.default, aten.detach.default}
+_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default}
+
+
+def _arg(node: fx.Node, i: int, name: str, default):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def _mean_loss(node: fx.Node) -> fx.Node | None:
+    """The mean-reduced, unweighted, integer-target loss node ``node`` passes on unchanged, or None."""
+    for _ in range(16):
+        if len(node.users) != 1:            # the loss feeds nothing but the output
+            return None
+        if node.op != "call_function" or node.target not in _SAME_VALUE:
+            break
+        node = node.args[0]
+        if not isinstance(node, fx.Node):
+            return None
+    if node.op != "call_function" or node.target not in _LOSSES:
+        return None
+    target = node.args[1]
+    val = target.meta.get("val") if isinstance(target, fx.Node) else None
+    if _arg(node, 2, "weight", None) is not None or _arg(node, 3, "reduction", _MEAN) != _MEAN:
+        return None
+    if val is None or val.dtype.is_floating_point:         # class probabilities: no tokens to count
+        return None
+    return node
+
+
+def prepare(gm: fx.GraphModule) -> list[tuple[int, int]]:
+    """Rewrite ``gm`` so that each output that is a token-mean loss returns the sum over this
+    rank's real tokens, and the count of those tokens is a new output at the end. Returns
+    (the loss's output position, its count's output position) per loss; [] leaves ``gm`` as it was."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    if not isinstance(out.args[0], (tuple, list)):
+        return []
+    values = list(out.args[0])
+    found = []
+    for pos, v in enumerate(values):
+        loss = _mean_loss(v) if isinstance(v, fx.Node) else None
+        if loss is not None and all(loss is not f for _, f in found):
+            found.append((pos, loss))
+    if not found:
+        return []
+    pairs = []
+    for pos, loss in found:
+        schema = loss.target._schema.arguments
+        names = [a.name for a in schema]
+        full = [_arg(loss, i, a.name, a.default_value) for i, a in enumerate(schema)]
+        full[names.index("reduction")] = _SUM
+        ignore = full[names.index("ignore_index")]
+        loss.args, loss.kwargs = tuple(full), {}
+        with gm.graph.inserting_after(loss):
+            real = gm.graph.call_function(aten.ne.Scalar, (loss.args[1], ignore))
+            with gm.graph.inserting_after(real):
+                count = gm.graph.call_function(aten.sum.default, (real,))
+        pairs.append((pos, len(values)))
+        values.append(count)
+    out.args = (tuple(values),)
+    gm.graph.lint()
+    gm.recompile()
+    return pairs
+
+
+def local_mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """This rank's own mean (no exchange): what the unmodified model returns on its rows."""
+    return total / count.to(total.dtype)
+
+
+def global_mean(total: torch.Tensor, count: torch.Tensor, ranks: int, group_name: str) -> torch.Tensor:
+    """The global batch's token mean from this rank's ``total`` (sum over its real tokens) and
+    ``count``: one all-reduce of (count, sum); its gradient is ``ranks / global count`` times
+    the sum's, so that averaging gradients over ``ranks`` gives the global mean's."""
+    wire = torch.stack([count.to(torch.float64), total.detach().to(torch.float64)])
+    summed = c10d.wait_tensor(c10d.all_reduce(wire, "sum", group_name))
+    n, s = summed[0], summed[1]
+    scaled = total * (ranks / n).to(total.dtype)
+    return scaled + ((s / n).to(total.dtype) - scaled).detach()

@@ -1,0 +1,137 @@
+"""A model's own token-mean loss over the global batch under dp, with uneven padding.
+
+Labels padded with -100 leave the two ranks different numbers of real tokens (rank 0: 27,
+rank 1: 9 of 32). One process computes the mean over the global batch's 36 real tokens;
+averaging the ranks' own means (what DDP gives) weighs rank 1's tokens three times too much.
+Each case trains three SGD-momentum steps in float64 on dp=2 beside one process on the whole
+batch: every step's loss (the same on both ranks) and the whole state dict afterwards must
+match. The cases: a ``transformers`` Llama given ``labels`` (default options), the same under
+ZeRO-3, a ``transformers`` Mixtral on ep=2 (the expert axis is a data axis for the batch),
+and a plain module calling ``F.cross_entropy`` with its own ``ignore_index``. Without
+gradients a rank gets its own rows' mean (no exchange, so one rank may evaluate alone).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import autopar
+from autopar.runtime.launch import run_ranks
+from tests import hf_tiny
+
+STEPS, TOL = 3, 1e-9
+PAD = {0: 1, 1: 6}         # rank -> padded positions at the end of each of its two rows (of 8)
+
+
+def _data() -> dict:
+    data = hf_tiny.batch(rows=4, seq=8)
+    for rank, pad in PAD.items():
+        data["labels"][2 * rank:2 * rank + 2, 8 - pad:] = -100
+    return data
+
+
+class Tagger(torch.nn.Module):
+    """Token classification with its own loss (ignore_index=7 marks padding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(hf_tiny.VOCAB, 16)
+        self.head = torch.nn.Linear(16, 5)
+
+    def forward(self, input_ids, labels):
+        logits = self.head(torch.tanh(self.emb(input_ids)))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=7), logits
+
+
+def _tagger_data() -> dict:
+    data = _data()
+    data["labels"] = torch.where(data["labels"] == -100, 7, data["labels"] % 5)
+    return data
+
+
+def _mixtral() -> torch.nn.Module:
+    """A transformers Mixtral given labels (dropless routing: each token's experts as in one process)."""
+    import transformers
+    from tests.test_ep_hf import _config
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config("mixtral", "batched_mm"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    return model.double()
+
+
+CASES = {     # name -> (model, batch, mesh, options)
+    "llama": (lambda: hf_tiny.build("llama", torch.float64), _data, {"dp": 2}, {}),
+    "llama_zero3": (lambda: hf_tiny.build("llama", torch.float64), _data, {"dp": 2}, dict(zero_stage=3)),
+    "tagger": (lambda: Tagger().double(), _tagger_data, {"dp": 2}, dict(zero_stage=3)),
+    "mixtral_ep": (_mixtral, _data, {"ep": 2}, {}),
+}
+
+
+def _loss(out):
+    return out.loss if hasattr(out, "loss") else out[0]
+
+
+def _train(model, data, opt, step) -> list[float]:
+    losses = []
+    for _ in range(STEPS):
+        loss = _loss(step(model, data))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _case(name: str) -> dict:
+    rank = dist.get_rank()
+    build, data_of, mesh, kw = CASES[name]
+    data = data_of()
+    mine = {k: v[2 * rank:2 * rank + 2] for k, v in data.items()}
+    pm = autopar.parallelize(build(), mesh, example_kwargs=mine, **kw)
+    opt = autopar.optimizer(pm, torch.optim.SGD, lr=0.1, momentum=0.9)
+    with torch.no_grad():
+        alone = _loss(pm(**mine)).item()               # this rank's own mean, no exchange
+    losses = _train(pm, mine, opt, lambda m, d: m(**d))
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in pm.state_dict().items()}
+    return {"losses": losses, "alone": alone, "state": state}
+
+
+def _all(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    return {name: _case(name) for name in CASES}
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_ranks(_all, 2, timeout_s=400)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_token_mean_loss_is_the_global_batchs(ranks, name):
+    build, data_of, _, _ = CASES[name]
+    data = data_of()
+    ref = build()
+    with torch.no_grad():
+        own = [_loss(ref(**{k: v[2 * r:2 * r + 2] for k, v in data.items()})).item() for r in PAD]
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    want = _train(ref, data, opt, lambda m, d: m(**d))
+    # the padding matters: the ranks' average of their own means is not the global mean
+    assert abs(sum(own) / 2 - want[0]) > 1e-3, (own, want[0])
+    for r, got in enumerate(ranks):
+        got = got[name]
+        assert got["alone"] == pytest.approx(own[r], rel=1e-6, abs=0)
+        # transformers computes its loss in float32 (logits.float()) even for a float64 model
+        assert got["losses"] == pytest.approx(want, rel=1e-6, abs=0), (got["losses"], want)
+        ref_state = ref.state_dict()
+        assert sorted(got["state"]) == sorted(ref_state)
+        worst = max(_rel(got["state"][k], ref_state[k]) for k in ref_state if ref_state[k].is_floating_point())
+        assert worst < TOL, worst
