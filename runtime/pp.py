@@ -40,6 +40,7 @@ from autopar.core.errors import ConfigError, InputMismatchError
 from autopar.core.meta import graph_info, info
 from autopar.core.meta import StageGraph
 from autopar.core.placement import Shard, Spec, parse
+from autopar.runtime.collectives import c10d
 from autopar.runtime.dp import row_weight
 from autopar.runtime.health import note_step
 from autopar.runtime.main_grads import MainGrads
@@ -243,7 +244,8 @@ class PipelineModule(nn.Module):
                  examples: list[tuple[tuple, tuple]] | None = None, keyword_names: Sequence[str] = (),
                  own_loss: bool = False, grads: MainGrads | None = None,
                  master_init: Mapping[str, torch.Tensor] | None = None,
-                 constant_inputs: Mapping[int, Any] | None = None, loss_dtype: torch.dtype | None = None) -> None:
+                 constant_inputs: Mapping[int, Any] | None = None, loss_dtype: torch.dtype | None = None,
+                 token_counter: fx.GraphModule | None = None) -> None:
         super().__init__()
         from torch.distributed import pipelining
 
@@ -292,6 +294,11 @@ class PipelineModule(nn.Module):
         # the loss runs under autocast, as the stages do (mixed precision), weighted by this data
         # rank's rows (uneven shares) and scaled (fp16)
         self._row_weight: torch.Tensor | None = None
+        # a model's own token-mean loss: each micro-batch's real tokens (runtime/token_loss.py)
+        self._token_counter = token_counter
+        self._token_weights: list[torch.Tensor] | None = None
+        self._token_counts: torch.Tensor | None = None
+        self._token_calls = 0
         loss_fn = _Autocast(loss_fn, next(st for st in stages), self)
         self._first = any(st.index == 0 for st in stages)
         self._last = any(st.index == num_stages - 1 for st in stages)
@@ -378,7 +385,8 @@ class PipelineModule(nn.Module):
         if target is None and not self._own_loss:
             raise ConfigError("a pipeline step needs the target", where="PipelineModule.step",
                               fix="call pm.step(inputs, target=targets) on every rank")
-        inputs = self._tensor_inputs((*inputs, *self._keyword_inputs(kwargs)))
+        every = (*inputs, *self._keyword_inputs(kwargs))
+        inputs = self._tensor_inputs(every)
         for t in (*inputs, target):
             if isinstance(t, torch.Tensor) and t.shape[0] % self.microbatches:
                 raise InputMismatchError(f"batch of {t.shape[0]} does not split into {self.microbatches} micro-batches",
@@ -394,17 +402,60 @@ class PipelineModule(nn.Module):
         if widest is not None and widest.n > 1:      # uneven shares of the batch over the data axis
             rows = next((t.shape[0] for t in (*inputs, target) if isinstance(t, torch.Tensor)), 1)
             self._row_weight = row_weight(rows, widest)
+        if self._token_counter is not None and self._last:
+            self._weigh_tokens(every, widest)
         for data in self._data:
             data.begin_step()
         self._schedule.step(*args, target=tgt, losses=losses)
         self._sync_grads()
         pp_group, _, _ = self._pp
-        loss = torch.stack([x.detach() for x in losses]).mean() if losses else torch.zeros((), device=self._device)
+        if losses and self._token_weights is not None:     # the global batch's token mean
+            n, mine = self._token_counts
+            total = (torch.stack([x.detach().to(torch.float64) for x in losses]) * mine).sum()
+            if widest is not None and widest.n > 1:
+                total = c10d.wait_tensor(c10d.all_reduce(total, "sum", widest.group_name))
+            loss = total / n
+        else:
+            loss = torch.stack([x.detach() for x in losses]).mean() if losses else torch.zeros((), device=self._device)
+        self._token_weights = None
         loss = loss.to(self._loss_dtype)
         if self._pp[2] > 1:   # the last stage's loss to every pipeline rank
             src = dist.get_global_rank(pp_group, (self._num_stages - 1) % self._pp[2])
             dist.broadcast(loss, src=src, group=pp_group)
         return loss
+
+    def _weigh_tokens(self, every: tuple, widest) -> None:
+        """A model's own token-mean loss: count each micro-batch's real tokens on its inputs (the
+        model's own steps from ``labels`` to the loss's targets), sum them over the data axis,
+        and weight micro-batch ``m``'s gradient by ``count_m x micro-batches x data ranks /
+        global count``: the schedule averages the micro-batches and the data axis the ranks, so
+        the gradient is the global batch's token mean's, as one process computes it."""
+        m = self.microbatches
+        chunks = [tuple(v.tensor_split(m)[i] if isinstance(v, torch.Tensor) else v for v in every) for i in range(m)]
+        mine = torch.stack([self._token_counter(*c).to(torch.float64) for c in chunks]).to(self._device)
+        empty = [i for i, c in enumerate(mine.tolist()) if c == 0]
+        if empty:
+            raise InputMismatchError(f"micro-batch {empty[0]} of {m} holds no real token (every label is the "
+                                     "ignore index): its mean loss is 0/0", where="PipelineModule.step",
+                                     expected="at least one real token in every micro-batch",
+                                     got=f"real tokens per micro-batch: {[int(c) for c in mine.tolist()]}",
+                                     fix="drop or refill all-padding rows, or order the batch so every "
+                                         "micro-batch holds real tokens")
+        n = mine.sum()
+        ranks = widest.n if widest is not None and widest.n > 1 else 1
+        if ranks > 1:
+            n = c10d.wait_tensor(c10d.all_reduce(n, "sum", widest.group_name))
+        self._token_counts = (n, mine)
+        self._token_weights = list(mine * (m * ranks) / n)
+        self._token_calls = 0
+
+    def next_loss_weight(self) -> torch.Tensor | None:
+        """The weight of the micro-batch whose loss the schedule computes now (they come in order)."""
+        if self._token_weights is None:
+            return self._row_weight
+        w = self._token_weights[self._token_calls % len(self._token_weights)]
+        self._token_calls += 1
+        return w
 
     def _tensor_inputs(self, inputs: tuple) -> tuple:
         """The step's inputs without the non-tensor ones, each checked against the value the model
@@ -469,7 +520,7 @@ class _Autocast:
             loss = self.fn(*args, **kwargs)
         if isinstance(loss, torch.Tensor) and loss._is_view():
             loss = loss.clone()      # the zero-bubble schedule detaches the loss in place, which a view refuses
-        weight = self.pipeline._row_weight
+        weight = self.pipeline.next_loss_weight()
         if weight is not None and isinstance(loss, torch.Tensor) and loss.requires_grad:
             loss.register_hook(lambda g: g * weight.to(g.dtype))
         scaler = self.pipeline.loss_scaler

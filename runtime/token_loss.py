@@ -115,3 +115,39 @@ def global_mean(total: torch.Tensor, count: torch.Tensor, ranks: int, group_name
     n, s = summed[0], summed[1]
     scaled = total * (ranks / n).to(total.dtype)
     return scaled + ((s / n).to(total.dtype) - scaled).detach()
+
+
+def counter(gm: fx.GraphModule, output: int) -> fx.GraphModule | None:
+    """For a pipeline: a small graph computing, from the model's user inputs (in call order), the
+    count of real tokens the token-mean loss at output position ``output`` divides by; None when
+    that output is no such loss, or its targets depend on more than the inputs (parameters,
+    activations). The pipeline runs it on each micro-batch's inputs before the schedule."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    if output >= len(values) or not isinstance(values[output], fx.Node):
+        return None
+    loss = _mean_loss(values[output])
+    if loss is None:
+        return None
+    from autopar.core.meta import info
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and info(n).kind not in ("param", "buffer", "constant")]
+    needed, stack = set(), [loss.args[1]]
+    while stack:
+        n = stack.pop()
+        if n in needed:
+            continue
+        if n.op == "placeholder" and n not in inputs or n.op not in ("placeholder", "call_function"):
+            return None
+        needed.add(n)
+        stack.extend(n.all_input_nodes)
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in inputs:                       # every user input, so the pipeline passes them all in order
+        env[n] = g.placeholder(n.name)
+    for n in gm.graph.nodes:
+        if n in needed and n.op == "call_function":
+            env[n] = g.node_copy(n, lambda a: env[a])
+    ignore = _arg(loss, 4, "ignore_index", -100)
+    real = g.call_function(aten.ne.Scalar, (env[loss.args[1]], ignore))
+    g.output(g.call_function(aten.sum.default, (real,)))
+    return fx.GraphModule(torch.nn.Module(), g)

@@ -59,7 +59,7 @@ def _pipeline_module(s: BuildState) -> None:
                         num_stages=s.pipeline_plan.stages, loss_fn=s.loss_fn, pp_group=s.group("pp")[0],
                         pp_rank=s.group("pp")[1], pp_size=s.sizes["pp"], data=s.data, grads=s.grads,
                         master_init=s.master_init, shared=s.shared_groups, device=s.device,
-                        keyword_names=list(s.capture_kwargs), own_loss=s.own_loss,
+                        keyword_names=list(s.capture_kwargs), own_loss=s.own_loss, token_counter=s.token_counter,
                         constant_inputs=s.constant_inputs, loss_dtype=_loss_dtype(s.request.model),
                         examples=[st.io_examples(s.tp, s.device, mb_inputs if st.index == 0 else None)
                                   for st in s.stages])

@@ -84,6 +84,11 @@ def pipeline_step(s: BuildState) -> None:
     check_batch_statistics(s)
     s.own_loss = r.options.pipeline.loss_fn is None
     s.loss_fn = r.options.pipeline.loss_fn or own_loss(gm)
+    if s.own_loss:     # a token-mean loss: micro-batches weighted by their real tokens (runtime/token_loss.py)
+        from autopar.runtime.token_loss import counter
+        users = [i for i, (kind, _) in enumerate(graph_info(gm).output_targets) if kind != "BUFFER_MUTATION"]
+        at = s.loss_fn.keywords["at"]
+        s.token_counter = counter(gm, users[at]) if at < len(users) else None
     # under mixed precision a value crosses between stages in its autocast dtype
     compute = torch_dtype(s.mixed_precision) if s.mixed_precision else None
     s.sent = autocast_dtypes(gm, compute, s.device.type) if compute is not None else {}

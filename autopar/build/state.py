@@ -95,6 +95,7 @@ class BuildState:
     pipeline_plan: Any = None
     loss_fn: Any = None
     own_loss: bool = False
+    token_counter: Any = None      # the real-token count of a model's own token-mean loss (pipelines)
     shared_groups: dict[str, Any] = field(default_factory=dict)
     sent: dict[str, torch.dtype] = field(default_factory=dict)
     constant_inputs: dict[int, Any] = field(default_factory=dict)   # position -> a non-tensor input's value
