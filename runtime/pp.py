@@ -296,6 +296,8 @@ class PipelineModule(nn.Module):
         self._row_weight: torch.Tensor | None = None
         # a model's own token-mean loss: each micro-batch's real tokens (runtime/token_loss.py)
         self._token_counter = token_counter
+        self._count_target = False        # the counter reads the target (a loss_fn's), not the inputs
+        self._last_outputs = next((outs for st, (_, outs) in zip(stages, examples) if st.is_last), None)
         self._token_weights: list[torch.Tensor] | None = None
         self._token_counts: torch.Tensor | None = None
         self._token_calls = 0
@@ -402,8 +404,10 @@ class PipelineModule(nn.Module):
         if widest is not None and widest.n > 1:      # uneven shares of the batch over the data axis
             rows = next((t.shape[0] for t in (*inputs, target) if isinstance(t, torch.Tensor)), 1)
             self._row_weight = row_weight(rows, widest)
+        if self._last and not self._own_loss and self._last_outputs is not None and isinstance(target, torch.Tensor):
+            self._trace_loss_fn(target)
         if self._token_counter is not None and self._last:
-            self._weigh_tokens(every, widest)
+            self._weigh_tokens((target,) if self._count_target else every, widest)
         for data in self._data:
             data.begin_step()
         self._schedule.step(*args, target=tgt, losses=losses)
@@ -423,6 +427,16 @@ class PipelineModule(nn.Module):
             src = dist.get_global_rank(pp_group, (self._num_stages - 1) % self._pp[2])
             dist.broadcast(loss, src=src, group=pp_group)
         return loss
+
+    def _trace_loss_fn(self, target: torch.Tensor) -> None:
+        """Once: is the user's ``loss_fn`` a token-mean loss (runtime/token_loss.py)? Traced on
+        zeros shaped like a micro-batch's output and the first micro-batch's target."""
+        from autopar.runtime.token_loss import loss_fn_counter
+        outs = tuple(torch.zeros_like(o) for o in self._last_outputs)
+        example = outs[0] if len(outs) == 1 else outs
+        self._token_counter = loss_fn_counter(self._loss_fn, example, target.tensor_split(self.microbatches)[0])
+        self._count_target = True
+        self._last_outputs = None
 
     def _weigh_tokens(self, every: tuple, widest) -> None:
         """A model's own token-mean loss: count each micro-batch's real tokens on its inputs (the

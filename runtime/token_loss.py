@@ -117,11 +117,12 @@ def global_mean(total: torch.Tensor, count: torch.Tensor, ranks: int, group_name
     return scaled + ((s / n).to(total.dtype) - scaled).detach()
 
 
-def counter(gm: fx.GraphModule, output: int) -> fx.GraphModule | None:
+def counter(gm: fx.GraphModule, output: int, inputs: list[fx.Node] | None = None) -> fx.GraphModule | None:
     """For a pipeline: a small graph computing, from the model's user inputs (in call order), the
     count of real tokens the token-mean loss at output position ``output`` divides by; None when
     that output is no such loss, or its targets depend on more than the inputs (parameters,
-    activations). The pipeline runs it on each micro-batch's inputs before the schedule."""
+    activations; ``inputs``: the placeholders it may read, by default the model's user inputs).
+    The pipeline runs it on each micro-batch's inputs before the schedule."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     values = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
     if output >= len(values) or not isinstance(values[output], fx.Node):
@@ -129,8 +130,10 @@ def counter(gm: fx.GraphModule, output: int) -> fx.GraphModule | None:
     loss = _mean_loss(values[output])
     if loss is None:
         return None
-    from autopar.core.meta import info
-    inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and info(n).kind not in ("param", "buffer", "constant")]
+    if inputs is None:
+        from autopar.core.meta import info
+        inputs = [n for n in gm.graph.nodes
+                  if n.op == "placeholder" and info(n).kind not in ("param", "buffer", "constant")]
     needed, stack = set(), [loss.args[1]]
     while stack:
         n = stack.pop()
@@ -151,3 +154,16 @@ def counter(gm: fx.GraphModule, output: int) -> fx.GraphModule | None:
     real = g.call_function(aten.ne.Scalar, (env[loss.args[1]], ignore))
     g.output(g.call_function(aten.sum.default, (real,)))
     return fx.GraphModule(torch.nn.Module(), g)
+
+
+def loss_fn_counter(loss_fn, output, target: torch.Tensor) -> fx.GraphModule | None:
+    """For a pipeline's ``loss_fn(output, target)``: trace it once on a micro-batch's (zero)
+    output and real target; when it is a token-mean loss whose targets come from ``target``
+    alone, the graph counting a target chunk's real tokens, else None."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    try:
+        traced = make_fx(lambda o, t: loss_fn(o, t), pre_dispatch=True)(output, target)
+    except Exception:        # a loss that does not trace (data-dependent Python): rows weighting
+        return None
+    phs = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    return counter(traced, 0, inputs=phs[-1:])

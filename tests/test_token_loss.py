@@ -8,7 +8,8 @@ batch: every step's loss (the same on both ranks) and the whole state dict after
 match. The cases: a ``transformers`` Llama given ``labels`` (default options), the same under
 ZeRO-3, a ``transformers`` Mixtral on ep=2 (the expert axis is a data axis for the batch),
 Llama on pp=2 with the planner's schedule and micro-batches (they hold different numbers of
-real tokens; the whole state compared on rank 0), and a plain module calling ``F.cross_entropy`` with its own ``ignore_index``. Without
+real tokens; the whole state compared on rank 0), the same returning logits with a
+``loss_fn`` that ignores -100 (traced once to find its token count), and a plain module calling ``F.cross_entropy`` with its own ``ignore_index``. Without
 gradients a rank gets its own rows' mean (no exchange, so one rank may evaluate alone).
 """
 from __future__ import annotations
@@ -71,6 +72,8 @@ CASES = {     # name -> (model, batch, mesh, options)
     "tagger": (lambda: Tagger().double(), _tagger_data, {"dp": 2}, dict(zero_stage=3)),
     "mixtral_ep": (_mixtral, _data, {"ep": 2}, {}),
     "llama_pp": (lambda: hf_tiny.build("llama", torch.float64), _data, {"pp": 2}, {}),
+    "logits_pp_loss_fn": (lambda: hf_tiny.Logits(hf_tiny.build("llama", torch.float64)), _data, {"pp": 2},
+                          dict(loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()))),
 }
 
 
@@ -90,19 +93,34 @@ def _train(model, data, opt, step) -> list[float]:
     return losses
 
 
+def _call(model, data, kw):
+    """One training forward: the model's own loss, or the loss_fn on its logits."""
+    fn = kw.get("loss_fn")
+    if fn is None:
+        return model(**data)
+    return (fn(model(data["input_ids"]), data["labels"]),)
+
+
 def _case(name: str) -> dict:
     rank = dist.get_rank()
     build, data_of, mesh, kw = CASES[name]
     data = data_of()
     piped = "pp" in mesh
     mine = data if piped else {k: v[2 * rank:2 * rank + 2] for k, v in data.items()}
-    pm = autopar.parallelize(build(), mesh, example_kwargs=mine, **kw)
+    if "loss_fn" in kw:
+        pm = autopar.parallelize(build(), mesh, (mine["input_ids"],), **kw)
+    else:
+        pm = autopar.parallelize(build(), mesh, example_kwargs=mine, **kw)
     opt = autopar.optimizer(pm, torch.optim.SGD, lr=0.1, momentum=0.9)
     alone = None
     if not piped:
         with torch.no_grad():
             alone = _loss(pm(**mine)).item()           # this rank's own mean, no exchange
-    losses = _train(pm, mine, opt, (lambda m, d: (m.step(**d),)) if piped else (lambda m, d: m(**d)))
+    if "loss_fn" in kw:
+        step = lambda m, d: (m.step(d["input_ids"], target=d["labels"]),)       # noqa: E731
+    else:
+        step = (lambda m, d: (m.step(**d),)) if piped else (lambda m, d: m(**d))
+    losses = _train(pm, mine, opt, step)
     if piped:       # the whole state on rank 0 (each pipeline rank holds its stages' part)
         state = autopar.full_state_dict(pm)
         return {"losses": losses, "alone": alone, "state": state, "microbatches": pm.microbatches,
@@ -127,13 +145,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_token_mean_loss_is_the_global_batchs(ranks, name):
-    build, data_of, _, _ = CASES[name]
+    build, data_of, _, kw = CASES[name]
     data = data_of()
     ref = build()
     with torch.no_grad():
-        own = [_loss(ref(**{k: v[2 * r:2 * r + 2] for k, v in data.items()})).item() for r in PAD]
+        own = [_loss(_call(ref, {k: v[2 * r:2 * r + 2] for k, v in data.items()}, kw)).item() for r in PAD]
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    want = _train(ref, data, opt, lambda m, d: m(**d))
+    want = _train(ref, data, opt, lambda m, d: _call(m, d, kw))
     # the padding matters: the ranks' average of their own means is not the global mean
     assert abs(sum(own) / 2 - want[0]) > 1e-3, (own, want[0])
     for r, got in enumerate(ranks):
