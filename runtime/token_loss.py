@@ -7,6 +7,9 @@ numbers of real tokens, averaging the ranks' means (what DDP does) is not the me
 global batch that one process computes: each rank's tokens weigh ``1 / (ranks x its count)``
 instead of ``1 / total count``.
 
+A sum-reduced loss (``transformers``' CTC loss by default) is the sum over the global batch:
+the ranks' sums, each rank's gradient ``ranks`` times its own (the data axis averages).
+
 Where the loss a model returns *is* such a mean (the output reached from a mean-reduced
 ``cross_entropy_loss``/``nll_loss`` through views and casts only, integer targets, no class
 weights), :func:`prepare` rewrites the graph to return the rank's sum and its count of real
@@ -37,6 +40,10 @@ _SAME_VALUE = {aten.view.default, aten.reshape.default, aten._unsafe_view.defaul
                aten.alias.default, aten.squeeze.default, aten.squeeze.dim, aten.unsqueeze.default,
                aten.to.dtype, aten._to_copy.default, aten.detach.default}
 _LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default}
+# losses whose ``reduction`` may be Sum: under a data axis their global value is the ranks' sum
+_SUMMABLE = _LOSSES | {aten.ctc_loss.IntList, aten.ctc_loss.Tensor, aten.mse_loss.default, aten.l1_loss.default,
+                       aten.smooth_l1_loss.default, aten.huber_loss.default, aten.kl_div.default,
+                       aten.binary_cross_entropy_with_logits.default, aten.binary_cross_entropy.default}
 
 
 def _arg(node: fx.Node, i: int, name: str, default):
@@ -45,17 +52,35 @@ def _arg(node: fx.Node, i: int, name: str, default):
     return node.kwargs.get(name, default)
 
 
-def _mean_loss(node: fx.Node) -> fx.Node | None:
-    """The mean-reduced, unweighted, integer-target loss node ``node`` passes on unchanged, or None."""
+def _reduction(node: fx.Node) -> int | None:
+    names = [a.name for a in node.target._schema.arguments]
+    i = names.index("reduction")
+    return _arg(node, i, "reduction", node.target._schema.arguments[i].default_value)
+
+
+def _loss_node(node: fx.Node) -> fx.Node | None:
+    """The loss op whose result ``node`` passes on unchanged (views, casts), feeding nothing else."""
     for _ in range(16):
-        if len(node.users) != 1:            # the loss feeds nothing but the output
+        if len(node.users) != 1:
             return None
         if node.op != "call_function" or node.target not in _SAME_VALUE:
             break
         node = node.args[0]
         if not isinstance(node, fx.Node):
             return None
-    if node.op != "call_function" or node.target not in _LOSSES:
+    return node if node.op == "call_function" and node.target in _SUMMABLE else None
+
+
+def _sum_loss(node: fx.Node) -> fx.Node | None:
+    """The sum-reduced loss node ``node`` passes on unchanged, or None."""
+    loss = _loss_node(node)
+    return loss if loss is not None and _reduction(loss) == _SUM else None
+
+
+def _mean_loss(node: fx.Node) -> fx.Node | None:
+    """The mean-reduced, unweighted, integer-target loss node ``node`` passes on unchanged, or None."""
+    node = _loss_node(node)
+    if node is None or node.target not in _LOSSES:
         return None
     target = node.args[1]
     val = target.meta.get("val") if isinstance(target, fx.Node) else None
@@ -69,19 +94,21 @@ def _mean_loss(node: fx.Node) -> fx.Node | None:
 def prepare(gm: fx.GraphModule) -> list[tuple[int, int]]:
     """Rewrite ``gm`` so that each output that is a token-mean loss returns the sum over this
     rank's real tokens, and the count of those tokens is a new output at the end. Returns
-    (the loss's output position, its count's output position) per loss; [] leaves ``gm`` as it was."""
+    (the loss's output position, its count's output position) per loss, and (position, None)
+    per output that is a sum-reduced loss (left as it is); [] leaves ``gm`` as it was."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     if not isinstance(out.args[0], (tuple, list)):
         return []
     values = list(out.args[0])
-    found = []
+    found, pairs = [], []
     for pos, v in enumerate(values):
         loss = _mean_loss(v) if isinstance(v, fx.Node) else None
         if loss is not None and all(loss is not f for _, f in found):
             found.append((pos, loss))
+        elif isinstance(v, fx.Node) and _sum_loss(v) is not None:
+            pairs.append((pos, None))        # a sum: the ranks' sum, nothing to count
     if not found:
-        return []
-    pairs = []
+        return pairs
     for pos, loss in found:
         schema = loss.target._schema.arguments
         names = [a.name for a in schema]
@@ -99,6 +126,14 @@ def prepare(gm: fx.GraphModule) -> list[tuple[int, int]]:
     gm.graph.lint()
     gm.recompile()
     return pairs
+
+
+def global_sum(total: torch.Tensor, ranks: int, group_name: str) -> torch.Tensor:
+    """A sum-reduced loss over the global batch: the ranks' sums (one all-reduce), with this
+    rank's gradient ``ranks`` times its own sum's, so that the data axis's average is the sum's."""
+    summed = c10d.wait_tensor(c10d.all_reduce(total.detach().clone(), "sum", group_name))
+    scaled = total * ranks
+    return scaled + (summed - scaled).detach()
 
 
 def local_mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

@@ -184,10 +184,15 @@ class ParallelModule(nn.Module):
         weight = row_weight(counting[0], counting[1], counting[2]) if counting is not None else None
         losses = {}
         for pos, at in self._token_losses:
-            losses[pos] = (token_loss.global_mean(outs[pos], outs[at], counting[1].n, counting[1].group_name)
-                           if counting is not None else token_loss.local_mean(outs[pos], outs[at]))
-        if self._token_losses:
-            outs = outs[:min(at for _, at in self._token_losses)]
+            if at is None:                # a sum-reduced loss
+                if counting is not None:
+                    losses[pos] = token_loss.global_sum(outs[pos], counting[1].n, counting[1].group_name)
+            else:
+                losses[pos] = (token_loss.global_mean(outs[pos], outs[at], counting[1].n, counting[1].group_name)
+                               if counting is not None else token_loss.local_mean(outs[pos], outs[at]))
+        counts = [at for _, at in self._token_losses if at is not None]
+        if counts:
+            outs = outs[:min(counts)]
         if weight is not None:
             outs = [o if i in losses else _weighted(o, weight) for i, o in enumerate(outs)]
         for pos, value in losses.items():
