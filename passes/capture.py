@@ -31,6 +31,7 @@ from torch.export.graph_signature import InputKind, TensorArgument
 from autopar.core.errors import InputMismatchError, UnsupportedError
 from autopar.passes import capture_cache, replicate
 from autopar.passes.autograd_functions import opaque_functions
+from autopar.passes.library_equivalents import equivalents
 from autopar.passes.capture_errors import capture_error, describe, module_tracker, source_of, user_line
 from autopar.passes.capture_key import capture_key
 from autopar.core.meta import META_KEY, GraphInfo, NodeInfo, graph_info, set_info, symbol
@@ -114,7 +115,9 @@ def _export(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], flat_dims:
         try:
             with warnings.catch_warnings(), _quiet_export():
                 warnings.simplefilter("ignore")
-                with opaque_functions():      # a model's own autograd.Functions keep their backward
+                # a model's own autograd.Functions keep their backward; library loops over data-sized
+                # ranges trace their fixed-range equivalents (passes/library_equivalents.py)
+                with opaque_functions(), equivalents(model):
                     ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         except UnsupportedError:  # autopar's own refusal during the trace (a Function it cannot carry)
             raise
