@@ -35,15 +35,27 @@ def shape_pass(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+_SPLITS = {torch.ops.aten.split_with_sizes.default, torch.ops.aten.split.sizes}
 _NONZERO = {torch.ops.aten.nonzero.default, torch.ops.aten.where.default, torch.ops.aten.argwhere.default,
             torch.ops.aten.masked_select.default}
 
 
 def _data_dependent_bounds(gm: fx.GraphModule, rename: dict) -> dict:
     """Each data-dependent size (export's unbacked ``u0``) an op like ``torch.where(mask)``
-    introduces -> its bound, the mask's element count (as a formula over the named sizes): the
-    pricing passes see the most rows such an op can find."""
+    introduces -> its bound, the mask's element count (as a formula over the named sizes), and
+    each data-dependent split size -> the split dim: the pricing passes see the most rows such
+    an op can give one piece."""
     out = {}
+    for node in gm.graph.nodes:       # sizes a split takes from data (``sizes.tolist()``): each at most the dim
+        if node.target in _SPLITS and isinstance(node.args[0], fx.Node) and len(node.args) > 1:
+            whole = node.args[0].meta.get("val")
+            dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+            if isinstance(whole, torch.Tensor) and isinstance(node.args[1], (list, tuple)):
+                bound = to_expr(whole.shape[dim], rename)
+                for part in node.args[1]:
+                    v = part.meta.get("val") if isinstance(part, fx.Node) else None
+                    if isinstance(v, torch.SymInt) and isinstance(v.node.expr, sympy.Symbol):
+                        out.setdefault(v.node.expr, bound)
     for node in gm.graph.nodes:
         found = node.meta.get("unbacked_bindings") or {}
         if not found or node.target not in _NONZERO:

@@ -77,6 +77,12 @@ def tp_rewrite(gm: fx.GraphModule, solution: Mapping[str, Strategy], *, n: int, 
             node.args = tuple(node.args[:2]) + (group_name,)
             node.kwargs = {}
         _mark(node, strategy.outputs, strategy)
+    # A split op's local result can be laid out otherwise than the whole one the capture saw, so a
+    # ``.contiguous()`` that was a no-op there (and left no node) may be missing: every view
+    # reshapes instead (a view wherever the layout allows one, a copy where the view would fail).
+    for node in graph.nodes:
+        if node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
     graph.lint()
     gm.recompile()
     log.info("tp_rewrite: %d conversions inserted on axis %s (n=%d)", inserted, axis, n)

@@ -39,6 +39,8 @@ MODES: dict[str, tuple[dict[str, int], dict[str, Any]]] = {
     "pp": ({"pp": 2}, {}),
     "ep": ({"ep": 2}, {}),
 }
+# not a column of the matrix: pinned cells of tests/test_model_matrix.py
+EXTRA_MODES = {"pp_zb": ({"pp": 2}, dict(schedule="zb"))}
 SHARES = ("dp", "ep")        # modes whose ranks each hold a share of the batch
 
 
@@ -82,14 +84,14 @@ def _share(batch: dict, rank: int) -> dict:
 def _train(name: str, mode: str, rank: int) -> tuple[list[float], dict, int | None, Any]:
     import autopar
     e = architectures()[name]
-    mesh, kw = MODES[mode]
+    mesh, kw = {**MODES, **EXTRA_MODES}[mode]
     batch = cast(e.batch(ROWS, 1), DTYPE)
     mine = _share(batch, rank) if mode in SHARES else batch
     pm = autopar.parallelize(e.build(DTYPE, 0), mesh, example_kwargs=mine, **kw)
     opt = autopar.optimizer(pm, torch.optim.SGD, lr=LR, momentum=0.9)
     losses = []
     for _ in range(STEPS):
-        if mode == "pp":
+        if "pp" in mesh:
             loss = pm.step(**mine)
         else:
             loss = pm(**mine).loss
