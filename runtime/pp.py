@@ -552,12 +552,45 @@ class _Stage(PipelineStage):
         super().__init__(*args, **kwargs)
         self._on_last_backward = on_last_backward
         self._on_backward = on_backward
+        self._misses: bool | None = None     # does torch's split backward miss a weight here?
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if backward_type == "input" and self._split_misses_weights(bwd_kwargs):
+            # torch's split backward differentiates, at the weight step, only the weights whose
+            # gradients meet a path from an input that carries one; a weight reached only from
+            # an integer input (an embedding after a stage that made position ids) would keep
+            # no gradient. Such a stage runs its whole backward here; the weight step then has
+            # nothing left to do (no parameter group).
+            full = dict(bwd_kwargs)
+            if full["output_grads"] is None and isinstance(full["stage_output"], (tuple, list)):
+                full["stage_output"] = full["stage_output"][0]    # the loss: torch's full backward takes it bare
+            grads, _ = super().backward_maybe_with_nosync("full", full, last_backward=last_backward)
+            if self._on_backward is not None:
+                self._on_backward(self.stage_index)
+            return grads, []
         out = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
         if self._on_backward is not None:
             self._on_backward(self.stage_index)
         return out
+
+    def _split_misses_weights(self, bwd_kwargs: dict) -> bool:
+        """Would the split backward leave a weight this stage's outputs reach without its
+        gradient? Decided at the first micro-batch (every one has the same graph)."""
+        if self._misses is None:
+            from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc, construct_reverse_graph,
+                                                                get_param_groups)
+            outs = bwd_kwargs["stage_output"]
+            outs = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
+            roots = [f for f in map(_get_grad_fn_or_grad_acc, (o for o in outs if isinstance(o, torch.Tensor)))
+                     if f is not None]
+            ins = [f for f in (_get_grad_fn_or_grad_acc(v) for v in bwd_kwargs["input_values"]
+                               if isinstance(v, torch.Tensor)) if f is not None]
+            weights = [f for f in map(_get_grad_fn_or_grad_acc, (p for p in self.submod.parameters() if p.requires_grad))
+                       if f is not None]
+            reverse = construct_reverse_graph(roots)
+            covered = {q for group in get_param_groups(ins, weights, reverse) for q in group["params"]}
+            self._misses = any(w in reverse and w not in covered for w in weights)
+        return self._misses
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         super().perform_reduce_grad(grad_scale_factor)
