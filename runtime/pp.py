@@ -575,7 +575,10 @@ class _Stage(PipelineStage):
 
     def _split_misses_weights(self, bwd_kwargs: dict) -> bool:
         """Would the split backward leave a weight this stage's outputs reach without its
-        gradient? Decided at the first micro-batch (every one has the same graph)."""
+        gradient, or differentiate a weight group through several intermediates (a weight
+        several layers use, such as T5's and Whisper's shared ones: torch's weight step then
+        runs into saved tensors its input step freed)? Decided at the first micro-batch (each
+        has the same graph)."""
         if self._misses is None:
             from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc, construct_reverse_graph,
                                                                 get_param_groups)
@@ -588,8 +591,10 @@ class _Stage(PipelineStage):
             weights = [f for f in map(_get_grad_fn_or_grad_acc, (p for p in self.submod.parameters() if p.requires_grad))
                        if f is not None]
             reverse = construct_reverse_graph(roots)
-            covered = {q for group in get_param_groups(ins, weights, reverse) for q in group["params"]}
-            self._misses = any(w in reverse and w not in covered for w in weights)
+            groups = get_param_groups(ins, weights, reverse)
+            covered = {q for group in groups for q in group["params"]}
+            self._misses = (any(w in reverse and w not in covered for w in weights)
+                            or any(len(g["intermediates"]) > 1 for g in groups))
         return self._misses
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
