@@ -5,6 +5,7 @@ ranks in float64 against one process (``tests/matrix_run.py`` says how a cell is
     python bench/model_matrix.py                      # every cell; table into bench/README.md
     python bench/model_matrix.py --arch llama,gpt2    # some architectures (README untouched)
     python bench/model_matrix.py --json out.json      # also the raw rows
+    python bench/model_matrix.py --arch t5 --update   # re-run some, merged into the recorded table
 
 One world of two ranks runs an architecture's cells; a world that fails as a whole (a rank
 died or hung) is rerun one cell per world, so that a cell that hangs is recorded as ``hang``
@@ -30,6 +31,7 @@ from tests.matrix_run import MODES, cells, run_cells    # noqa: E402
 
 CELL_S = 240          # the longest one cell may take before its world counts as hung
 BEGIN, END = "<!-- model-matrix:begin -->", "<!-- model-matrix:end -->"
+RECORD = os.path.join(ROOT, "bench", "model_matrix.json")
 
 
 def run_arch(todo: list[tuple[str, str]]) -> list[dict]:
@@ -66,6 +68,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", help="comma-separated architectures (default: all)")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--update", action="store_true",
+                    help="merge these rows into bench/model_matrix.json and rewrite the README table")
     a = ap.parse_args()
     names = a.arch.split(",") if a.arch else list(architectures())
     unknown = sorted(set(names) - set(architectures()))
@@ -93,7 +97,16 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
-    if not a.arch:
+    if a.update:
+        with open(RECORD) as f:
+            old = [r for r in json.load(f) if r["arch"] not in names]
+        merged = sorted(old + rows, key=lambda r: (list(architectures()).index(r["arch"]), list(MODES).index(r["mode"])))
+        counts = Counter(r["status"] for r in merged)
+        summary = (f"{len(merged)} cells over {len({r['arch'] for r in merged})} architectures; re-run here: "
+                   f"{', '.join(names)} ({summary.split(': ')[0]}); in all: "
+                   + ", ".join(f"{n} {s}" for s, n in counts.most_common()))
+        _write_readme(summary, table(merged), merged)
+    elif not a.arch:
         _write_readme(summary, table(rows), rows)
 
 
@@ -109,9 +122,8 @@ def _write_readme(summary: str, text: str, rows: list[dict]) -> None:
         readme += "\n## Model matrix\n\n`python bench/model_matrix.py` (see its docstring).\n\n" + block + "\n"
     with open(path, "w") as f:
         f.write(readme)
-    with open(os.path.join(ROOT, "bench", "model_matrix.json"), "w") as f:
-        json.dump(sorted(({k: r.get(k) for k in ("arch", "mode", "status")} for r in rows),
-                         key=lambda r: (r["arch"], r["mode"])), f, indent=0)
+    with open(RECORD, "w") as f:
+        json.dump([{k: r.get(k) for k in ("arch", "mode", "status", "detail")} for r in rows], f, indent=0)
 
 
 if __name__ == "__main__":
