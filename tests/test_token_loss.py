@@ -9,8 +9,11 @@ match. The cases: a ``transformers`` Llama given ``labels`` (default options), t
 ZeRO-3, a ``transformers`` Mixtral on ep=2 (the expert axis is a data axis for the batch),
 Llama on pp=2 with the planner's schedule and micro-batches (they hold different numbers of
 real tokens; the whole state compared on rank 0), the same returning logits with a
-``loss_fn`` that ignores -100 (traced once to find its token count), and a plain module calling ``F.cross_entropy`` with its own ``ignore_index``. Without
-gradients a rank gets its own rows' mean (no exchange, so one rank may evaluate alone).
+``loss_fn`` that ignores -100 (traced once to find its token count), a plain module
+calling ``F.cross_entropy`` with its own ``ignore_index``, and the same with
+``reduction="sum"`` (the global sum is the ranks' sums; their gradients are not averaged
+away). Without gradients a rank gets its own rows' loss (no exchange, so one rank may
+evaluate alone).
 """
 from __future__ import annotations
 
@@ -48,6 +51,14 @@ class Tagger(torch.nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=7), logits
 
 
+class SumTagger(Tagger):
+    """The same with a summed loss: over the global batch, the sum of every rank's."""
+
+    def forward(self, input_ids, labels):
+        logits = self.head(torch.tanh(self.emb(input_ids)))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=7, reduction="sum"), logits
+
+
 def _tagger_data() -> dict:
     data = _data()
     data["labels"] = torch.where(data["labels"] == -100, 7, data["labels"] % 5)
@@ -70,6 +81,7 @@ CASES = {     # name -> (model, batch, mesh, options)
     "llama": (lambda: hf_tiny.build("llama", torch.float64), _data, {"dp": 2}, {}),
     "llama_zero3": (lambda: hf_tiny.build("llama", torch.float64), _data, {"dp": 2}, dict(zero_stage=3)),
     "tagger": (lambda: Tagger().double(), _tagger_data, {"dp": 2}, dict(zero_stage=3)),
+    "tagger_sum": (lambda: SumTagger().double(), _tagger_data, {"dp": 2}, {}),
     "mixtral_ep": (_mixtral, _data, {"ep": 2}, {}),
     "llama_pp": (lambda: hf_tiny.build("llama", torch.float64), _data, {"pp": 2}, {}),
     "logits_pp_loss_fn": (lambda: hf_tiny.Logits(hf_tiny.build("llama", torch.float64)), _data, {"pp": 2},
