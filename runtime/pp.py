@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 
 from autopar.core.errors import ConfigError, InputMismatchError
 from autopar.core.meta import graph_info, info
@@ -44,6 +43,7 @@ from autopar.runtime.collectives import c10d
 from autopar.runtime.dp import row_weight
 from autopar.runtime.health import note_step
 from autopar.runtime.main_grads import MainGrads
+from autopar.runtime.pp_stage import PipeStage
 from autopar.runtime.stage_dp import StageDataAxis
 from autopar.runtime.tp_module import set_tensor
 
@@ -280,7 +280,7 @@ class PipelineModule(nn.Module):
             st.is_last = st.index == num_stages - 1
         examples = examples or [(None, None)] * len(stages)
         collect = self._collect if grads is not None else None
-        self._pipe_stages = [_Stage(st, st.index, num_stages, device, input_args=ins, output_args=outs,
+        self._pipe_stages = [PipeStage(st, st.index, num_stages, device, input_args=ins, output_args=outs,
                                     group=pp_group, on_last_backward=self._stage_done, on_backward=collect)
                              for st, (ins, outs) in zip(stages, examples)]
         if pieces:
@@ -539,68 +539,6 @@ class _Autocast:
             loss.register_hook(lambda g: g * weight.to(g.dtype))
         scaler = self.pipeline.loss_scaler
         return loss if scaler is None else scaler.scale_outputs(loss, alias=False)
-
-
-class _Stage(PipelineStage):
-    """torch's pipeline stage, telling the data axis when the schedule has run this stage's
-    last micro-batch backward (its ``REDUCE_GRAD`` action, after the gradient scaling), and,
-    under mixed precision, the pipeline after every backward computation (full, input or
-    weight: the zero-bubble schedules leave weight gradients outside autograd's accumulation)."""
-
-    def __init__(self, *args: Any, on_last_backward: Callable[[int], None] | None = None,
-                 on_backward: Callable[[int], None] | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._on_last_backward = on_last_backward
-        self._on_backward = on_backward
-        self._misses: bool | None = None     # does torch's split backward miss a weight here?
-
-    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
-        if backward_type == "input" and self._split_misses_weights(bwd_kwargs):
-            # torch's split backward differentiates, at the weight step, only the weights whose
-            # gradients meet a path from an input that carries one; a weight reached only from
-            # an integer input (an embedding after a stage that made position ids) would keep
-            # no gradient. Such a stage runs its whole backward here; the weight step then has
-            # nothing left to do (no parameter group).
-            full = dict(bwd_kwargs)
-            if full["output_grads"] is None and isinstance(full["stage_output"], (tuple, list)):
-                full["stage_output"] = full["stage_output"][0]    # the loss: torch's full backward takes it bare
-            grads, _ = super().backward_maybe_with_nosync("full", full, last_backward=last_backward)
-            if self._on_backward is not None:
-                self._on_backward(self.stage_index)
-            return grads, []
-        out = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
-        if self._on_backward is not None:
-            self._on_backward(self.stage_index)
-        return out
-
-    def _split_misses_weights(self, bwd_kwargs: dict) -> bool:
-        """Would the split backward leave a weight this stage's outputs reach without its
-        gradient, or differentiate a weight group through several intermediates (a weight
-        several layers use, such as T5's and Whisper's shared ones: torch's weight step then
-        runs into saved tensors its input step freed)? Decided at the first micro-batch (each
-        has the same graph)."""
-        if self._misses is None:
-            from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc, construct_reverse_graph,
-                                                                get_param_groups)
-            outs = bwd_kwargs["stage_output"]
-            outs = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
-            roots = [f for f in map(_get_grad_fn_or_grad_acc, (o for o in outs if isinstance(o, torch.Tensor)))
-                     if f is not None]
-            ins = [f for f in (_get_grad_fn_or_grad_acc(v) for v in bwd_kwargs["input_values"]
-                               if isinstance(v, torch.Tensor)) if f is not None]
-            weights = [f for f in map(_get_grad_fn_or_grad_acc, (p for p in self.submod.parameters() if p.requires_grad))
-                       if f is not None]
-            reverse = construct_reverse_graph(roots)
-            groups = get_param_groups(ins, weights, reverse)
-            covered = {q for group in groups for q in group["params"]}
-            self._misses = (any(w in reverse and w not in covered for w in weights)
-                            or any(len(g["intermediates"]) > 1 for g in groups))
-        return self._misses
-
-    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        super().perform_reduce_grad(grad_scale_factor)
-        if self._on_last_backward is not None:
-            self._on_last_backward(self.stage_index)
 
 
 def _whole_pieces(module: PipelineModule, state_dict: dict, prefix: str, local_metadata: Any) -> dict:

@@ -61,9 +61,8 @@ def _run(rank: int, world: int, name: str, overrides: dict, mesh: dict, schedule
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-3, eps=1e-6)
     loss_err = 0.0
     for _ in range(STEPS):
-        with torch.no_grad():
-            want = _loss(ref(*local), local_target)       # this dp rank's share, before the step
         ref_loss = _loss(ref(*args), target)
+        want = ref_loss.detach()      # a pipeline returns the global batch's token mean, before the step
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()

@@ -280,7 +280,10 @@ def test_mixed_precision_cases(worlds, world, i):
     for r in ranks:
         assert r["mixed"] == "bf16" and r["zero"] == (zero if shares > 1 else 0)
         for got, want in zip(r["losses"], ref["losses"]):
-            assert abs(got - want[r["share"]]) <= (1e-4 if experts else 1e-6) * abs(want[r["share"]])
+            # a pipeline returns the global batch's token mean (every share holds as many tokens);
+            # one graph returns the output, and the test's own loss on it is its share's
+            expect = sum(want) / len(want) if "pp" in mesh else want[r["share"]]
+            assert abs(got - expect) <= (1e-4 if experts else 1e-6) * abs(expect)
         assert _error(r, ref) < (BF16_TOL if experts else EXACT), (mesh, opts, _error(r, ref))
         assert {m[0].dtype for m in r["masters"].values()} == {torch.float32} and r["state"] == {torch.float32}
         assert r["params"] == {BF16}
