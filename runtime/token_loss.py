@@ -103,13 +103,17 @@ def prepare(gm: fx.GraphModule) -> list[tuple[int, int]]:
     found, pairs = [], []
     for pos, v in enumerate(values):
         loss = _mean_loss(v) if isinstance(v, fx.Node) else None
-        if loss is not None and all(loss is not f for _, f in found):
-            found.append((pos, loss))
+        if loss is not None:
+            found.append((pos, loss))        # (one loss at two outputs: both take its sum and count)
         elif isinstance(v, fx.Node) and _sum_loss(v) is not None:
             pairs.append((pos, None))        # a sum: the ranks' sum, nothing to count
     if not found:
         return pairs
+    counted: dict[fx.Node, int] = {}
     for pos, loss in found:
+        if loss in counted:
+            pairs.append((pos, counted[loss]))
+            continue
         schema = loss.target._schema.arguments
         names = [a.name for a in schema]
         full = [_arg(loss, i, a.name, a.default_value) for i, a in enumerate(schema)]
@@ -120,6 +124,7 @@ def prepare(gm: fx.GraphModule) -> list[tuple[int, int]]:
             real = gm.graph.call_function(aten.ne.Scalar, (loss.args[1], ignore))
             with gm.graph.inserting_after(real):
                 count = gm.graph.call_function(aten.sum.default, (real,))
+        counted[loss] = len(values)
         pairs.append((pos, len(values)))
         values.append(count)
     out.args = (tuple(values),)
