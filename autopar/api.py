@@ -250,8 +250,9 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
     pipe = o.pipeline
     # before any other collective: every rank called with the same model, mesh and options
     check_agreement(model, mesh, dict(plan=plan, dims=t.dims, hardware=hardware, memory_budget=memory_budget,
-                                      sizes=t.sizes, sync_params=d.sync_params, zero_stage=zero_stage,
-                                      overlap=d.overlap, bucket_bytes=d.bucket_bytes, mixed_precision=mixed_precision,
+                                      sizes=t.sizes, sync_params=d.sync_params, cross_sample=d.cross_sample,
+                                      zero_stage=zero_stage, overlap=d.overlap, bucket_bytes=d.bucket_bytes,
+                                      mixed_precision=mixed_precision,
                                       loss_fn=pipe.loss_fn, schedule=pipe.schedule, microbatches=pipe.microbatches,
                                       virtual_stages=pipe.virtual_stages, batchnorm=pipe.batchnorm, expert_placement=e.placement,
                                       capacity_factor=e.capacity_factor, recompute=recompute,

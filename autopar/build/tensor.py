@@ -16,6 +16,7 @@ from autopar.build.checks import check_fits, check_runtime_dtypes
 from autopar.build.experts import expert_side
 from autopar.build.prepare import capture_model, planned_graph
 from autopar.build.state import BuildState
+from autopar.core.errors import UnsupportedError
 from autopar.core.meta import graph_info
 from autopar.core.plans import Plan
 from autopar.passes.autocast import drop_dtype_checks
@@ -29,6 +30,7 @@ def tensor_step(s: BuildState) -> None:
         _tensor_axis_alone(s)
     else:
         _dense_mesh(s)
+    check_cross_sample(s)
 
 
 def _dense_mesh(s: BuildState) -> None:
@@ -72,6 +74,32 @@ def _tensor_axis_alone(s: BuildState) -> None:
         s.nodes = {}
     if s.mixed_precision and not r.pipelined:
         drop_dtype_checks(s.gm)      # the graph runs under autocast (the tensor rewrite drops them too)
+
+
+def check_cross_sample(s: BuildState) -> None:
+    """A model whose ops pair samples of the batch (``passes/batch_coupling.py``) computes other
+    values on a split batch: refused when the batch is split into pieces (data ranks, expert
+    ranks, micro-batches), unless ``DataOptions(cross_sample="local")`` accepts that each piece
+    pairs only its own rows."""
+    from autopar.passes.batch_coupling import batch_coupling
+
+    dp = max(s.sizes.get("dp", 1), s.plan.dp if s.plan is not None else 1)
+    pieces = dp * s.ep * ((s.microbatches or 1) if s.request.pipelined else 1)
+    if pieces == 1 or s.request.options.data.cross_sample == "local":
+        return
+    found = batch_coupling(s.gm)
+    if not found:
+        return
+    where = sorted({p.fqn or "<root>" for p in found})
+    raise UnsupportedError(
+        f"the model pairs samples of the batch with each other ({found[0].why}); split into {pieces} pieces "
+        "(data ranks x expert ranks x micro-batches), each piece would pair only its own rows, which one "
+        "process on the whole batch does not do (a contrastive loss's similarity matrix, a softmax across samples)",
+        where=", ".join(where[:4]) + (" ..." if len(where) > 4 else ""),
+        got="; ".join(str(p) for p in found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else ""),
+        fix="accept pairs within each piece with options=DataOptions(cross_sample='local') (what per-device "
+            "contrastive training does), or train on a mesh that does not split the batch (tp only, one "
+            "micro-batch)")
 
 
 def _tensor_part(plan: Plan, tp: int) -> Plan:

@@ -64,12 +64,16 @@ class DataOptions:
     ``overlap`` issues each gradient bucket's reduction as soon as its gradients exist and waits
     late; ``bucket_bytes`` sizes the buckets (0: the cost model's size); ``dp_mode`` says how the
     data axis communicates (``"allreduce"``, ``"local_sgd"``, ...; :mod:`autopar.core.dp_mode`);
-    ``sync_params`` makes every rank take rank 0's weights first."""
+    ``sync_params`` makes every rank take rank 0's weights first. ``cross_sample="local"`` accepts
+    that an op pairing samples of the batch with each other (a contrastive loss's similarity
+    matrix) pairs only the rows of each piece of a split batch (data rank, expert rank,
+    micro-batch); without it such a model is refused when the batch is split."""
 
     overlap: bool = True
     bucket_bytes: int = 0
     dp_mode: Any = None
     sync_params: bool = True
+    cross_sample: str | None = None
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -78,6 +82,7 @@ class DataOptions:
                isinstance(self.bucket_bytes, int) and not isinstance(self.bucket_bytes, bool) and self.bucket_bytes >= 0,
                "a byte count >= 0")
         _check(name, "sync_params", self.sync_params, isinstance(self.sync_params, bool), "True or False")
+        _check(name, "cross_sample", self.cross_sample, self.cross_sample in (None, "local"), "None or 'local'")
 
 
 @dataclass(frozen=True, kw_only=True)
