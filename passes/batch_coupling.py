@@ -13,7 +13,8 @@ or ``LOST`` (the analysis stops following: an op with no rule). An op that meets
 value with a ``SUMMED`` one pairs samples (``x - x.mean(0)``: every sample shifted by all the
 others); ``SUMMED`` values among themselves (a loss plus an auxiliary loss) do not. Rules live in
 :data:`RULES`, keyed by ATen op; an op with no rule makes its outputs ``LOST`` when an input
-carries the batch, so a missing rule can hide a pairing but never invents one. It reads the shape pass's records and writes nothing; the build refuses a graph with
+carries the batch, so a missing rule can hide a pairing but never invents one. It reads the
+shape pass's records and writes nothing; the build refuses a graph with
 pairings when the batch is split (``autopar/build/tensor.py``).
 """
 from __future__ import annotations
