@@ -11,7 +11,9 @@ nothing about who failed. Here:
   else :data:`DEFAULT_TIMEOUT_S` (300 s). It bounds only the wait for a rank that never
   joins (a stalled one); a rank that raises or dies is noticed at once, whatever it is.
 * **Records.** A :class:`Monitor` per rank keeps records in the default group's store, under
-  ``autopar/``: ``hb/<rank>``, the heartbeat (every ``beat_s`` = 1 s, ``world / 1000`` s past
+  ``autopar/<job secret>/`` (:func:`share_secret`; ``run_ranks`` gives its ranks one, and
+  :func:`init_distributed` broadcasts one from rank 0), so that one who can reach the store's
+  port but is not a rank can neither read the records nor order a rank to stop: ``hb/<rank>``, the heartbeat (every ``beat_s`` = 1 s, ``world / 1000`` s past
   1,000 ranks, and at every step on worlds of up to 64 ranks, at most once a beat on larger
   ones: the
   step, pid, node and the line the main thread is on); ``end/<rank>``, how the rank ended
@@ -63,6 +65,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import sys
 import threading
 import time
@@ -84,6 +87,7 @@ __all__ = ["DEFAULT_TIMEOUT_S", "EXIT_PEER_FAILED", "EXIT_STALLED", "TIMEOUT_ENV
            "step"]
 
 _STORE_OP_S = 2.0   # the longest one store call of the monitor waits
+SECRET_ENV = "AUTOPAR_JOB_SECRET"           # the job's secret, in every rank's environment (share_secret)
 _step = 0                                   # this rank's step (note_step)
 _where = "?"                                # where the main thread started that step (note_step)
 PER_STEP_BEATS_UP_TO = 64                   # larger worlds beat at most once per beat_s (Monitor.beat)
@@ -140,6 +144,10 @@ class Monitor:
                  keep: Any = None) -> None:
         self.rank, self.world, self.timeout_s, self.beat_s = rank, world, timeout_s, beat_s
         self._store = store
+        # the records' keys hold the job's secret: one who reaches the store's port but is not a
+        # rank can neither read them nor order a rank to stop (the key names are unknown to them)
+        secret = os.environ.get(SECRET_ENV, "")
+        self._space = f"autopar/{secret}" if secret else "autopar"
         self._keep = keep                      # the group's own store: holds the server up while we use it
         self._store_host = store_host          # the rank whose process serves the store; None: no rank
         self._host_beat: dict | None = None    # its heartbeat, to tell by pid that the store is gone
@@ -167,7 +175,7 @@ class Monitor:
             if not self._reachable():
                 return False
             try:
-                self._store.set(f"autopar/{key}", json.dumps(record))
+                self._store.set(f"{self._space}/{key}", json.dumps(record))
                 return True
             except Exception:  # noqa: BLE001 - any store failure means the store is gone
                 self._down = True
@@ -179,7 +187,7 @@ class Monitor:
             if not self._reachable():
                 raise _StoreDown
             try:
-                full = f"autopar/{key}"
+                full = f"{self._space}/{key}"
                 return json.loads(self._store.get(full)) if self._store.check([full]) else None
             except Exception as e:  # noqa: BLE001
                 self._down = True
@@ -269,7 +277,8 @@ class Monitor:
             with self._lock:
                 if self._reachable():
                     try:
-                        self._store.compare_set("autopar/news", "", json.dumps({"rank": self.rank, **record}))
+                        self._store.compare_set(f"{self._space}/news", "",
+                                                json.dumps({"rank": self.rank, **record}))
                     except Exception:  # noqa: BLE001
                         self._down = True
 
@@ -530,6 +539,17 @@ def resolve_timeout(timeout_s: float | None = None) -> float:
     return value
 
 
+def share_secret() -> None:
+    """Give every rank of the default group one job secret (``AUTOPAR_JOB_SECRET``), made by rank 0
+    and broadcast over the group (not through the store), unless the environment has one. The
+    health records' keys hold it (:class:`Monitor`). A collective: every rank calls it."""
+    if os.environ.get(SECRET_ENV) or dist.get_world_size() == 1:
+        return
+    box = [secrets.token_hex(16) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    os.environ[SECRET_ENV] = str(box[0])
+
+
 def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> Monitor:
     """Initialise the default process group with a collective timeout and start the monitor.
 
@@ -548,6 +568,8 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timedelta(seconds=timeout))
+    if monitor() is None:
+        share_secret()
     return start(timeout_s=timeout)
 
 
