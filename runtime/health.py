@@ -61,6 +61,7 @@ exit code, the "root cause" being the first to end -- a survivor on the same nod
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import math
@@ -70,7 +71,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -101,6 +102,8 @@ def beat_interval(world: int) -> float:
 _monitor: Monitor | None = None             # this process's monitor (start)
 _previous_hook: Callable[..., Any] | None = None   # sys.excepthook before start() chained onto it
 _exit_code: int | None = None               # set when this rank ends on its own uncaught exception
+_stopped_by: PeerFailureError | None = None  # set when another rank's failure stopped this one (Monitor._stop_for)
+STOP_GRACE_S = 10.0                         # after another rank's failure, how long user code has to handle it
 _auto_started = False                       # note_step has tried to start a monitor
 
 
@@ -249,6 +252,28 @@ class Monitor:
                 return
             if order is not None and self._ended in (None, "timeout"):
                 self._abort(str(order.get("why", "?")))
+            culprit = _culprit(self._news, self.rank)
+            if culprit is not None and self._ended is None:
+                self._stop_for(culprit)
+                return
+
+    def _stop_for(self, diag: Diagnosis) -> None:
+        """Another rank failed (the store's news): stop this rank too, whatever groups it shares
+        with that one. The main thread gets a :class:`PeerFailureError` at its next Python line
+        (user code can catch it); if the process is still running :data:`STOP_GRACE_S` later, it
+        ends with :data:`EXIT_PEER_FAILED` and the error on stderr. Either way it exits non-zero."""
+        global _stopped_by, _exit_code
+        err = PeerFailureError(f"{diag.what()}; rank {self.rank} stops", rank=diag.rank, step=diag.step,
+                               where=f"rank {self.rank} at step {_step} ({_where})",
+                               got=f"rank {diag.rank}'s failure record in the store",
+                               fix=diag.fix())
+        self.record_peer_failure(diag)
+        _stopped_by, _exit_code = err, EXIT_PEER_FAILED
+        _raise_in_main(err)
+        if not self._halt.wait(STOP_GRACE_S):
+            sys.stderr.write(f"[rank {self.rank}] PeerFailureError: {err}\n")
+            self._halt.set()
+            _exit_now(EXIT_PEER_FAILED)
 
     def _abort(self, why: str) -> None:
         """The others timed out waiting for this rank: show where it is and end the process."""
@@ -381,6 +406,63 @@ class Monitor:
                              f"it hosted at {where}")
         return Diagnosis("unreachable", host, None, f"it hosts the store at {where}, which does not answer: "
                          "it most likely died")
+
+
+def _culprit(news: dict | None, me: int) -> Diagnosis | None:
+    """The rank to blame in the store's news (the first failure any rank recorded), if another."""
+    if not news:
+        return None
+    blame = news.get("blame")
+    if news.get("kind") == "raised":
+        diag = Diagnosis("raised", news.get("rank"), news.get("step"), str(news.get("error", "?")))
+    elif isinstance(blame, dict) and blame.get("rank") is not None:
+        diag = Diagnosis(str(blame.get("kind", "unknown")), blame["rank"], blame.get("step"),
+                         str(blame.get("detail", "?")))
+    else:
+        return None
+    return diag if isinstance(diag.rank, int) and diag.rank != me else None
+
+
+def _raise_in_main(err: PeerFailureError) -> None:
+    """Raise ``err`` in the main thread at its next Python line (CPython's asynchronous
+    exception: delivered when the thread runs Python, not while it waits inside a C call)."""
+    class _Deliver(PeerFailureError):
+        def __new__(cls, *args: Any, **kwargs: Any) -> PeerFailureError:     # noqa: D102
+            return err
+    try:
+        import ctypes
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.main_thread().ident),
+                                                   ctypes.py_object(_Deliver))
+    except Exception:  # noqa: BLE001 - no CPython API: the grace period's exit still stops the rank
+        pass
+
+
+@contextlib.contextmanager
+def peer_errors() -> Iterator[None]:
+    """Around a call of autopar's that runs collectives (a forward, ``pm.step``, ``opt.step()``,
+    a save or load): a collective error because another rank failed becomes the
+    :class:`PeerFailureError` naming that rank (``__cause__``: torch's error), so user code
+    catches a typed error, not gloo's ``RuntimeError``. The rank then exits non-zero even if
+    user code goes on to return normally."""
+    global _stopped_by, _exit_code
+    try:
+        yield
+    except PeerFailureError as err:
+        _stopped_by, _exit_code = _stopped_by or err, EXIT_PEER_FAILED
+        raise
+    except RuntimeError as exc:
+        if _monitor is None or not looks_like_peer_failure(exc):
+            raise
+        err = explain(exc)
+        if not isinstance(err, PeerFailureError):
+            raise
+        _stopped_by, _exit_code = _stopped_by or err, EXIT_PEER_FAILED
+        raise err from exc
+
+
+def stopped_by() -> PeerFailureError | None:
+    """The peer failure that stopped this rank, if another rank's failure did."""
+    return _stopped_by
 
 
 def _store_address(store: Any) -> str:

@@ -129,7 +129,10 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, secret:
         dist.init_process_group(backend, rank=rank, world_size=world, store=_loopback_store(rank, world, port),
                                 timeout=timedelta(seconds=timeout_s))
         mon = health.start(timeout_s=timeout_s, on_abort=lambda message: send("stalled", message))
-        reply, code = ("ok", pickle.dumps(fn(rank, world, *args))), 0
+        result = fn(rank, world, *args)
+        stopped = health.stopped_by()      # another rank failed: this one did not finish, even if fn returned
+        reply, code = (("peer", str(stopped)), health.EXIT_PEER_FAILED) if stopped is not None else \
+            (("ok", pickle.dumps(result)), 0)
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         err = health.explain(exc)
         if isinstance(err, PeerFailureError):
