@@ -9,11 +9,14 @@ host) from ``CaptureCache.directory``.
 
 An entry is data, never code: a zlib-compressed JSON description of the graph (each node's
 op, target, arguments, value shapes as formulas, source line and module path), autopar's
-records, and the lifted constants' bytes. Loading resolves targets only among ``torch.ops``
-operators and the ``operator``/``math`` functions, rebuilds every value as a fake tensor over
-a fresh ``ShapeEnv`` and checks the entry's own SHA-256 and key, so a corrupt or foreign file
-is a miss (with a warning), not a wrong graph. A graph holding anything outside that
-vocabulary is simply not cached. Deleting the directory is always safe.
+records, and the lifted constants' bytes, signed with an HMAC-SHA256 under a key only this user
+can read (``.autopar-key-<uid>`` in the directory, mode 0600, made on first use). Loading
+checks the signature before reading anything, then every node's target against a closed
+vocabulary (``torch.ops`` operators and :data:`VOCABULARY`'s arithmetic; no getter, caller or
+attribute access) before building anything, and rebuilds every value as a fake tensor over a
+fresh ``ShapeEnv``: a corrupt, foreign or crafted file is a miss (with a warning), not a wrong
+graph or code run. A graph holding anything outside that vocabulary is simply not cached.
+Deleting the directory is always safe.
 
 Configuration: ``AUTOPAR_CACHE_DIR`` (default ``$XDG_CACHE_HOME/autopar`` or
 ``~/.cache/autopar``; ``off`` disables the cache), read once, or :func:`set_capture_cache`.
@@ -22,11 +25,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import json
 import logging
 import math
 import operator
 import os
+import stat
 import tempfile
 import threading
 import zlib
@@ -50,8 +55,10 @@ from autopar.core.meta import META_KEY, GraphInfo, NodeInfo, graph_info, graph_m
 
 log = logging.getLogger("autopar.capture")
 
-FORMAT = 1
+FORMAT = 2
 _MEMORY_ENTRIES = 16
+_MAX_TEXT = 1 << 30              # an entry's JSON, decompressed: a bound, not a size any graph reaches
+_PROCESS_SECRET = os.urandom(32)  # signs what only this process keeps (a cache without a directory)
 
 
 class _Uncacheable(Exception):
@@ -71,8 +78,76 @@ class CaptureCache:
 
 
 _lock = threading.Lock()
-_memory: OrderedDict[str, bytes] = OrderedDict()
+_memory: OrderedDict[str, tuple[bytes, bytes]] = OrderedDict()    # key -> (entry, the secret it is signed with)
 _configured: list[CaptureCache | None] = []
+_secrets: dict[Path, bytes | None] = {}
+
+
+class _Untrusted(Exception):
+    """The directory's key cannot be trusted (another owner, readable by others, malformed)."""
+
+
+def key_path(directory: Path) -> Path:
+    """This user's signing key in ``directory`` (one per user: a directory a team shares holds
+    several, and each user trusts only the entries signed with their own)."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return directory / f".autopar-key-{uid}"
+
+
+def secret(cache: CaptureCache) -> bytes | None:
+    """The key entries on ``cache``'s disk are signed with: read from :func:`key_path`, made
+    there (mode 0600) on first use. None when it cannot be trusted: the disk is then not used
+    (said once), and the cache works from memory."""
+    if cache.directory is None:
+        return _PROCESS_SECRET
+    where = cache.directory
+    with _lock:
+        if where in _secrets:
+            return _secrets[where]
+    try:
+        got: bytes | None = _read_or_make_key(where)
+    except (OSError, _Untrusted) as exc:
+        log.warning("capture cache: the signing key %s cannot be used (%s); the cache on disk is off for this "
+                    "process (fix: delete that file, or set AUTOPAR_CACHE_DIR to a directory of your own)",
+                    key_path(where), exc)
+        got = None
+    with _lock:
+        _secrets[where] = got
+    return got
+
+
+def _read_or_make_key(directory: Path) -> bytes:
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = key_path(directory)
+    if not os.path.lexists(path):
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".autopar-key-", suffix=".tmp")     # mode 0600
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(os.urandom(32).hex().encode())
+                fh.flush()
+                os.fsync(fh.fileno())
+            try:
+                os.link(tmp, path)           # atomic and exclusive: a rank racing us keeps its own or ours
+            except FileExistsError:
+                pass
+        finally:
+            os.unlink(tmp)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _Untrusted("not a regular file")
+        if hasattr(os, "getuid") and st.st_uid != os.getuid():
+            raise _Untrusted(f"owned by uid {st.st_uid}, not this user")
+        if st.st_mode & 0o077:
+            raise _Untrusted(f"mode {stat.S_IMODE(st.st_mode):o}: others may read or write it (it must be 600)")
+        raw = os.read(fd, 129)
+    finally:
+        os.close(fd)
+    text = raw.decode("ascii", "replace").strip()
+    if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
+        raise _Untrusted("not a key autopar wrote")
+    return bytes.fromhex(text)
 
 
 def default_directory() -> Path | None:
@@ -104,13 +179,17 @@ def current() -> CaptureCache | None:
 def load(cache: CaptureCache, key: str) -> fx.GraphModule | None:
     """The graph cached under ``key``, rebuilt; None on a miss."""
     with _lock:
-        blob = _memory.get(key)
-        if blob is not None:
+        held = _memory.get(key)
+        if held is not None:
             _memory.move_to_end(key)
     where = "memory"
+    blob, signed = held if held is not None else (None, None)
     if blob is None:
         path = cache.path(key)
         if path is None or not path.is_file():
+            return None
+        signed = secret(cache)
+        if signed is None:
             return None
         try:
             blob = path.read_bytes()
@@ -120,19 +199,22 @@ def load(cache: CaptureCache, key: str) -> fx.GraphModule | None:
             return None
         where = str(path)
     try:
-        gm = decode(blob, key)
+        gm = decode(blob, key, signed)
     except Exception as exc:  # noqa: BLE001 - any bad entry is a miss, said once
         log.warning("capture cache: entry %s is unusable (%s: %s); capturing again", where, type(exc).__name__, exc)
         return None
-    _remember(key, blob)
+    _remember(key, blob, signed)
     log.info("capture: from the cache (%s), %d nodes", where if where == "memory" else "disk", len(gm.graph.nodes))
     return gm
 
 
 def store(cache: CaptureCache, key: str, gm: fx.GraphModule) -> None:
     """Keep ``gm`` under ``key`` (in memory, and on disk when the cache has a directory)."""
+    signed = secret(cache) if cache.directory is not None else _PROCESS_SECRET
+    on_disk = signed is not None
+    signed = signed or _PROCESS_SECRET
     try:
-        blob = encode(gm, key)
+        blob = encode(gm, key, signed)
     except _Uncacheable as exc:
         log.info("capture cache: not cached (%s)", exc)
         return
@@ -140,16 +222,16 @@ def store(cache: CaptureCache, key: str, gm: fx.GraphModule) -> None:
         log.warning("capture cache: could not describe the graph (%s: %s); not cached", type(exc).__name__, exc)
         return
     try:
-        same = _signature(decode(blob, key)) == _signature(gm)
+        same = _signature(decode(blob, key, signed)) == _signature(gm)
     except Exception as exc:  # noqa: BLE001 - a graph the entry cannot rebuild is not cached
         log.info("capture cache: not cached (the entry does not rebuild: %s: %s)", type(exc).__name__, exc)
         return
     if not same:
         log.info("capture cache: not cached (the rebuilt graph differs from the capture)")
         return
-    _remember(key, blob)
+    _remember(key, blob, signed)
     path = cache.path(key)
-    if path is None:
+    if path is None or not on_disk:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -191,9 +273,9 @@ def _named(s: Any, rename: dict) -> Any:
     return s.node.expr.xreplace(rename) if isinstance(s, torch.SymInt) else int(s)
 
 
-def _remember(key: str, blob: bytes) -> None:
+def _remember(key: str, blob: bytes, signed: bytes) -> None:
     with _lock:
-        _memory[key] = blob
+        _memory[key] = (blob, signed)
         _memory.move_to_end(key)
         while len(_memory) > _MEMORY_ENTRIES:
             _memory.popitem(last=False)
@@ -217,8 +299,9 @@ def _evict(cache: CaptureCache) -> None:
 
 # ---- encoding ---------------------------------------------------------------------------
 
-def encode(gm: fx.GraphModule, key: str) -> bytes:
-    """``gm`` (as :func:`capture` returns it) as an entry's bytes; raises ``_Uncacheable``."""
+def encode(gm: fx.GraphModule, key: str, signed: bytes = _PROCESS_SECRET) -> bytes:
+    """``gm`` (as :func:`capture` returns it) as an entry's bytes, signed with ``signed`` (an
+    HMAC-SHA256 of the compressed description); raises ``_Uncacheable``."""
     env = _shape_env(gm)
     nodes = [_node(n) for n in gm.graph.nodes]
     syms: dict[str, Any] = {}
@@ -227,8 +310,12 @@ def encode(gm: fx.GraphModule, key: str) -> bytes:
             r = env.var_to_range.get(s)
             syms[str(s)] = [int(hint), _bound(r.lower if r else None), _bound(r.upper if r else None)]
     body = {"format": FORMAT, "key": key, "nodes": nodes, "symbols": syms, "graph": _graph_info(graph_info(gm))}
-    text = json.dumps(body, separators=(",", ":")).encode()
-    return hashlib.sha256(text).hexdigest().encode() + b"\n" + zlib.compress(text, 1)
+    packed = zlib.compress(json.dumps(body, separators=(",", ":")).encode(), 1)
+    return b"hmac-sha256 " + _mac(signed, packed).encode() + b"\n" + packed
+
+
+def _mac(signed: bytes, packed: bytes) -> str:
+    return hmac.new(signed, packed, hashlib.sha256).hexdigest()
 
 
 def _shape_env(gm: fx.GraphModule) -> ShapeEnv | None:
@@ -263,6 +350,21 @@ def _node(n: fx.Node) -> list[Any]:
             n.meta.get("stack_trace"), stack, [rec.kind, rec.fqn, rec.module_type, rec.target_fqn, rec.trainable]]
 
 
+# The only Python functions an entry may name (besides ``torch.ops`` operators): the arithmetic
+# and comparisons export writes for sizes. No getter, caller or attribute access
+# (``operator.attrgetter``, ``methodcaller``, ``call`` would reach any code).
+_OPERATOR = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "neg", "pos", "abs", "eq", "ne", "lt",
+             "le", "gt", "ge", "and_", "or_", "xor", "not_", "invert", "lshift", "rshift", "getitem",
+             "index", "truth")
+_MATH = ("ceil", "floor", "trunc", "sqrt", "log", "log2", "exp", "isnan", "isinf", "isfinite")
+_TORCH = ("sym_int", "sym_float", "sym_max", "sym_min", "sym_not", "sym_sqrt", "sym_ite", "sym_sum")
+VOCABULARY: dict[tuple[str, str], Any] = {
+    **{("operator", n): getattr(operator, n) for n in _OPERATOR},
+    **{("math", n): getattr(math, n) for n in _MATH if hasattr(math, n)},
+    **{("torch", n): getattr(torch, n) for n in _TORCH if hasattr(torch, n)},
+}
+
+
 def _target(n: fx.Node) -> Any:
     t = n.target
     if n.op in ("placeholder", "output"):
@@ -274,14 +376,9 @@ def _target(n: fx.Node) -> Any:
             raise _Uncacheable(f"node {n.name} calls a model's own torch.autograd.Function")
         ns, name = t.name().split("::", 1)
         return ["op", ns, name.split(".")[0], t._overloadname]
-    mod = getattr(t, "__module__", None)
-    name = getattr(t, "__name__", "")
-    if mod in ("_operator", "operator") and getattr(operator, name, None) is t:
-        return ["py", "operator", name]
-    if mod == "math" and getattr(math, name, None) is t:
-        return ["py", "math", name]
-    if name.startswith("sym_") and getattr(torch, name, None) is t:
-        return ["py", "torch", name]
+    for (mod, name), f in VOCABULARY.items():
+        if f is t:
+            return ["py", mod, name]
     raise _Uncacheable(f"node {n.name} calls {t!r}")
 
 
@@ -389,16 +486,26 @@ def _tensor_bytes(t: torch.Tensor) -> dict[str, Any]:
 
 # ---- decoding ---------------------------------------------------------------------------
 
-def decode(blob: bytes, key: str) -> fx.GraphModule:
-    """Rebuild the graph an entry describes (raises on anything unexpected)."""
-    digest, _, packed = blob.partition(b"\n")
-    text = zlib.decompress(packed)
-    if hashlib.sha256(text).hexdigest().encode() != digest:
-        raise ValueError("checksum mismatch")
+def decode(blob: bytes, key: str, signed: bytes = _PROCESS_SECRET) -> fx.GraphModule:
+    """Rebuild the graph an entry describes (raises on anything unexpected). Nothing in the
+    entry is read before its signature checks against ``signed``: an entry another user (or
+    a file planted by anyone without this user's key) wrote is refused unread."""
+    head, _, packed = blob.partition(b"\n")
+    kind, _, digest = head.partition(b" ")
+    if kind != b"hmac-sha256" or not hmac.compare_digest(digest, _mac(signed, packed).encode()):
+        raise ValueError("not signed with this user's key (written by someone else, by an older autopar, "
+                         "or damaged)")
+    inflate = zlib.decompressobj()
+    text = inflate.decompress(packed, _MAX_TEXT)
+    if inflate.unconsumed_tail:
+        raise ValueError(f"the description is over {_MAX_TEXT} bytes")
     body = json.loads(text)
     if body.get("format") != FORMAT or body.get("key") != key:
         raise ValueError("another format or key")
     return _Rebuild(body).graph_module()
+
+
+_NODE_OPS = ("placeholder", "call_function", "output")
 
 
 class _Rebuild:
@@ -423,10 +530,14 @@ class _Rebuild:
     def graph_module(self) -> fx.GraphModule:
         graph = fx.Graph()
         env: dict[str, fx.Node] = {}
+        nodes = self.body["nodes"]
+        for entry in nodes:
+            if not isinstance(entry, list) or len(entry) != 9 or entry[1] not in _NODE_OPS:
+                raise ValueError("a node record of another form")
+        targets = [self._target(entry[1], entry[2]) for entry in nodes]    # all checked before anything is built
         with self.mode:
-            for name, op, target, args, kwargs, val, trace, stack, rec in self.body["nodes"]:
-                node = graph.create_node(op, self._target(op, target), self._arg(args, env), self._arg(kwargs, env),
-                                         name=name)
+            for (name, op, _, args, kwargs, val, trace, stack, rec), target in zip(nodes, targets):
+                node = graph.create_node(op, target, self._arg(args, env), self._arg(kwargs, env), name=name)
                 if node.name != name:
                     raise ValueError(f"node {name} renamed {node.name}")
                 env[name] = node
@@ -446,20 +557,20 @@ class _Rebuild:
     def _target(self, op: str, t: Any) -> Any:
         if op in ("placeholder", "output"):
             return str(t)
+        if not isinstance(t, list) or not t:
+            raise ValueError(f"target {t!r} is outside the cache's vocabulary")
         kind, *path = t
         if kind == "op":
+            if len(path) != 3 or not all(isinstance(x, str) and x.isidentifier() for x in path):
+                raise ValueError(f"target {t!r} is outside the cache's vocabulary")
             ns, name, overload = path
             found = getattr(getattr(getattr(torch.ops, ns), name), overload)
             if not isinstance(found, torch._ops.OpOverload):
                 raise ValueError(f"{ns}::{name}.{overload} is not an operator")
             return found
-        mod, name = path
-        if mod == "operator" and not name.startswith("_"):
-            return getattr(operator, name)
-        if mod == "math" and not name.startswith("_"):
-            return getattr(math, name)
-        if mod == "torch" and name.startswith("sym_"):
-            return getattr(torch, name)
+        if kind == "py" and len(path) == 2 and all(isinstance(x, str) for x in path) \
+                and tuple(path) in VOCABULARY:
+            return VOCABULARY[tuple(path)]
         raise ValueError(f"target {t!r} is outside the cache's vocabulary")
 
     def _arg(self, a: Any, env: dict[str, fx.Node]) -> Any:

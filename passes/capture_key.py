@@ -4,7 +4,9 @@
 - the model's structure: every module's fqn and class, its plain attributes (numbers,
   strings, configs, functions by their code and closure, tensors that are not parameters
   by their contents), its hooks and its train/eval flag; every parameter and buffer by
-  name, shape, dtype, device, ``requires_grad``, persistence and which names share a tensor;
+  name, shape, dtype, device (type and index: the graph holds ``cuda:1``, so each rank of a
+  node that shares the directory has its own entry), ``requires_grad``, persistence and which
+  names share a tensor;
 - the call: each input's shape, dtype, device and ``requires_grad`` (non-tensor inputs by
   value), keyword names, the symbolic-size labels and their bounds;
 - the code that runs: the source of every file that defines a class in the model and of the
@@ -77,7 +79,7 @@ def _input(a: Any) -> Any:
     """An input by what tracing sees of it: a tensor's shape and type (its values are fake
     during export), anything else by value."""
     if isinstance(a, torch.Tensor):
-        return ["tensor", list(a.shape), list(a.stride()), str(a.dtype), a.device.type, a.requires_grad]
+        return ["tensor", list(a.shape), list(a.stride()), str(a.dtype), str(a.device), a.requires_grad]
     if isinstance(a, (list, tuple)):
         return [type(a).__name__, [_input(x) for x in a]]
     if isinstance(a, Mapping):
@@ -113,9 +115,9 @@ def describe_module(model: nn.Module, ignore: frozenset[str] = frozenset()) -> d
                  for k, v in sorted(m.__dict__.items()) if k not in _SKIP_MODULE_ATTRS and k not in ignore}
         modules.append([fqn, _qualname(type(m)), attrs, sorted(m._non_persistent_buffers_set)])
     first: dict[int, str] = {}
-    params = [[name, list(p.shape), str(p.dtype), p.device.type, p.requires_grad, type(p).__name__,
+    params = [[name, list(p.shape), str(p.dtype), str(p.device), p.requires_grad, type(p).__name__,
                first.setdefault(id(p), name)] for name, p in model.named_parameters(remove_duplicate=False)]
-    buffers = [[name, list(b.shape), str(b.dtype), b.device.type, first.setdefault(id(b), name)]
+    buffers = [[name, list(b.shape), str(b.dtype), str(b.device), first.setdefault(id(b), name)]
                for name, b in model.named_buffers(remove_duplicate=False)]
     return {"modules": modules, "params": params, "buffers": buffers}
 
@@ -206,7 +208,7 @@ def _code(code: types.CodeType) -> str:
 
 
 def _tensor(t: torch.Tensor) -> list[Any]:
-    head = ["tensor", list(t.shape), list(t.stride()), str(t.dtype), t.device.type, t.requires_grad]
+    head = ["tensor", list(t.shape), list(t.stride()), str(t.dtype), str(t.device), t.requires_grad]
     if t.device.type == "meta":
         return head
     data = t.detach().cpu().contiguous()

@@ -39,6 +39,8 @@ from typing import Iterator
 import torch
 import torch.distributed._functional_collectives  # noqa: F401 - registers the c10d functional ops
 
+from autopar.runtime.health import peer_errors
+
 _c10d = torch.ops._c10d_functional
 _RUNTIMES: "weakref.WeakValueDictionary[int, DPRuntime]" = weakref.WeakValueDictionary()
 _ids = itertools.count()
@@ -337,6 +339,8 @@ class DPRuntime:
 
 # --------------------------------------------------------------------------------------------
 # Graph-node callables (what dp_rewrite inserts). ``rid`` names the runtime, ``b`` the bucket.
+# Their backwards wait on collectives: another rank's failure there is a PeerFailureError
+# (health.peer_errors), which autograd hands to the caller of backward as it is.
 
 class _GradWait(torch.autograd.Function):
     @staticmethod
@@ -346,6 +350,7 @@ class _GradWait(torch.autograd.Function):
         return params
 
     @staticmethod
+    @peer_errors()
     def backward(ctx, *grads):
         return (None, None) + _RUNTIMES[ctx.rid].buckets[ctx.b].finish_reduce()
 
@@ -358,6 +363,7 @@ class _GradIssue(torch.autograd.Function):
         return params
 
     @staticmethod
+    @peer_errors()
     def backward(ctx, *grads):
         _RUNTIMES[ctx.rid].buckets[ctx.b].issue_reduce(grads)
         return (None, None) + (None,) * len(grads)
@@ -371,6 +377,7 @@ class _GatherIssue(torch.autograd.Function):
         return _RUNTIMES[rid].buckets[b].issue_gather(shards)
 
     @staticmethod
+    @peer_errors()
     def backward(ctx, handle_grad):
         return (None, None) + _RUNTIMES[ctx.rid].buckets[ctx.b].finish_grad_scatter()
 
@@ -386,6 +393,7 @@ class _GatherWait(torch.autograd.Function):
         return tuple(fulls)
 
     @staticmethod
+    @peer_errors()
     def backward(ctx, *grads):
         _RUNTIMES[ctx.rid].buckets[ctx.b].issue_grad_scatter(grads)
         return None, None, None

@@ -33,7 +33,8 @@ EXIT_STALLED = 4
 
 # Text of an exception raised in a collective because another rank failed or stalled.
 _PEER_MARKS = ("Connection closed by peer", "Connection reset by peer", "gloo/transport", "Timed out waiting",
-               "NCCL communicator was aborted", "Watchdog caught collective operation timeout")
+               "NCCL communicator was aborted", "Watchdog caught collective operation timeout",
+               "caused pair closure")
 _TIMEOUT_MARKS = ("Timed out", "timed out", "Timeout", "timeout")
 
 

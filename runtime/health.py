@@ -11,7 +11,9 @@ nothing about who failed. Here:
   else :data:`DEFAULT_TIMEOUT_S` (300 s). It bounds only the wait for a rank that never
   joins (a stalled one); a rank that raises or dies is noticed at once, whatever it is.
 * **Records.** A :class:`Monitor` per rank keeps records in the default group's store, under
-  ``autopar/``: ``hb/<rank>``, the heartbeat (every ``beat_s`` = 1 s, ``world / 1000`` s past
+  ``autopar/<job secret>/`` (:func:`share_secret`; ``run_ranks`` gives its ranks one, and
+  :func:`init_distributed` broadcasts one from rank 0), so that one who can reach the store's
+  port but is not a rank can neither read the records nor order a rank to stop: ``hb/<rank>``, the heartbeat (every ``beat_s`` = 1 s, ``world / 1000`` s past
   1,000 ranks, and at every step on worlds of up to 64 ranks, at most once a beat on larger
   ones: the
   step, pid, node and the line the main thread is on); ``end/<rank>``, how the rank ended
@@ -59,15 +61,17 @@ exit code, the "root cause" being the first to end -- a survivor on the same nod
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import math
 import os
+import secrets
 import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -84,6 +88,7 @@ __all__ = ["DEFAULT_TIMEOUT_S", "EXIT_PEER_FAILED", "EXIT_STALLED", "TIMEOUT_ENV
            "step"]
 
 _STORE_OP_S = 2.0   # the longest one store call of the monitor waits
+SECRET_ENV = "AUTOPAR_JOB_SECRET"           # the job's secret, in every rank's environment (share_secret)
 _step = 0                                   # this rank's step (note_step)
 _where = "?"                                # where the main thread started that step (note_step)
 PER_STEP_BEATS_UP_TO = 64                   # larger worlds beat at most once per beat_s (Monitor.beat)
@@ -97,6 +102,8 @@ def beat_interval(world: int) -> float:
 _monitor: Monitor | None = None             # this process's monitor (start)
 _previous_hook: Callable[..., Any] | None = None   # sys.excepthook before start() chained onto it
 _exit_code: int | None = None               # set when this rank ends on its own uncaught exception
+_stopped_by: PeerFailureError | None = None  # set when another rank's failure stopped this one (Monitor._stop_for)
+STOP_GRACE_S = 10.0                         # after another rank's failure, how long user code has to handle it
 _auto_started = False                       # note_step has tried to start a monitor
 
 
@@ -140,6 +147,10 @@ class Monitor:
                  keep: Any = None) -> None:
         self.rank, self.world, self.timeout_s, self.beat_s = rank, world, timeout_s, beat_s
         self._store = store
+        # the records' keys hold the job's secret: one who reaches the store's port but is not a
+        # rank can neither read them nor order a rank to stop (the key names are unknown to them)
+        secret = os.environ.get(SECRET_ENV, "")
+        self._space = f"autopar/{secret}" if secret else "autopar"
         self._keep = keep                      # the group's own store: holds the server up while we use it
         self._store_host = store_host          # the rank whose process serves the store; None: no rank
         self._host_beat: dict | None = None    # its heartbeat, to tell by pid that the store is gone
@@ -167,7 +178,7 @@ class Monitor:
             if not self._reachable():
                 return False
             try:
-                self._store.set(f"autopar/{key}", json.dumps(record))
+                self._store.set(f"{self._space}/{key}", json.dumps(record))
                 return True
             except Exception:  # noqa: BLE001 - any store failure means the store is gone
                 self._down = True
@@ -179,7 +190,7 @@ class Monitor:
             if not self._reachable():
                 raise _StoreDown
             try:
-                full = f"autopar/{key}"
+                full = f"{self._space}/{key}"
                 return json.loads(self._store.get(full)) if self._store.check([full]) else None
             except Exception as e:  # noqa: BLE001
                 self._down = True
@@ -241,6 +252,28 @@ class Monitor:
                 return
             if order is not None and self._ended in (None, "timeout"):
                 self._abort(str(order.get("why", "?")))
+            culprit = _culprit(self._news, self.rank)
+            if culprit is not None and self._ended is None:
+                self._stop_for(culprit)
+                return
+
+    def _stop_for(self, diag: Diagnosis) -> None:
+        """Another rank failed (the store's news): stop this rank too, whatever groups it shares
+        with that one. The main thread gets a :class:`PeerFailureError` at its next Python line
+        (user code can catch it); if the process is still running :data:`STOP_GRACE_S` later, it
+        ends with :data:`EXIT_PEER_FAILED` and the error on stderr. Either way it exits non-zero."""
+        global _stopped_by, _exit_code
+        err = PeerFailureError(f"{diag.what()}; rank {self.rank} stops", rank=diag.rank, step=diag.step,
+                               where=f"rank {self.rank} at step {_step} ({_where})",
+                               got=f"rank {diag.rank}'s failure record in the store",
+                               fix=diag.fix())
+        self.record_peer_failure(diag)
+        _stopped_by, _exit_code = err, EXIT_PEER_FAILED
+        _raise_in_main(err)
+        if not self._halt.wait(STOP_GRACE_S):
+            sys.stderr.write(f"[rank {self.rank}] PeerFailureError: {err}\n")
+            self._halt.set()
+            _exit_now(EXIT_PEER_FAILED)
 
     def _abort(self, why: str) -> None:
         """The others timed out waiting for this rank: show where it is and end the process."""
@@ -269,7 +302,8 @@ class Monitor:
             with self._lock:
                 if self._reachable():
                     try:
-                        self._store.compare_set("autopar/news", "", json.dumps({"rank": self.rank, **record}))
+                        self._store.compare_set(f"{self._space}/news", "",
+                                                json.dumps({"rank": self.rank, **record}))
                     except Exception:  # noqa: BLE001
                         self._down = True
 
@@ -372,6 +406,63 @@ class Monitor:
                              f"it hosted at {where}")
         return Diagnosis("unreachable", host, None, f"it hosts the store at {where}, which does not answer: "
                          "it most likely died")
+
+
+def _culprit(news: dict | None, me: int) -> Diagnosis | None:
+    """The rank to blame in the store's news (the first failure any rank recorded), if another."""
+    if not news:
+        return None
+    blame = news.get("blame")
+    if news.get("kind") == "raised":
+        diag = Diagnosis("raised", news.get("rank"), news.get("step"), str(news.get("error", "?")))
+    elif isinstance(blame, dict) and blame.get("rank") is not None:
+        diag = Diagnosis(str(blame.get("kind", "unknown")), blame["rank"], blame.get("step"),
+                         str(blame.get("detail", "?")))
+    else:
+        return None
+    return diag if isinstance(diag.rank, int) and diag.rank != me else None
+
+
+def _raise_in_main(err: PeerFailureError) -> None:
+    """Raise ``err`` in the main thread at its next Python line (CPython's asynchronous
+    exception: delivered when the thread runs Python, not while it waits inside a C call)."""
+    class _Deliver(PeerFailureError):
+        def __new__(cls, *args: Any, **kwargs: Any) -> PeerFailureError:     # noqa: D102
+            return err
+    try:
+        import ctypes
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.main_thread().ident),
+                                                   ctypes.py_object(_Deliver))
+    except Exception:  # noqa: BLE001 - no CPython API: the grace period's exit still stops the rank
+        pass
+
+
+@contextlib.contextmanager
+def peer_errors() -> Iterator[None]:
+    """Around a call of autopar's that runs collectives (a forward, ``pm.step``, ``opt.step()``,
+    a save or load): a collective error because another rank failed becomes the
+    :class:`PeerFailureError` naming that rank (``__cause__``: torch's error), so user code
+    catches a typed error, not gloo's ``RuntimeError``. The rank then exits non-zero even if
+    user code goes on to return normally."""
+    global _stopped_by, _exit_code
+    try:
+        yield
+    except PeerFailureError as err:
+        _stopped_by, _exit_code = _stopped_by or err, EXIT_PEER_FAILED
+        raise
+    except RuntimeError as exc:
+        if _monitor is None or not looks_like_peer_failure(exc):
+            raise
+        err = explain(exc)
+        if not isinstance(err, PeerFailureError):
+            raise
+        _stopped_by, _exit_code = _stopped_by or err, EXIT_PEER_FAILED
+        raise err from exc
+
+
+def stopped_by() -> PeerFailureError | None:
+    """The peer failure that stopped this rank, if another rank's failure did."""
+    return _stopped_by
 
 
 def _store_address(store: Any) -> str:
@@ -530,6 +621,17 @@ def resolve_timeout(timeout_s: float | None = None) -> float:
     return value
 
 
+def share_secret() -> None:
+    """Give every rank of the default group one job secret (``AUTOPAR_JOB_SECRET``), made by rank 0
+    and broadcast over the group (not through the store), unless the environment has one. The
+    health records' keys hold it (:class:`Monitor`). A collective: every rank calls it."""
+    if os.environ.get(SECRET_ENV) or dist.get_world_size() == 1:
+        return
+    box = [secrets.token_hex(16) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    os.environ[SECRET_ENV] = str(box[0])
+
+
 def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> Monitor:
     """Initialise the default process group with a collective timeout and start the monitor.
 
@@ -548,6 +650,8 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timedelta(seconds=timeout))
+    if monitor() is None:
+        share_secret()
     return start(timeout_s=timeout)
 
 

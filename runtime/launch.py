@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import faulthandler
 import multiprocessing
+import os
 import pickle
+import secrets
 import socket
 import sys
 import time
@@ -70,7 +72,39 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, backend: str,
+_LISTENING: list[socket.socket] = []
+
+
+def loopback_interface() -> str | None:
+    """The name of this host's loopback interface (``lo`` on Linux), None if it has none."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return "lo" if "lo" in names else next((n for n in names if n.startswith("lo")), None)
+
+
+def _loopback_store(rank: int, world: int, port: int) -> Any:
+    """The world's store, listening on 127.0.0.1 only (torch's own binds every interface), and
+    gloo's sockets on the loopback interface: nothing of a one-host world is reachable from
+    another host."""
+    import torch.distributed as dist
+
+    lo = loopback_interface()
+    if lo is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+    timeout = timedelta(seconds=60)
+    if rank != 0:
+        return dist.TCPStore("127.0.0.1", port, world, False, timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(max(64, world))
+    _LISTENING.append(sock)          # the store serves on this socket: open as long as the process
+    return dist.TCPStore("127.0.0.1", port, world, True, timeout, master_listen_fd=sock.fileno())
+
+
+def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, secret: str, backend: str,
                timeout_s: float, args: tuple[Any, ...], out: Connection) -> None:
     """Body of one rank process: join the group, start the health monitor, run fn, send
     (kind, payload) back and exit with the code a torchrun rank would (runtime/health.py):
@@ -91,11 +125,14 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, backend
     mon = None
     try:
         torch.set_num_threads(1)
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                init_method=f"tcp://127.0.0.1:{port}",
+        os.environ[health.SECRET_ENV] = secret
+        dist.init_process_group(backend, rank=rank, world_size=world, store=_loopback_store(rank, world, port),
                                 timeout=timedelta(seconds=timeout_s))
         mon = health.start(timeout_s=timeout_s, on_abort=lambda message: send("stalled", message))
-        reply, code = ("ok", pickle.dumps(fn(rank, world, *args))), 0
+        result = fn(rank, world, *args)
+        stopped = health.stopped_by()      # another rank failed: this one did not finish, even if fn returned
+        reply, code = (("peer", str(stopped)), health.EXIT_PEER_FAILED) if stopped is not None else \
+            (("ok", pickle.dumps(result)), 0)
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         err = health.explain(exc)
         if isinstance(err, PeerFailureError):
@@ -128,12 +165,12 @@ class _World:
     def __init__(self, fn: Callable[..., Any], world: int, args: tuple[Any, ...], backend: str,
                  collective_timeout_s: float) -> None:
         ctx = _context()
-        port = _free_port()
+        port, secret = _free_port(), secrets.token_hex(16)
         self.procs, self.readers = [], []
         for rank in range(world):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_rank_main, name=f"autopar-rank{rank}", daemon=True,
-                               args=(fn, rank, world, port, backend, collective_timeout_s, args, writer))
+                               args=(fn, rank, world, port, secret, backend, collective_timeout_s, args, writer))
             proc.start()
             writer.close()
             self.procs.append(proc)

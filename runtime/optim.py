@@ -38,6 +38,7 @@ from torch import nn
 from autopar.core.errors import OptimizerError
 from autopar.runtime.collectives import c10d
 from autopar.runtime.dp import shard_range
+from autopar.runtime.health import peer_errors
 from autopar.runtime.loss_scale import LossScale, make_scaler
 
 _NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam", "Muon")
@@ -221,6 +222,10 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
+        with peer_errors():
+            return self._step(closure)
+
+    def _step(self, closure: Any) -> Any:
         if closure is not None:
             self._ready = None        # the closure makes new gradients
             with torch.enable_grad():

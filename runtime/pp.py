@@ -41,7 +41,7 @@ from autopar.core.meta import StageGraph
 from autopar.core.placement import Shard, Spec, parse
 from autopar.runtime.collectives import c10d
 from autopar.runtime.dp import row_weight
-from autopar.runtime.health import note_step
+from autopar.runtime.health import note_step, peer_errors
 from autopar.runtime.main_grads import MainGrads
 from autopar.runtime.pp_stage import PipeStage
 from autopar.runtime.stage_dp import StageDataAxis
@@ -379,6 +379,17 @@ class PipelineModule(nn.Module):
         Keyword inputs (``pm.step(**batch)``) go where the model takes them; a model that
         computes its own loss (given ``labels``) needs no ``target``."""
         note_step()
+        with peer_errors():
+            return self._step(inputs, target, kwargs)
+
+    def _step(self, inputs: tuple, target: torch.Tensor | None, kwargs: dict) -> torch.Tensor:
+        packed = [i for i, x in enumerate(inputs) if isinstance(x, (tuple, list))]
+        if packed:
+            raise InputMismatchError("pm.step takes the model's inputs as separate arguments, not packed in a "
+                                     "tuple or list", where="PipelineModule.step",
+                                     got=f"argument {packed[0]} is a {type(inputs[packed[0]]).__name__}",
+                                     fix="unpack them: pm.step(*inputs, target=y) (pm.step(x, target=y) for one "
+                                         "input), or pass keyword inputs as pm.step(**batch)")
         if not torch.is_grad_enabled():
             raise ConfigError("a pipeline step runs forward and backward: it cannot run under torch.no_grad()",
                               where="PipelineModule.step",

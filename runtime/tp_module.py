@@ -30,7 +30,7 @@ from torch.utils import _pytree as pytree
 from autopar.core.errors import InputMismatchError
 from autopar.runtime import token_loss
 from autopar.runtime.dp import DPRuntime, row_count_issue, row_weight, shard_range
-from autopar.runtime.health import note_step
+from autopar.runtime.health import note_step, peer_errors
 from autopar.runtime.ep import owned_rows, whole_experts
 from autopar.core.mesh import names as mesh_names
 from autopar.core.meta import evaluate, graph_info, info, ready
@@ -164,6 +164,10 @@ class ParallelModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         note_step()
+        with peer_errors():
+            return self._forward(args, kwargs)
+
+    def _forward(self, args: tuple, kwargs: dict) -> Any:
         gm = self.graph_module
         ginfo = graph_info(gm)
         flat = self._flatten(ginfo, args, kwargs)

@@ -3,9 +3,11 @@ entry is a miss, never a wrong graph or code run."""
 from __future__ import annotations
 
 import hashlib
+import hmac
 import importlib.util
 import json
 import logging
+import os
 import sys
 import threading
 import zlib
@@ -154,6 +156,7 @@ def test_an_unkeyable_model_is_captured_without_the_cache(tmp_path):
 def _fresh(tmp_path):
     """A cache on tmp_path with an empty memory: what a new process sees."""
     capture_cache._memory.clear()
+    capture_cache._secrets.clear()
     return CaptureCache(tmp_path)
 
 
@@ -167,12 +170,29 @@ def test_a_second_process_reads_the_graph_from_disk(tmp_path, caplog):
     assert _signature(again) == _signature(first)
 
 
-def _rewrite(path, edit):
-    digest, _, packed = path.read_bytes().partition(b"\n")
+def _rewrite(path, edit, signed=None):
+    """Edit an entry's description and sign it again: with ``signed`` (None: a bare SHA-256, as
+    anyone could recompute it)."""
+    head, _, packed = path.read_bytes().partition(b"\n")
     body = json.loads(zlib.decompress(packed))
     edit(body)
-    text = json.dumps(body).encode()
-    path.write_bytes(hashlib.sha256(text).hexdigest().encode() + b"\n" + zlib.compress(text))
+    packed = zlib.compress(json.dumps(body).encode())
+    if signed is None:
+        path.write_bytes(hashlib.sha256(packed).hexdigest().encode() + b"\n" + packed)
+    else:
+        path.write_bytes(b"hmac-sha256 " + hmac.new(signed, packed, hashlib.sha256).hexdigest().encode()
+                         + b"\n" + packed)
+
+
+MARK = "autopar-cache-attack-ran"
+
+
+def _operator_chain(body):
+    """The chain a crafted entry could build from operator's getters and callers: getattr of
+    ``os`` from a module object's globals, then ``system``, then a call; each a node target."""
+    node = next(n for n in body["nodes"] if n[1] == "call_function")
+    node[2] = ["py", "operator", "methodcaller"]
+    node[3] = {"T": ["system", f"touch {MARK}"]}
 
 
 def _call_os_system(body):
@@ -184,22 +204,64 @@ def _other_key(body):
     body["key"] = "0" * 64
 
 
-@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "target outside torch.ops", "foreign key"])
-def test_a_damaged_or_crafted_entry_is_a_miss_and_the_capture_is_redone(tmp_path, caplog, damage):
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "target outside torch.ops", "foreign key",
+                                    "operator chain, re-hashed", "operator chain, signed with our key",
+                                    "signed with another key"])
+def test_a_damaged_or_crafted_entry_is_a_miss_and_the_capture_is_redone(tmp_path, caplog, damage, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     m, x = small("gpt", layers=1, vocab=64), _tokens()
-    ref = capture(m, (x,), dims=TOKEN_DIMS, cache=_fresh(tmp_path))
+    cache = _fresh(tmp_path)
+    ref = capture(m, (x,), dims=TOKEN_DIMS, cache=cache)
     path, = tmp_path.glob("capture-*.json.z")
     raw = path.read_bytes()
+    ours = capture_cache.secret(cache)
     if damage == "flipped byte":
         path.write_bytes(raw[:100] + bytes([raw[100] ^ 1]) + raw[101:])
     elif damage == "truncated":
         path.write_bytes(raw[: len(raw) // 2])
+    elif damage == "operator chain, re-hashed":
+        _rewrite(path, _operator_chain)
+    elif damage == "operator chain, signed with our key":      # even with the key: outside the vocabulary
+        _rewrite(path, _operator_chain, ours)
+    elif damage == "signed with another key":
+        _rewrite(path, lambda body: None, os.urandom(32))
     else:
-        _rewrite(path, _call_os_system if damage == "target outside torch.ops" else _other_key)
+        _rewrite(path, _call_os_system if damage == "target outside torch.ops" else _other_key, ours)
     with caplog.at_level(logging.INFO, logger="autopar.capture"):
         again = capture(m, (x,), dims=TOKEN_DIMS, cache=_fresh(tmp_path))
     assert "is unusable" in caplog.text and "from the cache" not in caplog.text
     assert _signature(again) == _signature(ref)
+    assert not (tmp_path / MARK).exists()
+
+
+def test_a_crafted_target_is_refused_before_any_node_is_built():
+    gm = capture(small("gpt", layers=1, vocab=64), (_tokens(),), dims=TOKEN_DIMS, cache=None)
+    blob = encode(gm, "k")
+    head, _, packed = blob.partition(b"\n")
+    body = json.loads(zlib.decompress(packed))
+    for target in (["py", "operator", "attrgetter"], ["py", "operator", "call"], ["py", "builtins", "eval"],
+                   ["op", "aten", "__class__", "__subclasses__"], "os.system"):
+        _operator_chain(body)
+        next(n for n in body["nodes"] if n[1] == "call_function")[2] = target
+        packed = zlib.compress(json.dumps(body).encode())
+        signed = b"hmac-sha256 " + hmac.new(capture_cache._PROCESS_SECRET, packed, hashlib.sha256).hexdigest().encode()
+        with pytest.raises(ValueError, match="outside the cache's vocabulary|is not an operator"):
+            decode(signed + b"\n" + packed, "k")
+
+
+def test_the_signing_key_is_private_and_a_shared_one_is_not_trusted(tmp_path, caplog):
+    m, x = small("gpt", layers=1, vocab=64), _tokens()
+    capture(m, (x,), dims=TOKEN_DIMS, cache=_fresh(tmp_path))
+    key = capture_cache.key_path(tmp_path)
+    assert key.is_file() and (key.stat().st_mode & 0o777) == 0o600
+    other = tmp_path / "loose"
+    other.mkdir()
+    capture_cache.key_path(other).write_text("ab" * 32)
+    capture_cache.key_path(other).chmod(0o644)          # readable by everyone: anyone could sign with it
+    with caplog.at_level(logging.WARNING, logger="autopar.capture"):
+        capture(m, (x,), dims=TOKEN_DIMS, cache=_fresh(other))
+    assert "cannot be used" in caplog.text and "mode 644" in caplog.text
+    assert not list(other.glob("capture-*.json.z"))     # nothing written or read under an untrusted key
 
 
 def test_the_directory_is_kept_under_its_size_limit(tmp_path):

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.runtime.health import peer_errors
 from autopar.checkpoint import integrity, modes as ckpt_modes
 from autopar.checkpoint.layout import Layout, key_aliases, model_entries, optimizer_entries, whole, whole_shapes
 from autopar.checkpoint.integrity import latest
@@ -70,6 +71,7 @@ def _groups_of(inner: torch.optim.Optimizer, entries) -> list[dict]:
 
 
 # -- save ------------------------------------------------------------------------------------
+@peer_errors()
 def save(model: nn.Module, optimizer: Any, path: str | os.PathLike, *, step: int | None = None,
          extra: dict | None = None) -> Path:
     """Write ``model``'s and ``optimizer``'s whole state under ``path`` (every rank calls it).
@@ -139,6 +141,7 @@ def _write_items(model: nn.Module, optimizer: Any) -> tuple[dict, list, dict[str
 
 
 # -- load ------------------------------------------------------------------------------------
+@peer_errors()
 def load(model: nn.Module, optimizer: Any, path: str | os.PathLike) -> dict:
     """Read the newest checkpoint under ``path`` into ``model`` and ``optimizer`` (every rank
     calls it, with the model and optimizer of its current plan, whatever plan saved it).
