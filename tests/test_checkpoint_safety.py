@@ -343,8 +343,64 @@ def test_a_full_disk_is_named_and_leaves_the_previous_checkpoint(tmp_path):
     assert "unexpected pos" not in str(err.value)
     loaded, opt = _fresh(width=64)
     assert autopar.load(loaded, opt, tmp_path)["step"] == 1 and _same(loaded, first)
+    assert not (tmp_path / "step-00000002").exists()    # the partial directory is gone with its space
     autopar.save(second, opt2, tmp_path, step=2)        # the lock was released
     assert autopar.load(loaded, opt, tmp_path)["step"] == 2 and _same(loaded, second)
+
+
+# -- links and sizes planted by someone who can write the directory ---------------------------
+@pytest.mark.parametrize("where", ["step directory", "shard inside it"])
+def test_a_planted_symlink_is_refused_and_nothing_outside_is_written(tmp_path, where):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "victim.txt"
+    victim.write_text("keep me")
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    if where == "step directory":
+        (root / "step-00000001").symlink_to(outside, target_is_directory=True)
+    else:
+        (root / "step-00000001").mkdir()
+        (root / "step-00000001" / SHARD).symlink_to(victim)
+    model, opt = _model(0)
+    with pytest.raises(CheckpointError, match="symbolic link") as err:
+        autopar.save(model, opt, root, step=1)
+    assert "fix:" in str(err.value)
+    assert victim.read_text() == "keep me" and sorted(p.name for p in outside.iterdir()) == ["victim.txt"]
+
+
+def test_temporary_names_are_not_predictable(saved, monkeypatch):
+    """The manifest and LATEST are written through fresh, exclusively created files: a link
+    planted at the old predictable name (``.MANIFEST.json.<pid>``) is left alone."""
+    root, target, _ = saved
+    bait = root.parent / "bait.txt"
+    bait.write_text("keep me")
+    for where in (target / f".MANIFEST.json.{os.getpid()}", root / f".LATEST.{os.getpid()}"):
+        where.symlink_to(bait)
+    model, opt = _model(1)
+    autopar.save(model, opt, root, step=2)
+    assert bait.read_text() == "keep me"
+
+
+def test_a_metadata_declaring_a_huge_array_allocates_nothing(saved):
+    """32 bytes whose BYTEARRAY8 declares 1.9 GB: refused before any allocation."""
+    import tracemalloc
+    from autopar.checkpoint.safe_pickle import safe_unpickle
+    bomb = pickle.PROTO + bytes([5]) + pickle.BYTEARRAY8 + (1_900_000_000).to_bytes(8, "little") + b"\0" * 8 \
+        + pickle.STOP
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError, match="1900000000-byte array"):
+            safe_unpickle(bomb, "the .metadata", "autopar.load")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 10 << 20, peak
+    root, target, _ = saved
+    (target / ".metadata").write_bytes(bomb)
+    _reseal(target)
+    with pytest.raises(CheckpointError, match="byte array"):
+        autopar.load(*_fresh(), root)
 
 
 @pytest.mark.parametrize("latest", ["directory", "binary", "escape"])

@@ -37,6 +37,8 @@ import hashlib
 import io
 import json
 import os
+import shutil
+import tempfile
 import re
 import socket
 import time
@@ -199,8 +201,8 @@ def write_manifest(target: Path, files: dict[str, dict[str, Any]]) -> None:
     """Rank 0, after every rank wrote and ``.metadata`` exists: the manifest, atomically."""
     files = {**files, METADATA: digest(target / METADATA)}
     body = json.dumps({"format": 1, "algorithm": "sha256", "files": dict(sorted(files.items()))}, indent=1)
-    tmp = target / f".{MANIFEST}.{os.getpid()}"
-    with open(tmp, "w") as f:
+    fd, tmp = tempfile.mkstemp(dir=target, prefix=f".{MANIFEST}.")   # unpredictable, O_EXCL: no planted link
+    with os.fdopen(fd, "w") as f:
         f.write(body)
         f.flush()
         os.fsync(f.fileno())
@@ -428,12 +430,15 @@ def switch_latest(root: Path, target: Path) -> None:
         warnings.warn(f"saved {target}, but {root / LATEST} stays at step {current}: LATEST only moves forward "
                       f"(load this one by passing its directory)", stacklevel=3)
         return
-    tmp = root / f".{LATEST}.{os.getpid()}"
+    tmp = None
     try:
-        tmp.write_text(target.name + "\n")
+        fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{LATEST}.")
+        with os.fdopen(fd, "w") as f:
+            f.write(target.name + "\n")
         os.replace(tmp, root / LATEST)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise io_error(e, f"pointing {root / LATEST} at {target.name}", "autopar.save") from None
 
 
@@ -462,11 +467,32 @@ def prepare(root: Path, target: Path) -> None:
     if read_latest(root, "autopar.save") == target.name and (target / METADATA).exists():
         raise CheckpointError(f"{target} is the current checkpoint; saving over it would risk losing it",
                               where="autopar.save", fix="pass a new step=, or no step= for a time-stamped name")
+    refuse_links(target)
     try:
         for stale in (MANIFEST, METADATA):
             (target / stale).unlink(missing_ok=True)
     except OSError as e:
         raise io_error(e, f"writing {target}", "autopar.save") from None
+
+
+def refuse_links(target: Path) -> None:
+    """A step directory that is a symbolic link, or holds one, would send the shards (torch
+    opens them by name, following links) to files outside the checkpoint: refused."""
+    links = [target] if target.is_symlink() else []
+    if not links and target.is_dir():
+        links = [p for p in target.iterdir() if p.is_symlink()]
+    if links:
+        raise CheckpointError(f"{links[0]} is a symbolic link: a save writes only into real files under the "
+                              "checkpoint directory", where="autopar.save", got=f"{links[0]} -> {os.readlink(links[0])}",
+                              fix=f"remove {links[0]} (and any other link in {target}), or save under another step")
+
+
+def remove_partial(root: Path, target: Path) -> None:
+    """A save that failed part-way (a full disk): its directory goes, unless LATEST names it,
+    so that it neither holds the space nor stands in the way of the next save."""
+    if target.is_symlink() or read_latest(root, "autopar.save") == target.name:
+        return
+    shutil.rmtree(target, ignore_errors=True)
 
 
 def write(root: Path, target: Path, tensors: dict[tuple[str, tuple[int, ...]], torch.Tensor], items: list,

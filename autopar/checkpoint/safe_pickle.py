@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
+import struct
 from typing import Any
 
 import torch
@@ -79,6 +80,20 @@ class SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
 
     dispatch[pickle.BUILD[0]] = _load_build
 
+    limit = 0                       # the pickle's own size (safe_unpickle sets it)
+
+    def _load_bytearray8(self) -> None:
+        # the pure-Python unpickler allocates the declared length before reading it: bounded
+        # here by what the file holds, so 32 bytes cannot ask for gigabytes
+        size, = struct.unpack("<Q", self.read(8))
+        if size > self.limit:
+            raise _Refused(f"a {size}-byte array in a {self.limit}-byte file")
+        b = bytearray(size)
+        self.readinto(b)
+        self.append(b)
+
+    dispatch[pickle.BYTEARRAY8[0]] = _load_bytearray8
+
     def persistent_load(self, pid: Any) -> Any:
         raise _Refused("a persistent id (external storage)")
 
@@ -86,7 +101,9 @@ class SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
 def safe_unpickle(data: bytes, what: str, where: str) -> Any:
     """``pickle.loads`` through :class:`SafeUnpickler`; anything else is a CheckpointError."""
     try:
-        return SafeUnpickler(io.BytesIO(data)).load()
+        unpickler = SafeUnpickler(io.BytesIO(data))
+        unpickler.limit = len(data)
+        return unpickler.load()
     except _Refused as e:
         raise CheckpointError(f"{what} asks to build {e}, which a checkpoint never holds; nothing was run",
                               where=where, expected="torch.distributed.checkpoint metadata (plain data)",

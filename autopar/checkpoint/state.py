@@ -97,7 +97,12 @@ def save(model: nn.Module, optimizer: Any, path: str | os.PathLike, *, step: int
                                    "shapes": {k: list(v) for k, v in whole_shapes(model).items()},
                                    "plan": getattr(getattr(model, "plan", None), "mesh", None),
                                    "world": dist.get_world_size() if distributed else 1}
-        integrity.write(root, target, tensors, items, objects, distributed)
+        try:
+            integrity.write(root, target, tensors, items, objects, distributed)
+        except BaseException:
+            if not distributed or dist.get_rank() == 0:
+                integrity.remove_partial(root, target)
+            raise
     return target
 
 
