@@ -81,6 +81,8 @@ def test_user_model_file(tmp_path, capsys):
     (["dump", "--model", "gpt", "--set", "hidden"], "key=value"),
     (["dump", "--model", "gpt2-small", "--seq", "4096"], "max_seq"),
     (["dump", "--model", "nope.py:make"], "not found"),
+    (["dump", "--model", "gpt", "--device", "nonsense"], "is not a device"),
+    (["dump", "--model", "gpt", "--device", "cuda:99"], "--device cuda:99"),    # CPU torch, or too few GPUs
 ])
 def test_bad_input_is_a_clear_error(capsys, argv, needle):
     code, _, err = run(capsys, *argv)

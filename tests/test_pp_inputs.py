@@ -2,7 +2,8 @@
 
 The capture fixes a non-tensor input's value in the graph, and torch's pipeline schedule moves
 tensors only: the flag is held back from the schedule, and a step that passes another value is
-refused with an InputMismatchError naming it, instead of crashing inside torch. In a real
+refused with an InputMismatchError naming it, instead of crashing inside torch (as are inputs
+packed in a tuple, ``pm.step((x,), ...)``). In a real
 two-rank gloo world a small float64 network whose forward takes ``scale: bool`` runs on ``pp=2``
 with two micro-batches: every rank's loss, and the gradient of every parameter a rank holds,
 equal one process's.
@@ -102,7 +103,13 @@ def _ranks(rank: int, world: int) -> dict:
         refused = None
     except InputMismatchError as exc:
         refused = (exc.what, exc.expected, exc.got)
-    return {"err": max(errs), "refused": refused, "held": len(list(pm.parameters())), "empty": _empty_stage()}
+    try:
+        pm.step((x,), target=y, scale=True)          # the inputs packed in a tuple
+        packed = None
+    except InputMismatchError as exc:
+        packed = (exc.what, exc.fix)
+    return {"err": max(errs), "refused": refused, "packed": packed, "held": len(list(pm.parameters())),
+            "empty": _empty_stage()}
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +130,13 @@ def test_a_stage_without_parameters_trains_as_one_process(results) -> None:
         e = r["empty"]
         assert e["err"] < 1e-12 and e["groups"] == 1, e
         assert len(e["state_keys"]) == e["held"], e     # momentum for each parameter held, none on the empty rank
+
+
+def test_inputs_packed_in_a_tuple_are_a_typed_error(results) -> None:
+    for r in results:
+        assert r["packed"] is not None
+        what, fix = r["packed"]
+        assert "tuple" in what and "pm.step(*inputs" in fix
 
 
 def test_another_value_of_the_flag_is_refused_naming_it(results) -> None:

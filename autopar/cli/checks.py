@@ -82,6 +82,31 @@ def positive_number(text: str, flag: str, *, unit: str = "") -> float:
     return value
 
 
+def device(text: str, flag: str = "--device") -> str:
+    """A device this torch can build on: ``meta``, ``cpu``, or an accelerator it was built with
+    and sees (``cuda``, ``cuda:1``, ``mps``)."""
+    import torch
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigError(f"{flag} {text!r} is not a device", where=flag, expected="meta, cpu, cuda or cuda:N",
+                          got=text, fix=f"e.g. {flag} cpu (or {flag} meta: builds allocating nothing)") from exc
+    if dev.type in ("meta", "cpu"):
+        return text
+    module = getattr(torch, dev.type, None) if dev.type != "mps" else getattr(torch.backends, "mps", None)
+    available = getattr(module, "is_available", lambda: False)()
+    if not available:
+        raise ConfigError(f"{flag} {text}: this torch ({torch.__version__}) has no usable {dev.type} device",
+                          where=flag, got=f"torch.{dev.type}.is_available() is False",
+                          fix=f"use {flag} cpu or {flag} meta here, or run on a machine with a {dev.type} device "
+                              "and a torch built for it")
+    count_of = getattr(module, "device_count", None)
+    if dev.index is not None and count_of is not None and dev.index >= count_of():
+        raise ConfigError(f"{flag} {text}: there are {count_of()} {dev.type} devices", where=flag,
+                          got=text, fix=f"use an index below {count_of()}")
+    return text
+
+
 def output_file(path: str | None, flag: str) -> None:
     """Refuse an output path whose directory does not exist (it is not created) or which is a
     directory, before any work is done."""

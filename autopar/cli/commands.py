@@ -23,6 +23,7 @@ def _dump(args: argparse.Namespace) -> int:
                           expected="--mesh AXIS=SIZE with --after", got=f"--after {args.after} without --mesh",
                           fix=f"add e.g. --mesh tp=4 (or drop --after {args.after})")
     sequence = _sequence_parallel(args, mesh or {})
+    checks.device(args.device)
     start = time.perf_counter()
     w = load_workload(args.model, batch=args.batch, seq=args.seq, overrides=parse_overrides(args.set),
                       device=args.device)
