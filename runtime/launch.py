@@ -29,6 +29,7 @@ how each ended (:class:`RankOutcome`), which is what fault tests need.
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing
 import os
@@ -38,7 +39,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -73,6 +74,8 @@ def _free_port() -> int:
 
 
 _LISTENING: list[socket.socket] = []
+_WATCH_S = 0.5                 # how often a rank checks that its launcher still runs
+EXIT_ORPHANED = 5              # a rank's exit code when its launcher died
 
 
 def loopback_interface() -> str | None:
@@ -104,7 +107,42 @@ def _loopback_store(rank: int, world: int, port: int) -> Any:
     return dist.TCPStore("127.0.0.1", port, world, True, timeout, master_listen_fd=sock.fileno())
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, secret: str, backend: str,
+def _watch_launcher(pid: int, rank: int) -> None:
+    """End this rank when the process that launched it is gone (killed, even by SIGKILL): a
+    rank is a child of the forkserver, so nothing else would stop it."""
+    import threading
+
+    from autopar.runtime.faults import alive
+
+    def watch() -> None:
+        while alive(pid):
+            time.sleep(_WATCH_S)
+        sys.stderr.write(f"rank {rank}: its launcher (pid {pid}) is gone; stopping\n")
+        sys.stderr.flush()
+        os._exit(EXIT_ORPHANED)
+    threading.Thread(target=watch, name=f"autopar-launcher-watch-{rank}", daemon=True).start()
+
+
+@contextlib.contextmanager
+def _terminated_as_exit() -> Iterator[None]:
+    """SIGTERM to the launcher (as ``kill`` or a scheduler sends) raises SystemExit in its main
+    thread, so the ranks are stopped on the way out instead of being left running."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, secret: str, launcher: int, backend: str,
                timeout_s: float, args: tuple[Any, ...], out: Connection) -> None:
     """Body of one rank process: join the group, start the health monitor, run fn, send
     (kind, payload) back and exit with the code a torchrun rank would (runtime/health.py):
@@ -122,6 +160,7 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, secret:
     # a native crash (SIGSEGV, or glibc's SIGABRT on a corrupted heap) prints every thread's
     # Python stack to the rank's stderr: the line it died on, not only the parent's "exited -6"
     faulthandler.enable(all_threads=True)
+    _watch_launcher(launcher, rank)
     mon = None
     try:
         torch.set_num_threads(1)
@@ -170,7 +209,8 @@ class _World:
         for rank in range(world):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_rank_main, name=f"autopar-rank{rank}", daemon=True,
-                               args=(fn, rank, world, port, secret, backend, collective_timeout_s, args, writer))
+                               args=(fn, rank, world, port, secret, os.getpid(), backend, collective_timeout_s,
+                                     args, writer))
             proc.start()
             writer.close()
             self.procs.append(proc)
@@ -238,6 +278,12 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     """
     _check_world(world)
     where = f"run_ranks({getattr(fn, '__qualname__', fn)!s}, world={world})"
+    with _terminated_as_exit():
+        return _run(fn, world, args, timeout_s, backend, collective_timeout_s, where)
+
+
+def _run(fn: Callable[..., Any], world: int, args: tuple, timeout_s: float, backend: str,
+         collective_timeout_s: float | None, where: str) -> list[Any]:
     ranks = _World(fn, world, args, backend, collective_timeout_s or timeout_s)
     results: dict[int, Any] = {}
     failed: dict[int, tuple[int, str, str | None]] = {}  # rank -> (priority, what, detail)

@@ -82,6 +82,7 @@ def test_user_model_file(tmp_path, capsys):
     (["dump", "--model", "gpt2-small", "--seq", "4096"], "max_seq"),
     (["dump", "--model", "nope.py:make"], "not found"),
     (["dump", "--model", "gpt", "--device", "nonsense"], "is not a device"),
+    (["train", "--ranks", "1", "--steps", "2", "--save-every", "1"], "--save-every needs --save"),
     (["dump", "--model", "gpt", "--device", "cuda:99"], "--device cuda:99"),    # CPU torch, or too few GPUs
 ])
 def test_bad_input_is_a_clear_error(capsys, argv, needle):

@@ -154,8 +154,10 @@ def test_train_resumes_a_checkpoint_under_another_plan(capsys, tmp_path):
     small = ["--batch", "4", "--seq", "16", "--set", "layers=2", "--set", "hidden=32"]
     assert main(["train", "--ranks", "1", "--steps", "3", *small]) == 0
     straight = _train_rows(capsys.readouterr().out)
-    assert main(["train", "--ranks", "2", "--steps", "2", "--save", str(tmp_path), *small]) == 0
+    assert main(["train", "--ranks", "2", "--steps", "2", "--save", str(tmp_path), "--save-every", "1", *small]) == 0
     capsys.readouterr()
+    # --save-every 1: a checkpoint after step 1 as well, so a run killed in step 2 loses one step
+    assert sorted(p.name for p in (tmp_path / "parallel").glob("step-*")) == ["step-00000001", "step-00000002"]
     # one rank now: another plan; the run goes on from step 2 as if never stopped
     assert main(["train", "--ranks", "1", "--steps", "1", "--resume", str(tmp_path), *small]) == 0
     out = capsys.readouterr().out

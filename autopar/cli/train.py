@@ -176,7 +176,8 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: int, seq: int, steps: int,
-          save: str | None = None, resume: str | None = None, log: dict | None = None) -> dict:
+          save: str | None = None, resume: str | None = None, log: dict | None = None,
+          save_every: int | None = None) -> dict:
     """One rank of ``autopar train``: the model parallelized under ``cfg`` (a :func:`_cfg` dict)
     and, beside it, the same model in one process on the whole batch; ``steps`` AdamW steps of
     both, returning each step's (parallel loss, single-process loss, seconds, peak memory bytes)
@@ -256,6 +257,9 @@ def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: i
         if rank == 0 and log.get("tick"):
             with open(log["tick"], "ab") as f:
                 f.write(b".")
+        if save and save_every and (k + 1) % save_every == 0 and k + 1 < steps:
+            autopar.save(pm, opt, os.path.join(save, "parallel"), step=first + k + 1, extra={"plan": cfg})
+            autopar.save(ref, ref_opt, os.path.join(save, "reference"), step=first + k + 1)
     if save:
         autopar.save(pm, opt, os.path.join(save, "parallel"), step=first + steps, extra={"plan": cfg})
         autopar.save(ref, ref_opt, os.path.join(save, "reference"), step=first + steps)
@@ -297,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=count("--seq", high=MAX_SEQ, why="the CPU run's attention holds seq x seq scores"),
                     default=32, help="sequence length (default 32)")
     ap.add_argument("--save", metavar="DIR", help="checkpoint the model, optimizer and reference after the steps")
+    ap.add_argument("--save-every", type=count("--save-every", high=MAX_STEPS), metavar="N",
+                    help="with --save: also checkpoint every N steps (a killed run resumes from the last one)")
     ap.add_argument("--resume", metavar="DIR", help="start from the checkpoint in DIR, whatever plan and rank "
                     "count wrote it")
     ap.add_argument("--log-every", type=count("--log-every", high=MAX_STEPS), default=1, metavar="N",
@@ -337,6 +343,9 @@ def _train(args: argparse.Namespace) -> int:
                               "recomputation (autopar plan ... --recompute none --save-plan)")
         cfg["compile"] = True        # the first step includes inductor's compilation
     world = cfg["dp"] * cfg["tp"] * cfg["pp"]
+    if args.save_every and not args.save:
+        raise ConfigError("--save-every needs --save", where="--save-every", got=f"--save-every {args.save_every}",
+                          fix="add --save DIR (where the checkpoints go), or drop --save-every")
     save = os.path.abspath(args.save) if args.save else None
     resume = os.path.abspath(args.resume) if args.resume else None
     log = log_context(score, cfg, batch, args.seq, args.log_every)
@@ -356,7 +365,7 @@ def _train(args: argparse.Namespace) -> int:
         writing("--log-jsonl", args.log_jsonl, lambda: write_first(log["jsonl"], json_line(head)))
     res = _with_progress(args.steps, lambda tick: run_ranks(
         _rank, world, name, over, cfg, batch, args.seq, args.steps, save, resume,
-        {**log, "tick": tick}, timeout_s=600))
+        {**log, "tick": tick}, args.save_every, timeout_s=600))
     if resume:
         was = res[0]["saved_plan"].get("plan", {})
         print(f"resumed from {resume} at step {res[0]['first']}" + (
