@@ -463,3 +463,16 @@ def test_two_ranks_raise_together(tmp_path):
         assert "another save" in r["locked"], r["locked"]
         assert r["same"] and ".metadata" in r["files"]
         assert "corrupt" in r["corrupt"] and ".distcp" in r["corrupt"], r["corrupt"]
+
+
+@pytest.mark.parametrize("record", [7, ["lr"], [{"lr": "0.1; rm -rf /"}], [{"betas": (0.9,)}],
+                                    [{"not_a_setting": 1}], [{1: 2}]],
+                         ids=["not a list", "not dicts", "lr a string", "short betas", "unknown key", "int key"])
+def test_a_crafted_parameter_group_record_is_a_checkpoint_error(record):
+    from autopar.checkpoint.state import _restore_groups
+    _, opt = _model(0)
+    before = [dict(g) for g in opt.param_groups]
+    with pytest.raises(CheckpointError, match="param_groups") as err:
+        _restore_groups(opt, record)
+    assert "fix:" in str(err.value)
+    assert [dict(g) for g in opt.param_groups] == before          # nothing half-applied

@@ -265,6 +265,20 @@ def _agree(problems: list[str], target: Path, distributed: bool) -> None:
 
 
 def _restore_groups(inner: torch.optim.Optimizer, saved: list[dict]) -> None:
+    if not isinstance(saved, list) or not all(isinstance(g, dict) and all(isinstance(k, str) for k in g)
+                                              for g in saved):
+        raise CheckpointError("the checkpoint's optimizer parameter groups are not a list of settings",
+                              where="autopar.load (optim/param_groups)", got=type(saved).__name__,
+                              fix="restore the checkpoint from a copy, or load an older one")
+    for i, (group, old) in enumerate(zip(inner.param_groups, saved)):
+        for k, v in old.items():
+            if k != "params" and (k not in group or not _same_kind(group[k], v)):
+                raise CheckpointError(f"parameter group {i}'s setting {k!r} in the checkpoint does not fit this "
+                                      "optimizer", where="autopar.load (optim/param_groups)",
+                                      expected=f"{type(group[k]).__name__} like {group[k]!r}" if k in group
+                                      else f"one of {sorted(x for x in group if x != 'params')}",
+                                      got=repr(v)[:80], fix="load it into the same optimizer class the run was "
+                                                            "saved with, or restore the checkpoint from a copy")
     if len(saved) != len(inner.param_groups):
         raise CheckpointError(f"the checkpoint has {len(saved)} optimizer parameter groups, this optimizer "
                               f"{len(inner.param_groups)}", where="autopar.load",
@@ -273,6 +287,25 @@ def _restore_groups(inner: torch.optim.Optimizer, saved: list[dict]) -> None:
         for k, v in old.items():
             if k != "params":
                 group[k] = v
+
+
+def _same_kind(now: Any, saved: Any) -> bool:
+    """Whether a saved group setting can take the place of the live one: numbers for numbers,
+    flags for flags, equal-length sequences of numbers, strings for strings; None for None."""
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) or \
+            isinstance(x, torch.Tensor) and x.numel() == 1
+    if now is None:
+        return saved is None or isinstance(saved, bool) or number(saved)
+    if isinstance(now, bool):
+        return saved is None or isinstance(saved, bool)
+    if number(now):
+        return number(saved)
+    if isinstance(now, (tuple, list)):
+        return isinstance(saved, (tuple, list)) and len(saved) == len(now) and all(number(x) for x in saved)
+    if isinstance(now, str):
+        return isinstance(saved, str)
+    return type(saved) is type(now)
 
 
 def _masters_to_params(opt: Any) -> None:
