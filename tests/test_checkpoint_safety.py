@@ -476,3 +476,22 @@ def test_a_crafted_parameter_group_record_is_a_checkpoint_error(record):
         _restore_groups(opt, record)
     assert "fix:" in str(err.value)
     assert [dict(g) for g in opt.param_groups] == before          # nothing half-applied
+
+
+def test_a_signed_checkpoint_refuses_a_rewritten_manifest_and_another_key(tmp_path):
+    """save(key=) signs the manifest: rewritten to match a changed weight (what the manifest
+    alone cannot catch), loaded with another key, or unsigned, each is refused."""
+    model, opt = _model(0)
+    target = autopar.save(model, opt, tmp_path, step=1, key="s3cret")
+    loaded, lopt = _fresh()
+    assert autopar.load(loaded, lopt, tmp_path, key="s3cret")["step"] == 1 and _same(loaded, model)
+    with pytest.raises(CheckpointError, match="signed with another key"):
+        autopar.load(*_fresh(), tmp_path, key="guess")
+    raw = bytearray((target / SHARD).read_bytes())
+    raw[-40] ^= 0x10                                  # a weight changed by someone who can write the directory
+    (target / SHARD).write_bytes(bytes(raw))
+    _reseal(target)                                   # ... and who rewrote the manifest to match
+    autopar.load(*_fresh(), tmp_path)                 # without a key: nothing can tell
+    with pytest.raises(CheckpointError, match="not signed|altered") as err:
+        autopar.load(*_fresh(), tmp_path, key="s3cret")
+    assert "fix:" in str(err.value)

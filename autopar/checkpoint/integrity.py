@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import hmac
 import io
 import json
 import os
@@ -197,10 +198,30 @@ class HashingWriter(FileSystemWriter):
         return fut
 
 
-def write_manifest(target: Path, files: dict[str, dict[str, Any]]) -> None:
-    """Rank 0, after every rank wrote and ``.metadata`` exists: the manifest, atomically."""
-    files = {**files, METADATA: digest(target / METADATA)}
-    body = json.dumps({"format": 1, "algorithm": "sha256", "files": dict(sorted(files.items()))}, indent=1)
+def signing_key(key: Any, where: str) -> bytes | None:
+    """``key=`` of save/load as bytes (a str is taken as UTF-8); None for no key."""
+    if key is None:
+        return None
+    raw = key.encode() if isinstance(key, str) else key if isinstance(key, (bytes, bytearray)) else None
+    if not raw:
+        raise CheckpointError("a checkpoint key must be non-empty bytes or a string", where=where,
+                              got=type(key).__name__ if raw is None else "empty",
+                              fix="pass key=os.environ['MY_CKPT_KEY'] (the same on every rank, for save and load)")
+    return bytes(raw)
+
+
+def _signature(key: bytes, files: dict[str, dict[str, Any]]) -> str:
+    return hmac.new(key, json.dumps(files, sort_keys=True, separators=(",", ":")).encode(), hashlib.sha256).hexdigest()
+
+
+def write_manifest(target: Path, files: dict[str, dict[str, Any]], key: bytes | None = None) -> None:
+    """Rank 0, after every rank wrote and ``.metadata`` exists: the manifest, atomically; with
+    ``key``, signed (an HMAC-SHA256 of the file list, so a tampered manifest is refused)."""
+    files = dict(sorted({**files, METADATA: digest(target / METADATA)}.items()))
+    record: dict[str, Any] = {"format": 1, "algorithm": "sha256", "files": files}
+    if key is not None:
+        record["hmac-sha256"] = _signature(key, files)
+    body = json.dumps(record, indent=1)
     fd, tmp = tempfile.mkstemp(dir=target, prefix=f".{MANIFEST}.")   # unpredictable, O_EXCL: no planted link
     with os.fdopen(fd, "w") as f:
         f.write(body)
@@ -209,8 +230,9 @@ def write_manifest(target: Path, files: dict[str, dict[str, Any]]) -> None:
     os.replace(tmp, target / MANIFEST)
 
 
-def read_manifest(target: Path) -> dict[str, dict[str, Any]] | None:
-    """``{file: {"size", "sha256"}}`` from ``target``'s manifest; None when it has none."""
+def read_manifest(target: Path, key: bytes | None = None) -> dict[str, dict[str, Any]] | None:
+    """``{file: {"size", "sha256"}}`` from ``target``'s manifest; None when it has none. With
+    ``key``, its signature must match."""
     where = f"autopar.load ({target / MANIFEST})"
     try:
         raw = (target / MANIFEST).read_bytes()
@@ -229,6 +251,15 @@ def read_manifest(target: Path) -> dict[str, dict[str, Any]] | None:
         raise CheckpointError(f"{MANIFEST} is unreadable", where=where,
                               expected='JSON {"files": {name: {"size": int, "sha256": str}}}',
                               got=repr(raw[:60]), fix="restore the checkpoint from a copy, or load an older one")
+    if key is not None:
+        sig = json.loads(raw).get("hmac-sha256")
+        if not isinstance(sig, str) or not hmac.compare_digest(sig, _signature(key, files)):
+            raise CheckpointError(f"{MANIFEST} in {target} is " + ("not signed" if sig is None else
+                                  "signed with another key, or altered since it was signed"),
+                                  where=where, expected="a manifest signed with the key given to autopar.load",
+                                  got="no signature" if sig is None else "a signature that does not match",
+                                  fix="load it with the key it was saved with; if that is the key you passed, the "
+                                      "checkpoint was changed by someone else: do not use it")
     return files
 
 
@@ -249,10 +280,14 @@ def _check(target: Path, name: str, want: dict[str, Any], got: dict[str, Any] | 
                               fix="restore the file from a copy, or load an older checkpoint")
 
 
-def verify(target: Path, rank: int = 0, world: int = 1) -> dict[str, dict[str, Any]] | None:
+def verify(target: Path, rank: int = 0, world: int = 1, key: bytes | None = None) -> dict[str, dict[str, Any]] | None:
     """Check this rank's share of ``target``'s files against its manifest; return the manifest
-    (None, with a warning, for a checkpoint saved without one)."""
-    files = read_manifest(target)
+    (None, with a warning, for a checkpoint saved without one; with ``key`` that is an error)."""
+    files = read_manifest(target, key)
+    if files is None and key is not None:
+        raise CheckpointError(f"{target} has no {MANIFEST}, so nothing vouches for it", where="autopar.load",
+                              expected="a manifest signed with the key given", got="no manifest",
+                              fix="load it without key= only if you trust where it came from")
     if files is None:
         warnings.warn(f"{target} has no {MANIFEST} (saved by an older autopar or another tool): its files "
                       "cannot be verified; re-save it to add checksums", stacklevel=3)
@@ -483,7 +518,8 @@ def refuse_links(target: Path) -> None:
         links = [p for p in target.iterdir() if p.is_symlink()]
     if links:
         raise CheckpointError(f"{links[0]} is a symbolic link: a save writes only into real files under the "
-                              "checkpoint directory", where="autopar.save", got=f"{links[0]} -> {os.readlink(links[0])}",
+                              "checkpoint directory", where="autopar.save",
+                              got=f"{links[0]} -> {os.readlink(links[0])}",
                               fix=f"remove {links[0]} (and any other link in {target}), or save under another step")
 
 
@@ -496,7 +532,7 @@ def remove_partial(root: Path, target: Path) -> None:
 
 
 def write(root: Path, target: Path, tensors: dict[tuple[str, tuple[int, ...]], torch.Tensor], items: list,
-          objects: dict[str, Any], distributed: bool) -> None:
+          objects: dict[str, Any], distributed: bool, key: bytes | None = None) -> None:
     """Write ``items`` (pieces of ``tensors``) and ``objects`` into ``target`` (every rank its
     own), then, on rank 0, the manifest and ``LATEST``. Raises on every rank together."""
     import torch.distributed.checkpoint as dcp
@@ -538,14 +574,14 @@ def write(root: Path, target: Path, tensors: dict[tuple[str, tuple[int, ...]], t
     if distributed:
         files = [{}] * dist.get_world_size()
         dist.all_gather_object(files, getattr(writer, "written", {}))
-    collectively(lambda: _commit(root, target, {k: v for f in files for k, v in f.items()}), distributed,
+    collectively(lambda: _commit(root, target, {k: v for f in files for k, v in f.items()}, key), distributed,
                  rank0_only=True)
 
 
-def _commit(root: Path, target: Path, files: dict[str, dict[str, Any]]) -> None:
+def _commit(root: Path, target: Path, files: dict[str, dict[str, Any]], key: bytes | None = None) -> None:
     """Rank 0, once every rank has written: the manifest, then ``LATEST``."""
     try:
-        write_manifest(target, files)
+        write_manifest(target, files, key)
     except OSError as e:
         raise io_error(e, f"writing {target / MANIFEST}", "autopar.save") from None
     switch_latest(root, target)

@@ -73,7 +73,7 @@ def _groups_of(inner: torch.optim.Optimizer, entries) -> list[dict]:
 # -- save ------------------------------------------------------------------------------------
 @peer_errors()
 def save(model: nn.Module, optimizer: Any, path: str | os.PathLike, *, step: int | None = None,
-         extra: dict | None = None) -> Path:
+         extra: dict | None = None, key: str | bytes | None = None) -> Path:
     """Write ``model``'s and ``optimizer``'s whole state under ``path`` (every rank calls it).
 
     Returns the new checkpoint directory; ``path/LATEST`` names it once every rank is done,
@@ -82,8 +82,11 @@ def save(model: nn.Module, optimizer: Any, path: str | os.PathLike, *, step: int
     data-loader position) must be JSON-serialisable; :func:`load` returns it as JSON reads it
     back (tuples as lists, keys as strings). Beside the shards goes ``MANIFEST.json``, their
     sizes and sha256s, checked by :func:`load`. One save per ``path`` at a time: a second,
-    concurrent one raises :class:`CheckpointError` naming the owner of ``path/.autopar-save.lock``."""
+    concurrent one raises :class:`CheckpointError` naming the owner of ``path/.autopar-save.lock``.
+    With ``key`` (bytes, or a string), the manifest is signed: ``load(..., key=)`` then refuses
+    a checkpoint whose manifest was altered, or signed with another key, or is missing."""
     root, distributed = Path(path), dist.is_initialized()
+    secret = integrity.signing_key(key, "autopar.save")
     extra_json = integrity.collectively(lambda: integrity.extra_to_json(extra), distributed)
     name = f"step-{step:08d}" if step is not None else f"ckpt-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**9:09d}"
     if distributed:
@@ -98,7 +101,7 @@ def save(model: nn.Module, optimizer: Any, path: str | os.PathLike, *, step: int
                                    "plan": getattr(getattr(model, "plan", None), "mesh", None),
                                    "world": dist.get_world_size() if distributed else 1}
         try:
-            integrity.write(root, target, tensors, items, objects, distributed)
+            integrity.write(root, target, tensors, items, objects, distributed, secret)
         except BaseException:
             if not distributed or dist.get_rank() == 0:
                 integrity.remove_partial(root, target)
@@ -147,7 +150,7 @@ def _write_items(model: nn.Module, optimizer: Any) -> tuple[dict, list, dict[str
 
 # -- load ------------------------------------------------------------------------------------
 @peer_errors()
-def load(model: nn.Module, optimizer: Any, path: str | os.PathLike) -> dict:
+def load(model: nn.Module, optimizer: Any, path: str | os.PathLike, *, key: str | bytes | None = None) -> dict:
     """Read the newest checkpoint under ``path`` into ``model`` and ``optimizer`` (every rank
     calls it, with the model and optimizer of its current plan, whatever plan saved it).
     Returns ``{"step": ..., "extra": ..., "path": ...}``, step and extra as given to :func:`save`.
@@ -162,7 +165,8 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike) -> dict:
     distributed = dist.is_initialized()
     target = integrity.collectively(lambda: integrity.latest(path), distributed)
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    manifest = integrity.collectively(lambda: integrity.verify(target, rank, world), distributed)
+    secret = integrity.signing_key(key, "autopar.load")
+    manifest = integrity.collectively(lambda: integrity.verify(target, rank, world, secret), distributed)
     reader = integrity.SafeReader(target, manifest)
     md = integrity.collectively(lambda: reader.read_metadata().state_dict_metadata, distributed)
 
