@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,8 @@ def _train(rank: int, world: int, how: str, bad: int, out: str) -> str:
             if step == FAIL_AT and rank == bad:
                 if how == "raise":
                     raise RuntimeError("boom in user code")
+                if how == "stop":       # stopped until the others have given up on it, then let go
+                    subprocess.Popen(["sh", "-c", f"sleep {3 * TIMEOUT_S + STOP_GRACE_S}; kill -CONT {os.getpid()}"])
                 os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
             pm(x).square().mean().backward()
             opt.step()
