@@ -646,6 +646,11 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if "WORLD_SIZE" in os.environ:
+            if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and os.environ.get("MASTER_ADDR"):
+                from autopar.runtime.launch import interface_for
+                name = interface_for(os.environ["MASTER_ADDR"])     # gloo listens there, not on every interface
+                if name is not None:
+                    os.environ["GLOO_SOCKET_IFNAME"] = name
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,

@@ -87,6 +87,32 @@ def loopback_interface() -> str | None:
     return "lo" if "lo" in names else next((n for n in names if n.startswith("lo")), None)
 
 
+def interface_for(address: str) -> str | None:
+    """The name of this host's interface that traffic to ``address`` leaves by (the loopback
+    one for 127.0.0.1 or this host's own address), None if it cannot be told (no route, not
+    Linux). Reads the kernel's route choice (a UDP connect sends nothing) and each interface's
+    address (``SIOCGIFADDR``)."""
+    import fcntl
+    import struct
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(address), 9))
+            mine = probe.getsockname()[0]
+    except OSError:
+        return None
+    if mine.startswith("127."):
+        return loopback_interface()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))   # SIOCGIFADDR
+            except OSError:
+                continue
+            if socket.inet_ntoa(raw[20:24]) == mine:
+                return name
+    return None
+
+
 def _loopback_store(rank: int, world: int, port: int) -> Any:
     """The world's store, listening on 127.0.0.1 only (torch's own binds every interface), and
     gloo's sockets on the loopback interface: nothing of a one-host world is reachable from

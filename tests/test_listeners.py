@@ -83,3 +83,12 @@ def test_every_listening_socket_is_loopback(ranks):
 def test_a_stranger_on_the_port_neither_reads_records_nor_stops_a_rank(ranks):
     assert [got["read"] for got in ranks] == [False, False]
     assert [got["alive"] for got in ranks] == [True, True]
+
+
+def test_gloo_is_pointed_at_the_interface_that_reaches_the_master():
+    """Under torchrun, ``init_distributed`` sets ``GLOO_SOCKET_IFNAME`` to the interface traffic
+    to ``MASTER_ADDR`` leaves by: loopback for a one-host job."""
+    from autopar.runtime.launch import interface_for, loopback_interface
+    assert interface_for("127.0.0.1") == loopback_interface() is not None
+    assert interface_for("localhost") == loopback_interface()
+    assert interface_for("no-such-host.invalid") is None
