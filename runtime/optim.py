@@ -30,6 +30,7 @@ place, and skips the step on every rank when any rank found an inf or nan
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from typing import Any, Iterable
 
 import torch
@@ -131,8 +132,11 @@ def _refuse_replaced(optimizer: Any, args: Any, kwargs: Any) -> None:
                                  f"torch.optim.{type(optimizer).__name__}, lr=...)")
 
 
-class ShardedOptimizer:
-    """See the module docstring. Build with :func:`autopar.optimizer`. A model may have several
+class ShardedOptimizer(torch.optim.Optimizer):
+    """See the module docstring. Build with :func:`autopar.optimizer`. A ``torch.optim.Optimizer``
+    (a subclass that holds the real one, ``inner``, over this rank's pieces): torch's LR
+    schedulers and ``transformers.get_scheduler`` drive it, and an edit to ``param_groups``
+    (the inner optimizer's own) applies to what this rank steps. A model may have several
     data axes (with experts: the dense parameters on ``dp x ep``, the experts on ``dp``), one
     runtime each, all at the same ZeRO stage; each parameter is stepped as its own axis says.
     ``loss_scale`` configures fp16 loss scaling (default ``LossScale()``; refused for other
@@ -141,6 +145,12 @@ class ShardedOptimizer:
     def __init__(self, module: Any, optimizer_cls: type, params: Iterable | None = None, *,
                  loss_scale: LossScale | None = None, **kwargs: Any) -> None:
         check_optimizer_class(optimizer_cls)
+        # torch.optim.Optimizer.__init__ is not run (it would hold the parameters itself): its
+        # hook registries are made here, the groups and state are the inner optimizer's
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                     "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                     "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, name, OrderedDict())
         self.module = module
         self.rts = [rt for rt in data_runtimes(module) if rt is not None]
         self.rt = self.rts[0] if self.rts else None
@@ -209,6 +219,15 @@ class ShardedOptimizer:
     def state(self):
         return self.inner.state
 
+    @property
+    def defaults(self) -> dict:
+        return self.inner.defaults
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise OptimizerError("parameter groups of an autopar optimizer are fixed when it is built",
+                             where="ShardedOptimizer.add_param_group",
+                             fix="pass every group to autopar.optimizer(pm, cls, params=[{...}, {...}])")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._ready = None
         self.inner.zero_grad(set_to_none=set_to_none)
@@ -222,8 +241,13 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
+        for hook in list(self._optimizer_step_pre_hooks.values()):
+            hook(self, (), {})
         with peer_errors():
-            return self._step(closure)
+            out = self._step(closure)
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, (), {})
+        return out
 
     def _step(self, closure: Any) -> Any:
         if closure is not None:
