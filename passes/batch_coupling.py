@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core.meta import evaluate, graph_info, info
+from autopar.passes.sharding_rules import _groups as reshape_groups
 
 __all__ = ["Pairing", "batch_coupling", "FREE", "LOST", "SUMMED"]
 
@@ -231,20 +232,8 @@ def reshape(ctx: Ctx) -> list[Dim]:
     src, dst = ctx.shapes[0], ctx.out[0]
     if -1 in src or -1 in dst:
         return [LOST]
-    i = j = 0
-    while i < len(src) or j < len(dst):
-        gi, gj, pi, pj = [], [], 1, 1
-        if i < len(src):
-            gi.append(i); pi = src[i]; i += 1
-        if j < len(dst):
-            gj.append(j); pj = dst[j]; j += 1
-        while pi != pj:
-            if pi < pj and i < len(src):
-                gi.append(i); pi *= src[i]; i += 1
-            elif pj < pi and j < len(dst):
-                gj.append(j); pj *= dst[j]; j += 1
-            else:
-                return [LOST]
+    groups = reshape_groups(tuple(src), tuple(dst))
+    for gi, gj in groups or ():
         if d in gi:
             outer = [x for x in gi if src[x] > 1]
             if outer and outer[0] != d:
