@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core.meta import evaluate, graph_info, info
-from autopar.passes.sharding_rules import _groups as reshape_groups
+from autopar.passes.sharding_rules import reshape_groups
 
 __all__ = ["Pairing", "batch_coupling", "FREE", "LOST", "SUMMED"]
 

@@ -85,7 +85,7 @@ def _partial_strategies(ctx: OpCtx) -> list[Strategy]:
 
 # ---------------------------------------------------------------- views and layout
 
-def _groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]] | None:
+def reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]] | None:
     """Split a reshape into groups of src dims and dst dims with equal products."""
     groups, i, j = [], 0, 0
     while i < len(src) or j < len(dst):
@@ -118,7 +118,7 @@ def reshape(ctx: OpCtx) -> list[Strategy]:
     """A sharded dim survives a reshape when it is the outermost dim of its group on both
     sides and the new outermost size still divides by n."""
     src, dst = ctx.in_shapes[0], ctx.out_shapes[0]
-    groups = _groups(src, dst)
+    groups = reshape_groups(src, dst)
     found = [ctx.strategy("partial", [PARTIAL], [PARTIAL], work=1.0)]
     for gi, gj in groups or []:
         a, b = _major(gi, src), _major(gj, dst)
