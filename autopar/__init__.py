@@ -27,6 +27,7 @@ from autopar.api import optimizer, parallelize, plan
 from autopar import checkpoint, data
 from autopar.checkpoint import load, save
 from autopar.checkpoint.full import full_state_dict
+from autopar.checkpoint.pretrained import save_pretrained
 from autopar.runtime.health import init_distributed
 from autopar.clip import clip_grad_norm_
 from autopar.scaled_plan import ScaledPlan, scale_plan
@@ -41,5 +42,5 @@ __version__ = "0.1.0"
 __all__ = ["AutoparError", "AutoparInternalError", "CaptureError", "CheckpointError", "ConfigError",
            "DoesNotFitError", "InputMismatchError", "MeshError", "OptimizerError", "PeerFailureError",
            "PlanFileError", "ShardingError", "UnsupportedError",
-           "DataMode", "DataOptions", "ExpertOptions", "PipelineOptions", "Plan", "TensorOptions", "ScaledPlan", "analyze", "capture", "checkpoint", "clip_grad_norm_", "data", "full_state_dict", "init_distributed", "load", "optimizer", "parallelize", "plan", "save", "scale_plan",
+           "DataMode", "DataOptions", "ExpertOptions", "PipelineOptions", "Plan", "TensorOptions", "ScaledPlan", "analyze", "capture", "checkpoint", "clip_grad_norm_", "data", "full_state_dict", "init_distributed", "load", "optimizer", "parallelize", "plan", "save", "save_pretrained", "scale_plan",
            "__version__"]

@@ -86,6 +86,9 @@ def _records_model(fn):
             pm = fn(model, *args, **kwargs)
         refuse_replaced_parameters(model, (pm, *getattr(pm, "stages", ())))
         pm.global_shapes, pm.param_aliases = shapes, aliases
+        config = getattr(model, "config", None)       # a transformers model: what save_pretrained writes
+        pm.pretrained_source = ((config, getattr(model, "generation_config", None))
+                                if hasattr(config, "save_pretrained") else None)
         for top in (pm, *getattr(pm, "stages", ())):   # the graphs run in the mode they were captured in
             for m in top.modules():
                 m.training = model.training

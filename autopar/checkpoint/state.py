@@ -46,7 +46,7 @@ __all__ = ["save", "load", "latest"]
 FORMAT = 1
 
 
-def _masters(model: nn.Module, opt: Any, entries: list) -> list:
+def master_entries(model: nn.Module, opt: Any, entries: list) -> list:
     """Under mixed precision the fp32 masters in the optimizer are the parameters' true
     values: checkpoint those (the compute-dtype copies are derived from them)."""
     from autopar.runtime.optim import ShardedOptimizer
@@ -132,7 +132,7 @@ def _write_items(model: nn.Module, optimizer: Any) -> tuple[dict, list, dict[str
                                             properties=TensorProperties.create_from_tensor(view),
                                             size=torch.Size(lay.shape))))
 
-    for key, lay, t in _masters(model, optimizer, model_entries(model)):
+    for key, lay, t in master_entries(model, optimizer, model_entries(model)):
         add(f"model/{key}", lay, t)
     if optimizer is not None:
         inner, entries = optimizer_entries(model, optimizer)
@@ -159,9 +159,21 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike, *, key: str 
     and stored objects with ``weights_only=True``. Every file is first checked against the
     directory's ``MANIFEST.json`` (size and sha256; the ranks split the files between them);
     a checkpoint without one (older autopar) loads unverified, with a warning. Anything
-    wrong raises the same :class:`CheckpointError` on every rank, naming the file."""
+    wrong raises the same :class:`CheckpointError` on every rank, naming the file.
+
+    Two other kinds of directory load weights only (the optimizer's state is left as it is):
+    one ``transformers`` wrote (``config.json`` and safetensors; :mod:`autopar.checkpoint.pretrained`)
+    and a plain ``torch.distributed.checkpoint`` save of a model's ``state_dict()`` (keys the
+    model's own names, or under ``model.`` when the save was ``{"model": model.state_dict()}``)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from autopar.checkpoint.pretrained import is_pretrained_dir, load_pretrained
+    if is_pretrained_dir(path):
+        if key is not None:
+            raise CheckpointError(f"{path} is a transformers directory: it has no manifest a key could vouch for",
+                                  where="autopar.load", fix="load it without key= only if you trust where it "
+                                                            "came from")
+        return load_pretrained(model, optimizer, Path(path))
     distributed = dist.is_initialized()
     target = integrity.collectively(lambda: integrity.latest(path), distributed)
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
@@ -176,8 +188,11 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike, *, key: str 
     after: list[Any] = []
 
     mode = ckpt_modes.mode_state(model)
+    plain = _plain_prefix(model, md)     # None for autopar's own checkpoints
 
     def want(key: str, lay: Layout, t: torch.Tensor) -> None:
+        if plain is not None:
+            key = plain + key[len("model/"):]
         saved = md.get(key)
         if not isinstance(saved, TensorStorageMetadata):
             problems.append(f"{key} is missing")
@@ -197,12 +212,15 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike, *, key: str 
             dests.setdefault((key, offsets), []).append(view)
 
     with torch.no_grad():
-        for key, lay, t in _masters(model, optimizer, model_entries(model)):
-            if f"model/{key}" not in md and _is_buffer(model, key):
+        for key, lay, t in master_entries(model, optimizer, model_entries(model)):
+            if ("model/" if plain is None else plain) + key not in md and is_buffer(model, key):
                 continue    # a buffer the saving model did not persist: keep this one's
             want(f"model/{key}", lay, t.data)
-        objects_wanted = ["autopar/meta"]
-        if optimizer is not None:
+        objects_wanted = ["autopar/meta"] if plain is None else []
+        if plain is not None and mode is not None:
+            problems.append("a plain torch.distributed.checkpoint save holds no state of the data-axis mode "
+                            f"{mode.mode.kind!r}: load it without a dp_mode, then save with autopar.save")
+        if optimizer is not None and plain is None:
             inner, entries = optimizer_entries(model, optimizer)
             for key, lay, m in entries:
                 prefix = f"optim/{key}/"
@@ -226,7 +244,7 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike, *, key: str 
                         after.append((state, sname, prefix + sname))
                 inner.state[m] = state
             objects_wanted.append("optim/param_groups")
-        restore_mode = ckpt_modes.load_plan(mode, md, want, objects_wanted, problems)
+        restore_mode = ckpt_modes.load_plan(mode if plain is None else None, md, want, objects_wanted, problems)
         for key in objects_wanted:
             if key not in md:
                 problems.append(f"{key} is missing")
@@ -235,9 +253,11 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike, *, key: str 
         restore_mode(objects)
         for state, sname, key in after:
             state[sname] = objects[key]
-        if optimizer is not None:
+        if optimizer is not None and plain is None:
             _restore_groups(inner, objects["optim/param_groups"])
-            _masters_to_params(optimizer)
+        masters_to_params(optimizer)
+    if plain is not None:
+        return {"step": None, "extra": None, "path": target}
     meta = objects["autopar/meta"]
     try:
         extra = json.loads(meta["extra_json"]) if "extra_json" in meta else meta.get("extra")   # older: "extra"
@@ -247,7 +267,17 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike, *, key: str 
     return {"step": meta.get("step"), "extra": extra, "path": target}
 
 
-def _is_buffer(model: nn.Module, key: str) -> bool:
+def _plain_prefix(model: nn.Module, md: dict) -> str | None:
+    """For a checkpoint autopar did not write (no ``autopar/meta``, no ``model/`` keys): the
+    prefix its keys carry the model's names under (``""`` or ``"model."``, whichever finds more
+    of them). None for autopar's own."""
+    if "autopar/meta" in md or any(k.startswith("model/") for k in md):
+        return None
+    keys = [key for key, _, _ in model_entries(model)]
+    return max(("", "model."), key=lambda p: sum(p + k in md for k in keys))
+
+
+def is_buffer(model: nn.Module, key: str) -> bool:
     return key in dict(model.named_buffers(remove_duplicate=False))
 
 
@@ -312,7 +342,7 @@ def _same_kind(now: Any, saved: Any) -> bool:
     return type(saved) is type(now)
 
 
-def _masters_to_params(opt: Any) -> None:
+def masters_to_params(opt: Any) -> None:
     """After loading fp32 masters, refresh the compute-dtype parameters from them."""
     from autopar.runtime.optim import ShardedOptimizer
     if isinstance(opt, ShardedOptimizer) and opt.mixed:
