@@ -82,7 +82,8 @@ for _op in (aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.mul.Scalar,
             aten.ones_like.default, aten.full_like.default, aten.new_zeros.default, aten.pad.default,
             aten.constant_pad_nd.default, aten.repeat.default, aten.repeat_interleave.self_int,
             aten.index_put.default, aten.masked_fill.Scalar, aten.scatter_add.default,
-            aten.scatter.src, aten.scatter.value):
+            aten.scatter.src, aten.scatter.value, aten.add_.Tensor, aten.copy_.default,
+            aten.new_empty.default, aten.numpy_T.default):
     SAVE_RULES[_op] = _const(_NOTHING)
 for _op in (aten.gelu.default, aten.silu.default, aten.pow.Tensor_Scalar, aten.log.default,
             aten.sin.default, aten.cos.default, aten.abs.default, aten.erf.default,
@@ -100,7 +101,16 @@ SAVE_RULES[aten.embedding.default] = _const(Saves(inputs=(1,)))
 for _op in (aten.gather.default, aten.index_select.default, aten.index.Tensor,
             aten.take_along_dim.default):
     SAVE_RULES[_op] = _const(Saves(inputs=(2,) if _op is not aten.index.Tensor else ()))
-SAVE_RULES[aten.where.self] = _const(Saves(inputs=(0,)))
+for _op in (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar):
+    SAVE_RULES[_op] = _const(Saves(inputs=(0,)))        # the condition picks where the gradient goes
+SAVE_RULES[aten.div_.Tensor] = _const(Saves(inputs=(1,), output=True))
+SAVE_RULES[aten.scatter_.value] = _const(Saves(inputs=(2,)))     # the index
+# operators other libraries register, by name (they exist only once the library is imported)
+NAMED_SAVE_RULES: dict[str, Callable[[fx.Node], Saves]] = {
+    "transformers.grouped_mm_fallback.default": _const(Saves(inputs=(0, 1))),   # a grouped matmul
+}
+# cross entropy keeps its log-softmax (the size of its input) and the targets
+SAVE_RULES[aten.cross_entropy_loss.default] = _const(Saves(inputs=(0, 1)))
 SAVE_RULES[aten.topk.default] = _const(Saves(output=True))     # the indices (dedup by node)
 SAVE_RULES[aten.max.dim] = _const(Saves(output=True))
 # flash-style attention keeps q, k, v, its output and a per-row logsumexp (fp32).
@@ -133,7 +143,7 @@ def memory_pass(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _saved_values(node: fx.Node) -> list[fx.Node]:
-    rule = SAVE_RULES.get(node.target)
+    rule = SAVE_RULES.get(node.target) or NAMED_SAVE_RULES.get(str(node.target))
     if rule is None:
         if is_view_like(node):
             return []
