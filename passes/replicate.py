@@ -38,6 +38,7 @@ from torch import nn
 from autopar.passes.capture_key import Unkeyable, describe_module
 from autopar.core.meta import COPY_KEY, META_KEY, graph_info, graph_module, info
 from autopar.passes.meta import name_stem, number_ops
+from autopar.core.layer_kinds import layer_kind_readers, register_layer_kinds  # noqa: F401  (re-exported)
 
 log = logging.getLogger("autopar.capture")
 
@@ -122,24 +123,15 @@ def find_run(model: nn.Module) -> Run | None:
     return Run(holder=holder, prefix=prefix, n=n, start=start, period=period)
 
 
-#: Readers of a model's layer kinds, tried in order: each returns ``(one hashable kind per layer,
-#: whether the model is a transformers one)`` or None when it does not know the model. The
-#: passes know no model family themselves; the model zoo registers its reader
-#: (:func:`autopar.models.depth.model_layer_kinds`) when ``autopar`` is imported (``autopar/__init__.py``).
-LAYER_KIND_READERS: list[Callable[[nn.Module], "tuple[list[Any], bool] | None"]] = []
-
-
-def register_layer_kinds(reader: Callable[[nn.Module], "tuple[list[Any], bool] | None"]) -> Callable:
-    """Add ``reader`` to :data:`LAYER_KIND_READERS` (once) and return it."""
-    if reader not in LAYER_KIND_READERS:
-        LAYER_KIND_READERS.append(reader)
-    return reader
+#: Readers of a model's layer kinds live in :mod:`autopar.core.layer_kinds` (the model zoo
+#: registers its reader, :func:`autopar.models.depth.model_layer_kinds`, when ``autopar`` is
+#: imported); ``register_layer_kinds`` is re-exported here.
 
 
 def _config_kinds(model: nn.Module) -> tuple[list[Any], bool] | None:
     """One kind per layer from the first reader that knows the model, and whether it is a
     ``transformers`` one."""
-    for reader in LAYER_KIND_READERS:
+    for reader in layer_kind_readers():
         known = reader(model)
         if known is not None:
             return known

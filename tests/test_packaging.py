@@ -38,3 +38,17 @@ def test_the_wheel_holds_every_package_and_runs_installed(tmp_path) -> None:
     cli = subprocess.run([sys.executable, "-m", "autopar", "models"], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=120)
     assert cli.returncode == 0 and "gpt" in cli.stdout, cli.stderr
+
+
+def test_import_autopar_leaves_the_engine_unimported():
+    """``import autopar`` (and ``autopar --help``'s parser) import torch and the errors only:
+    the capture, planner and sympy come with the first name that needs them."""
+    import subprocess
+    import sys
+    code = ("import sys, autopar, autopar.cli; autopar.cli.build_parser()\n"
+            "heavy = [m for m in ('sympy', 'torch._dynamo', 'autopar.passes.capture', 'autopar.api', "
+            "'autopar.runtime.tp_module', 'transformers') if m in sys.modules]\n"
+            "print(heavy); autopar.parallelize; print('autopar.api' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout

@@ -38,3 +38,7 @@ def build(request: BuildRequest) -> Any:
 
 
 __all__ = ["BUILD_STEPS", "BuildRequest", "BuildState", "Step", "build", "run_steps"]
+
+from autopar.core.lazy import submodules as _submodules  # noqa: E402
+
+__getattr__ = _submodules(__name__)     # the other modules, imported on first use

@@ -11,3 +11,7 @@ from autopar.checkpoint.integrity import latest
 from autopar.checkpoint.state import load, save
 
 __all__ = ["save", "load", "latest"]
+
+from autopar.core.lazy import submodules as _submodules  # noqa: E402
+
+__getattr__ = _submodules(__name__)     # the other modules, imported on first use

@@ -12,3 +12,7 @@ from autopar.cli.checks import parse_mesh
 from autopar.cli.commands import build_parser, main
 
 __all__ = ["build_parser", "main", "parse_mesh"]
+
+from autopar.core.lazy import submodules as _submodules  # noqa: E402
+
+__getattr__ = _submodules(__name__)     # the other modules, imported on first use

@@ -23,3 +23,7 @@ __all__ = [
     "HFConfig", "MoE", "MoEConfig", "MoELayer", "expert_capacity", "MODEL_NAMES",
     "active_param_count", "build", "example_inputs", "get_config", "list_hf_configs", "list_models", "param_count",
 ]
+
+from autopar.core.lazy import submodules as _submodules  # noqa: E402
+
+__getattr__ = _submodules(__name__)     # the other modules, imported on first use
