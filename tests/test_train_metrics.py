@@ -8,6 +8,8 @@ import json
 import logging
 import math
 import os
+import time
+import sys
 
 import pytest
 
@@ -26,7 +28,8 @@ def run(tmp_path_factory):
     path = tmp_path_factory.mktemp("train") / "log.jsonl"
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(["train", "--ranks", "2", "--steps", "2", "--seq", "16", "--log-jsonl", str(path)])
+        code = main(["train", "--ranks", "2", "--steps", "2", "--seq", "16", "--log-jsonl", str(path),
+                     "--tensorboard", str(path.parent / "tb")])
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     return code, out.getvalue(), err.getvalue(), lines
 
@@ -92,6 +95,30 @@ def test_mfu_is_achieved_over_peak(run):
         assert s["mfu"] == pytest.approx(s["tflops_per_rank"] * 1e12 / config["peak_flops_per_rank"])
         assert s["step_vs_predicted"] == pytest.approx(s["step_s"] / s["predicted_step_s"])
         assert s["memory_vs_predicted"] == pytest.approx(s["peak_memory_bytes"] / s["predicted_peak_memory_bytes"])
+
+
+def test_set_up_says_its_stages_as_it_goes(run):
+    _, _, err, _ = run
+    said = [line.split("set-up: ")[1] for line in err.splitlines() if line.startswith("[autopar] set-up: ")]
+    names = [s.rsplit(" ", 1)[0] for s in said]
+    assert names[:2] == ["capture and analysis", "plan"] and names[-1] == "first step", said
+
+
+def test_tensorboard_gets_what_jsonl_gets(run, tmp_path_factory):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    _, _, _, lines = run
+    steps = [line for line in lines if line["kind"] == "step"]
+    board = EventAccumulator(str(next(tmp_path_factory.getbasetemp().glob("train*/tb"))))
+    board.Reload()
+    for key in ("loss", "reference_loss", "step_s", "mfu", "peak_memory_bytes"):
+        got = [(e.step, e.value) for e in board.Scalars(f"train/{key}")]
+        assert got == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in steps], key
+
+
+def test_tensorboard_without_the_package_is_a_typed_error(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)      # as if not installed
+    assert main(["train", "--steps", "1", "--tensorboard", str(tmp_path)]) == 2
+    assert "pip install 'autopar[tensorboard]'" in capsys.readouterr().err
 
 
 def test_no_bar_when_stderr_is_not_a_terminal(run):
@@ -173,13 +200,26 @@ def test_train_draws_its_steps_from_ranks_ticks(monkeypatch):
     stream = FakeTTY()
     monkeypatch.setattr("sys.stderr", stream)
 
-    def ranks(tick):
-        assert tick is not None and os.path.exists(tick)
+    def ranks(tick, stages):
+        assert tick is not None and os.path.exists(tick) and os.path.exists(stages)
+        with open(stages, "a") as f:                # set-up stages first: the bar says where set-up is
+            f.write("plan\t0.50\n")
+        time.sleep(0.5)
         for _ in range(3):
             with open(tick, "ab") as f:
                 f.write(b".")
         return "done"
     assert _with_progress(3, ranks) == "done"
-    assert "training 3 steps" in stream.getvalue() and "3/3 100%" in stream.getvalue()
+    drawn = stream.getvalue()
+    assert "set-up: plan done" in drawn and drawn.index("set-up: plan done") < drawn.index("training 3 steps")
+    assert "3/3 100%" in drawn
     monkeypatch.setattr("sys.stderr", io.StringIO())
-    assert _with_progress(3, lambda tick: tick) is None       # no terminal: no file, no bar
+    tick, stages = _with_progress(3, lambda tick, stages: (tick, stages))     # no terminal: no bar, no tick file
+    assert tick is None and stages is not None
+    autopar_log = logging.getLogger("autopar")
+    level = autopar_log.level
+    autopar_log.setLevel(logging.ERROR)                                          # -q: nothing at all
+    try:
+        assert _with_progress(3, lambda tick, stages: (tick, stages)) == (None, None)
+    finally:
+        autopar_log.setLevel(level)

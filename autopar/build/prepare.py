@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Any, Callable, Mapping
 
 import torch
@@ -32,6 +33,7 @@ from autopar.passes.pipeline import analyze
 from autopar.passes.sharding import replication_reason
 from autopar.passes.tp_rewrite import tp_rewrite
 from autopar.core.plans import NodeStrategy, Plan
+from autopar.core.progress import setup_stage
 
 log = logging.getLogger("autopar")
 
@@ -75,6 +77,7 @@ def capture_model(model: nn.Module, example_inputs: Any, dims: Any,
             gm = capture_model(model, example_inputs, dims, kwargs, modes=True)
         graph_info(gm).mode_source.switch([gm], False, "autopar.parallelize")
         return gm
+    start = time.perf_counter()
     args = as_args(example_inputs)
     labels = dims
     if dims is None:
@@ -91,6 +94,7 @@ def capture_model(model: nn.Module, example_inputs: Any, dims: Any,
     if modes:
         from autopar.build.modes import ModeSource
         graph_info(gm).mode_source = ModeSource(gm, model, args, kwargs, labels)
+    setup_stage("capture", time.perf_counter() - start)
     return gm
 
 
@@ -191,6 +195,7 @@ def planned_graph(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
     after = after or ("rewrite" if rewrite else "plan")
     axes = dense_axes(mesh)
     gm = capture_model(model, example_inputs, dims, example_kwargs, modes=modes)
+    start = time.perf_counter()
     sol, cluster = solve_tensor_axis(gm, axes if plan is None else (), hardware=hardware, memory_budget=memory_budget,
                           sizes=sizes, dtype=None, pinned=pinned, placements=placements,
                           sequence_parallel=sequence_parallel)
@@ -202,6 +207,7 @@ def planned_graph(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
         the_plan = plan
         cluster = Cluster.from_spec(f"1x{math.prod(n for _, n in axes)}", hardware=hardware or "cpu")
     strategies = checked_strategies(gm, the_plan)
+    setup_stage("plan", time.perf_counter() - start)
     if after == "plan":
         for node in gm.graph.nodes:
             s = strategies.get(node.name)

@@ -28,6 +28,7 @@ from autopar.build.tensor import tensor_step
 from autopar.build.world import mesh_step, weights_step
 from autopar.core.errors import AutoparInternalError
 from autopar.core.meta import META_KEY
+from autopar.core.progress import reported_seconds, setup_stage
 
 log = logging.getLogger("autopar.build")
 
@@ -77,11 +78,14 @@ def run_steps(state: BuildState, steps: list[Step] | None = None) -> BuildState:
             raise AutoparInternalError(f"build step {step.name!r} reads the results of step(s) {missing}, which "
                                        f"have not run before it: the step list (autopar/build/steps.py) is out of "
                                        f"order or incomplete")
-        start = time.perf_counter()
+        start, reported = time.perf_counter(), reported_seconds()
         step.run(state)
         state.ran.append(step.name)
         if step.rewrites:
             check_graphs(state, after=step.name)
+        if step.name not in ("mesh", "schedule", "capacity"):     # instant: not worth a line
+            inner = reported_seconds() - reported     # its capture and plan, said as they ended
+            setup_stage(step.name, time.perf_counter() - start - inner)
         log.debug("step %-9s %6.3fs", step.name, time.perf_counter() - start)
     if state.module is None:
         raise AutoparInternalError("the build made no module: the step list (autopar/build/steps.py) lacks its "

@@ -42,6 +42,7 @@ import time
 import torch
 
 from autopar.core.errors import AutoparError, ConfigError, DoesNotFitError
+from autopar.core.progress import STAGE_WORDS, on_setup_stage
 from autopar.cli.train_metrics import (json_line, log_context, table_notes, step_record, step_table,
                                    write_first, peak_memory_bytes, rank_device, rank_share)
 
@@ -206,9 +207,12 @@ def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: i
     pipeline = autopar.PipelineOptions(
         loss_fn=_loss, schedule=cfg["schedule"], microbatches=batch // dp // cfg["micro_batch"],
         virtual_stages=cfg["virtual"] if cfg["schedule"] == "interleaved" else None) if pp > 1 else None
-    pm = autopar.parallelize(model, mesh, local, zero_stage=cfg["zero_stage"], recompute=cfg["recompute"],
-                             mixed_precision=cfg.get("precision"), compile=cfg.get("compile", False),
-                             memory_budget=budget, options=pipeline)
+    log = log or {}
+    said = _stage_sayer(rank, log)
+    with on_setup_stage(said):
+        pm = autopar.parallelize(model, mesh, local, zero_stage=cfg["zero_stage"], recompute=cfg["recompute"],
+                                 mixed_precision=cfg.get("precision"), compile=cfg.get("compile", False),
+                                 memory_budget=budget, options=pipeline)
     opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     first, resumed = 0, None
@@ -216,8 +220,7 @@ def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: i
         resumed = autopar.load(pm, opt, os.path.join(resume, "parallel"))
         autopar.load(ref, ref_opt, os.path.join(resume, "reference"))
         first = int(resumed["step"] or 0)
-    log = log or {}
-    rows, records, since = [], [], 0
+    rows, records, since, board = [], [], 0, None
     for k in range(steps):
         dist.barrier()         # every rank starts the parallel step together: the reference's time stays out
         t0 = time.perf_counter()
@@ -235,6 +238,8 @@ def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: i
         opt.step()
         opt.zero_grad()
         seconds = time.perf_counter() - t0
+        if k == 0:
+            said(STAGE_WORDS["first step"], seconds)
         loss = loss.detach().clone()
         dist.all_reduce(loss)
         loss /= world          # tp ranks hold the same value: this is the mean over the dp shares
@@ -254,6 +259,12 @@ def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: i
                 with open(log["jsonl"], "a") as f:
                     f.write(json_line({"kind": "step", **records[-1]}))
                     f.flush()
+            if log.get("tensorboard"):
+                board = board or _board(log["tensorboard"])
+                for key, value in records[-1].items():
+                    if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                        board.add_scalar(f"train/{key}", value, records[-1]["step"])
+                board.flush()
         if rank == 0 and log.get("tick"):
             with open(log["tick"], "ab") as f:
                 f.write(b".")
@@ -263,8 +274,27 @@ def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: i
     if save:
         autopar.save(pm, opt, os.path.join(save, "parallel"), step=first + steps, extra={"plan": cfg})
         autopar.save(ref, ref_opt, os.path.join(save, "reference"), step=first + steps)
+    if board is not None:
+        board.close()
     return {"rows": rows, "records": records, "first": first,
             "saved_plan": (resumed or {}).get("extra", {}) or {}}
+
+
+def _board(directory: str):
+    """A TensorBoard event writer into ``directory`` (torch's, which needs ``tensorboard``)."""
+    from torch.utils.tensorboard import SummaryWriter
+    return SummaryWriter(log_dir=directory)
+
+
+def _check_tensorboard(directory: str | None) -> None:
+    if directory is None:
+        return
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        raise ConfigError("--tensorboard needs the tensorboard package", where="--tensorboard", got=directory,
+                          fix="pip install 'autopar[tensorboard]' (or pip install tensorboard), or use --log-jsonl "
+                              "FILE, which needs nothing") from None
 
 
 def _capacity_routed(model: torch.nn.Module) -> bool:
@@ -313,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
                     "reference_loss, step_s, tokens_per_s, tflops_per_rank, mfu, peak_memory_bytes, "
                     "predicted_step_s, predicted_peak_memory_bytes, ...), after a first line "
                     '{"kind": "config", ...} with the configuration; each line is flushed as its step ends')
+    ap.add_argument("--tensorboard", metavar="DIR", help="also write the logged steps' figures (those "
+                    "--log-jsonl writes) as TensorBoard scalars train/<name> into DIR (needs the tensorboard "
+                    "package: the autopar[tensorboard] extra)")
     ap.add_argument("--compile", action="store_true", help="run each rank's graph through torch.compile "
                     "(inductor); the first step then includes the compilation")
     ap.add_argument("-q", "--quiet", action="store_true",
@@ -320,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                     "bar is only drawn when stderr is a terminal)")
     args = ap.parse_args(argv)
     output_file(args.log_jsonl, "--log-jsonl")
+    _check_tensorboard(args.tensorboard)
     if not args.quiet:
         return _train(args)
     autopar_log = logging.getLogger("autopar")       # -q as the other commands have it (cli._run_quietly)
@@ -349,6 +383,8 @@ def _train(args: argparse.Namespace) -> int:
     save = os.path.abspath(args.save) if args.save else None
     resume = os.path.abspath(args.resume) if args.resume else None
     log = log_context(score, cfg, batch, args.seq, args.log_every)
+    if args.tensorboard:
+        log["tensorboard"] = os.path.abspath(args.tensorboard)
     if args.log_jsonl:
         log["jsonl"] = os.path.abspath(args.log_jsonl)
         head = {"kind": "config", "model": name, "overrides": {k: str(v) for k, v in over.items()},
@@ -363,9 +399,9 @@ def _train(args: argparse.Namespace) -> int:
                 "measured": {"step_s": "the parallel step, the slowest rank's, the ranks starting together",
                              "peak_memory_bytes": "the largest max RSS over the ranks (ru_maxrss)"}}
         writing("--log-jsonl", args.log_jsonl, lambda: write_first(log["jsonl"], json_line(head)))
-    res = _with_progress(args.steps, lambda tick: run_ranks(
+    res = _with_progress(args.steps, lambda tick, stages: run_ranks(
         _rank, world, name, over, cfg, batch, args.seq, args.steps, save, resume,
-        {**log, "tick": tick}, args.save_every, timeout_s=600))
+        {**log, "tick": tick, "stages": stages, "quiet": args.quiet}, args.save_every, timeout_s=600))
     if resume:
         was = res[0]["saved_plan"].get("plan", {})
         print(f"resumed from {resume} at step {res[0]['first']}" + (
@@ -384,38 +420,86 @@ def _train(args: argparse.Namespace) -> int:
     return 0 if worst < tol else 1
 
 
-def _with_progress(steps: int, call):
-    """``call(tick)`` with a progress bar of the training steps on stderr (:mod:`autopar.core.progress`)
-    when one shows: rank 0 appends a byte to the file ``tick`` per step, which a thread here
-    polls; ``tick`` is None (no file, no thread) when no bar shows."""
-    from autopar.core.progress import progress, shows
+def _stage_sayer(rank: int, log: dict):
+    """Rank 0 appends each set-up stage, as it ends, to the file ``log["stages"]``, which the
+    launcher reads (:func:`_with_progress`)."""
+    def said(words: str, seconds: float) -> None:
+        if rank == 0 and log.get("stages"):
+            with open(log["stages"], "a") as f:
+                f.write(f"{words}\t{seconds:.2f}\n")
+    return said
 
-    if not shows():
-        return call(None)
-    fd, tick = tempfile.mkstemp(prefix="autopar-train-", suffix=".steps")
+
+def _with_progress(steps: int, call):
+    """``call(tick, stages)`` with the set-up stages and then a progress bar of the training
+    steps on stderr (:mod:`autopar.core.progress`). Rank 0 appends a line per set-up stage to the
+    file ``stages`` and, when a bar shows, a byte per step to the file ``tick``; a thread here
+    polls them. With a bar, the bar says the stage reached until the first step is done; without
+    one (stderr not a terminal), each stage is a line ``[autopar] set-up: <stage> <seconds>s``
+    (those under 0.05 s left out, except capture, plan and the first step). Under ``-q``:
+    neither file, no thread, nothing said."""
+    from autopar.core.progress import progress, quiet, shows
+
+    if quiet():
+        return call(None, None)
+    bar_shows = shows()
+    fd, stages = tempfile.mkstemp(prefix="autopar-train-", suffix=".stages")
     os.close(fd)
-    bar, stop = progress(steps, what=f"training {steps} step{'s' * (steps > 1)}"), threading.Event()
+    tick = None
+    if bar_shows:
+        fd, tick = tempfile.mkstemp(prefix="autopar-train-", suffix=".steps")
+        os.close(fd)
+    training = f"training {steps} step{'s' * (steps > 1)}"
+    bar = progress(steps, what="set-up: capture and analysis") if bar_shows else None
+    stop, seen = threading.Event(), [0]
+    always = (STAGE_WORDS["capture"], STAGE_WORDS["plan"], STAGE_WORDS["first step"])
+
+    def new_stages() -> list[tuple[str, float]]:
+        try:
+            with open(stages) as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return []
+        fresh = [line.split("\t") for line in lines[seen[0]:]]
+        seen[0] = len(lines)
+        return [(words, float(secs)) for words, secs in fresh]
 
     def done() -> int:
         try:
             return min(os.path.getsize(tick), steps)
-        except OSError:
+        except (OSError, TypeError):
             return 0
 
     def poll() -> None:
-        while not stop.wait(0.2):
-            bar.set(done())
+        last = ""
+        while True:
+            stopping = stop.wait(0.2)
+            for words, secs in new_stages():
+                last = words
+                if bar is None and (secs >= 0.05 or words in always):
+                    print(f"[autopar] set-up: {words} {secs:.2f}s", file=sys.stderr, flush=True)
+            if bar is not None:
+                n = done()
+                bar.what = training if n or last == STAGE_WORDS["first step"] else (
+                    f"set-up: {last} done" if last else "set-up: capture and analysis")
+                bar.set(n)
+            if stopping:
+                return
     watcher = threading.Thread(target=poll, name="autopar-train-progress", daemon=True)
-    bar.set(0)
+    if bar is not None:
+        bar.set(0)
     watcher.start()
     try:
-        return call(tick)
+        return call(tick, stages)
     finally:
         stop.set()
         watcher.join()
-        bar.set(done())
-        bar.close()
-        os.unlink(tick)
+        if bar is not None:
+            bar.what = training
+            bar.set(done())
+            bar.close()
+            os.unlink(tick)
+        os.unlink(stages)
 
 
 def runtime_mesh(cfg: dict) -> dict[str, int]:

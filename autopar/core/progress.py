@@ -21,7 +21,8 @@ import logging
 import shutil
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, TextIO
 
 REDRAW_S = 0.1            # at most this often
@@ -145,6 +146,46 @@ class Progress:
             self.enabled = False
 
 
+# -- set-up stages ----------------------------------------------------------------------------
+#: what each set-up stage is called where users read it
+STAGE_WORDS = {"capture": "capture and analysis", "plan": "plan", "tensor": "tensor rewrite",
+               "weights": "weights from rank 0", "experts": "expert placement", "pipeline": "pipeline stages",
+               "recompute": "recompute", "data": "data-axis buckets", "overlap": "overlap", "module": "runtime module",
+               "first step": "first step"}
+_STAGE_HOOKS: list[Callable[[str, float], None]] = []
+_stage_log = logging.getLogger("autopar.setup")
+_reported = 0.0
+
+
+def reported_seconds() -> float:
+    """The seconds of every set-up stage said so far in this process (a stage that holds
+    others subtracts theirs)."""
+    return _reported
+
+
+def setup_stage(name: str, seconds: float) -> None:
+    """Say that set-up stage ``name`` (a key of :data:`STAGE_WORDS`) ended after ``seconds``:
+    to the hooks :func:`on_setup_stage` added, and to the ``autopar.setup`` logger at INFO (so
+    ``logging.getLogger("autopar.setup").setLevel(logging.INFO)`` shows the stages of any
+    ``autopar.parallelize``)."""
+    global _reported
+    _reported += seconds
+    words = STAGE_WORDS.get(name, name)
+    _stage_log.info("set-up: %s %.2fs", words, seconds)
+    for hook in list(_STAGE_HOOKS):
+        hook(words, seconds)
+
+
+@contextmanager
+def on_setup_stage(hook: Callable[[str, float], None]) -> Iterator[None]:
+    """Call ``hook(words, seconds)`` as each set-up stage ends, inside the block."""
+    _STAGE_HOOKS.append(hook)
+    try:
+        yield
+    finally:
+        _STAGE_HOOKS.remove(hook)
+
+
 def progress(iterable_or_total: Iterable[Any] | int | None, what: str = "working", *,
              stream: TextIO | None = None, enabled: bool | None = None) -> Progress:
     """A :class:`Progress` over an iterable (iterate the result; its ``len`` is the total when
@@ -159,4 +200,4 @@ def progress(iterable_or_total: Iterable[Any] | int | None, what: str = "working
     return Progress(iterable_or_total, total, what, stream=stream, enabled=enabled)
 
 
-__all__ = ["Progress", "progress", "quiet", "shows"]
+__all__ = ["Progress", "STAGE_WORDS", "on_setup_stage", "progress", "quiet", "reported_seconds", "setup_stage", "shows"]
