@@ -84,9 +84,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def scale_plan(plan: Any, world: int | None = None) -> ScaledPlan:
+def scale_plan(plan: Any, world: int | None = None, *, per_node: int | None = None) -> ScaledPlan:
     """The saved plan ``plan`` (a path or a SavedPlan) for ``world`` ranks (default: the process
-    group's size)."""
+    group's size), ``per_node`` ranks to a node (default: torchrun's ``LOCAL_WORLD_SIZE``; unknown:
+    one node). Across nodes the tensor and expert axes are kept inside one (tp x ep divides the
+    ranks of a node); the data and pipeline axes take the rest."""
     from autopar.core.saved_plan import SavedPlan
     saved = plan if isinstance(plan, SavedPlan) else SavedPlan.load(plan)
     if world is None:
@@ -98,9 +100,24 @@ def scale_plan(plan: Any, world: int | None = None) -> ScaledPlan:
     if type(world) is not int or world < 1:
         raise ConfigError("the rank count must be a positive integer", where="autopar.scale_plan",
                           got=repr(world), fix="pass world= a positive integer")
+    if per_node is None:
+        from autopar.runtime.nodes import node_size
+        per_node = node_size()
+    if per_node is not None and (type(per_node) is not int or per_node < 1):
+        raise ConfigError("the ranks per node must be a positive integer", where="autopar.scale_plan",
+                          got=repr(per_node), fix="pass per_node= a positive integer (or leave it to torchrun)")
+    nodes = per_node is not None and world > per_node and world % per_node == 0
     c, notes = saved.config, []
-    if world == saved.devices:
+    if world == saved.devices and not (nodes and per_node % (c.tp * c.ep)):
         tp, pp, dp, ep = c.tp, c.pp, c.dp, c.ep
+    elif nodes and per_node % (c.tp * c.ep):
+        tp = max(d for d in _divisors(c.tp) if world % d == 0 and per_node % d == 0)
+        pp = max(d for d in _divisors(world // tp) if d <= c.pp)
+        dp = world // (tp * pp)
+        ep = max(d for d in _divisors(dp) if d <= c.ep and per_node % (d * tp) == 0)
+        notes.append(f"{world // per_node} nodes of {per_node} ranks: tp {c.tp} -> {tp}" + (
+            f", ep {c.ep} -> {ep}" if c.ep > 1 else "") + f", pp {c.pp} -> {pp}, dp {c.dp} -> {dp} (the tensor "
+            "and expert axes kept inside a node, whose links are the fast ones; data and pipeline across)")
     else:
         tp = max(d for d in _divisors(c.tp) if world % d == 0)
         pp = max(d for d in _divisors(world // tp) if d <= c.pp)

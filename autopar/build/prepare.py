@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import replace
 from typing import Any, Callable, Mapping
 
 import torch
@@ -101,7 +102,7 @@ def capture_model(model: nn.Module, example_inputs: Any, dims: Any,
 def solve_tensor_axis(gm: fx.GraphModule, axes: tuple[tuple[str, int], ...], *, hardware: str | None,
            memory_budget: float | None, sizes: Mapping[str, int] | None, dtype: str | None,
            pinned: Any = None, placements: Mapping[str, str] | None = None,
-           sequence_parallel: bool | None = None) -> tuple[Solution, Cluster]:
+           sequence_parallel: bool | None = None, nodes: tuple[int, int] | None = None) -> tuple[Solution, Cluster]:
     """Tensor-axis strategies for ``axes`` (an empty solution when there is no tensor axis),
     with the parameters in ``placements`` stored as forced and activations split along the
     sequence or not as ``sequence_parallel`` says (None: as the cost says)."""
@@ -111,7 +112,8 @@ def solve_tensor_axis(gm: fx.GraphModule, axes: tuple[tuple[str, int], ...], *, 
     world = 1
     for _, size in axes:
         world *= size
-    cluster = Cluster.from_spec(f"1x{world}", hardware=hardware or ("h100" if torch.cuda.is_available() else "cpu"))
+    count, per = nodes if nodes is not None and nodes[0] * nodes[1] == world else (1, world)
+    cluster = Cluster.from_spec(f"{count}x{per}", hardware=hardware or ("h100" if torch.cuda.is_available() else "cpu"))
     tp = tp_axes(axes)
     if not tp or tp[0][1] == 1:
         return Solution(strategies={}, compute_s=0.0, comm_s=0.0, state_bytes=0.0, conversions=[]), cluster
@@ -122,6 +124,13 @@ def solve_tensor_axis(gm: fx.GraphModule, axes: tuple[tuple[str, int], ...], *, 
                        dtype=dtype or dtype_of(gm), memory_budget=memory_budget, pinned=pinned, forced=forced,
                        sequence=sequence_parallel)
     return solve(gm, cfg), cluster
+
+
+def tp_spans_nodes(axes: tuple[tuple[str, int], ...], nodes: tuple[int, int]) -> bool:
+    """Does a tensor-axis group of ``axes`` (the innermost axis: consecutive ranks) reach past
+    one node of ``nodes = (count, ranks per node)``?"""
+    tp = dict(axes).get("tp", 1)
+    return tp > 1 and nodes[0] > 1 and (tp > nodes[1] or nodes[1] % tp != 0)
 
 
 def master_dtype(gm: fx.GraphModule) -> torch.dtype:
@@ -187,21 +196,27 @@ def planned_graph(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
                   group_name: str = "tp", zero_stage: int | None = None, overlap: bool = True,
                   bucket_bytes: int = 0, mixed_precision: str | None = None,
                   pinned: Any = None, placements: Mapping[str, str] | None = None,
-                  modes: bool = False, sequence_parallel: bool | None = None) -> tuple[fx.GraphModule, Plan]:
+                  modes: bool = False, sequence_parallel: bool | None = None,
+                  nodes: tuple[int, int] | None = None) -> tuple[fx.GraphModule, Plan]:
     """Capture, plan (or take ``plan``) and annotate every node with its placement; ``after``
     = ``"rewrite"`` (or ``rewrite=True``) also produces the per-rank graph and ``"schedule"``
     additionally inserts the data-axis collectives and schedules them (what ``autopar dump
-    --after`` shows)."""
+    --after`` shows). ``nodes``: ``(node count, ranks per node)`` of the ranks, so the tensor
+    axis is priced on the links its groups really use (default: all on one node)."""
     after = after or ("rewrite" if rewrite else "plan")
     axes = dense_axes(mesh)
     gm = capture_model(model, example_inputs, dims, example_kwargs, modes=modes)
     start = time.perf_counter()
-    sol, cluster = solve_tensor_axis(gm, axes if plan is None else (), hardware=hardware, memory_budget=memory_budget,
-                          sizes=sizes, dtype=None, pinned=pinned, placements=placements,
-                          sequence_parallel=sequence_parallel)
+    solve_kw = dict(hardware=hardware, memory_budget=memory_budget, sizes=sizes, dtype=None, pinned=pinned,
+                    placements=placements, sequence_parallel=sequence_parallel)
+    sol, cluster = solve_tensor_axis(gm, axes if plan is None else (), nodes=nodes, **solve_kw)
     if plan is None:
         the_plan = plan_of(gm, sol, axes, type(model).__name__, zero_stage=zero_stage or 0, overlap=overlap,
                             bucket_bytes=bucket_bytes, mixed_precision=mixed_precision)
+        if nodes is not None and tp_spans_nodes(axes, nodes):     # what the tensor axis would cost inside a node
+            inside, _ = solve_tensor_axis(gm, axes, nodes=None, **solve_kw)
+            the_plan = replace(the_plan, predicted={**the_plan.predicted, "comm_s_one_node": inside.comm_s,
+                                                    "step_time_s_one_node": inside.time_s})
         the_plan = with_memory(gm, the_plan, cluster, memory_budget, choose_stage=zero_stage is None)
     else:
         the_plan = plan

@@ -61,6 +61,8 @@ class BuildState:
     sizes: dict[str, int] = field(default_factory=dict)
     mesh: Any = None                        # the DeviceMesh over the whole process group
     names: list[str] = field(default_factory=list)
+    node_layout: tuple[int, int] | None = None   # (nodes, ranks per node) when regular (runtime/nodes.py)
+    spans: dict[str, int] = field(default_factory=dict)   # tp / ep axis -> the most nodes one of its groups touches
     device: torch.device | None = None
     schedule: str | None = None             # pipeline settings: given, or the plan's
     microbatches: int | None = None

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+import torch.distributed as dist
+
 from autopar.build.checks import check_fits, check_runtime_dtypes
 from autopar.build.experts import expert_side
 from autopar.build.prepare import capture_model, planned_graph
@@ -42,7 +44,8 @@ def _dense_mesh(s: BuildState) -> None:
                                  group_name=tp_group.group_name if tp_group is not None else "tp",
                                  zero_stage=r.zero_stage, overlap=d.overlap, bucket_bytes=d.bucket_bytes,
                                  mixed_precision=r.mixed_precision, placements=t.placements, modes=True,
-                                 sequence_parallel=t.sequence_parallel)
+                                 sequence_parallel=t.sequence_parallel, nodes=s.node_layout)
+    _warn_tp_across_nodes(s)
     if r.plan is None:
         check_fits(s.gm, s.plan, r.memory_budget, {**graph_info(s.gm).example_sizes, **dict(t.sizes or {})})
     check_runtime_dtypes(r.model, s.gm, s.plan)
@@ -56,6 +59,28 @@ def _dense_mesh(s: BuildState) -> None:
                     f"no parameter has a dimension divisible by {s.plan.tp}")
 
 
+def _warn_tp_across_nodes(s: BuildState) -> None:
+    """A tensor axis whose groups reach past one node: say so on rank 0, with what the simulator
+    prices its communication at on these links and inside one node."""
+    spans = s.spans.get("tp", 1)
+    if spans <= 1 or dist.get_rank() != 0:
+        return
+    p = getattr(s.plan, "predicted", None) or {}
+    cost = ""
+    if "comm_s_one_node" in p:
+        here, inside = p["comm_s"], p["comm_s_one_node"]
+        cost = (f": the simulator prices its tensor-axis communication at {here * 1e3:.3g} ms per step on "
+                f"these links (step {p['step_time_s'] * 1e3:.3g} ms), against {inside * 1e3:.3g} ms "
+                f"(step {p['step_time_s_one_node'] * 1e3:.3g} ms) with every group inside one node" + (
+                    "" if here > inside else " (this hardware profile's inter-node link is priced like its "
+                    "intra-node one; on GPU clusters the inter-node link is several times slower)"))
+    per = s.node_layout[1] if s.node_layout else None
+    log.warning("tp=%d spans %d nodes (a tensor-parallel group's ranks sit on different nodes)%s. Keep tp within "
+                "a node and put the other ranks on dp or pp%s", s.sizes["tp"], spans, cost,
+                f", e.g. {{'dp': {s.sizes.get('dp', 1) * s.sizes['tp'] // per}, 'tp': {per}}}" if per and
+                s.sizes["tp"] % per == 0 and set(s.sizes) <= {"dp", "tp"} else "")
+
+
 def _tensor_axis_alone(s: BuildState) -> None:
     """With a pipeline or experts: the tensor axis's plan on the whole graph, experts pinned whole."""
     r = s.request
@@ -67,6 +92,7 @@ def _tensor_axis_alone(s: BuildState) -> None:
                                       group_name=s.group("tp")[0].group_name, memory_budget=r.memory_budget,
                                       plan=given, pinned=pinned, modes=True)
         s.placements, s.nodes = dict(tp_plan.params), dict(tp_plan.nodes)
+        _warn_tp_across_nodes(s)
     else:
         s.gm = capture_model(r.model, s.capture_args, s.capture_dims, s.capture_kwargs, modes=True)
         # a pipeline stores what the plan does not name whole; the expert build names every tensor

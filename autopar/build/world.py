@@ -8,13 +8,18 @@ every rank take rank 0's parameters and buffers (only the tensors whose checksum
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
 from autopar.build.prepare import device_mesh, model_tensors
 from autopar.build.state import BuildState
+from autopar.runtime.nodes import node_of_ranks, regular_layout, spanning_groups
 from autopar.core.errors import ConfigError, MeshError, PlanFileError
 from autopar.core.mesh import dense_axes, expert_axes, named_axes, names as mesh_names, pipeline_axes
+
+log = logging.getLogger(__name__)
 
 
 def mesh_step(s: BuildState) -> None:
@@ -51,6 +56,14 @@ def mesh_step(s: BuildState) -> None:
     s.sizes = dict(s.axes)
     s.mesh = device_mesh(r.mesh, s.axes)
     s.names = list(mesh_names(s.mesh))
+    nodes = node_of_ranks()
+    s.node_layout = regular_layout(nodes)
+    s.spans = {axis: spanning_groups(s.mesh.mesh, i, nodes) for i, axis in enumerate(s.names)
+               if axis in ("tp", "ep") and s.mesh.size(i) > 1}
+    if s.spans.get("ep", 1) > 1 and dist.get_rank() == 0:
+        log.warning("the expert axis (ep=%d) spans %d nodes: each MoE layer's all-to-all crosses the inter-node "
+                    "link; keep ep x tp within the %s ranks of a node (ep and tp inside a node, dp and pp across)",
+                    s.sizes["ep"], s.spans["ep"], s.node_layout[1] if s.node_layout else "")
     s.device = torch.device(s.mesh.device_type if s.mesh.device_type != "cuda"
                             else f"cuda:{torch.cuda.current_device()}")
 
