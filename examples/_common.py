@@ -128,11 +128,33 @@ def train(model: torch.nn.Module, args, device: torch.device) -> None:
                              example_kwargs={"input_ids": example, "labels": example}, **opts)
     opt = autopar.optimizer(pm, torch.optim.AdamW, lr=args.lr, weight_decay=0.01)
     start = 0
+    shares = autopar.data.batch_share(mesh).count
+    run = {"schedule_steps": args.steps, "global_rows": rows * shares}
     if args.resume:
         state = autopar.load(pm, opt, args.ckpt_dir)
         start = int(state["step"])
+        saved = state["extra"] or {}
         if rank == 0:
             print(f"resumed from {args.ckpt_dir} at step {start}", flush=True)
+        if saved.get("schedule_steps", args.steps) != args.steps:
+            run["schedule_steps"] = saved["schedule_steps"]        # the schedule keeps its length
+            if rank == 0:
+                print(f"NOTE: the learning-rate schedule keeps the length it was saved with "
+                      f"({saved['schedule_steps']} steps); --steps {args.steps} only says where this run stops",
+                      flush=True)
+        want = saved.get("global_rows", rows * shares)
+        if want != rows * shares:
+            per = want // shares
+            if want % shares == 0 and per % m == 0:       # keep the global batch: each share takes its part
+                if rank == 0:
+                    print(f"NOTE: keeping the saved run's global batch of {want} rows per step: {shares} data "
+                          f"share(s) of {per} rows each (the options here gave {rows})", flush=True)
+                rows, micro = per, per // m
+            elif rank == 0:
+                print(f"WARNING: the global batch changes from {want} to {rows * shares} rows per step: {want} rows "
+                      f"do not split into {shares} data share(s) of {m} micro-batch(es)", flush=True)
+            run["global_rows"] = rows * shares
+    schedule = argparse.Namespace(**{**vars(args), "steps": run["schedule_steps"]})
     pipelined = "pp" in mesh
     if rank == 0:
         print(f"mesh {mesh}, {m} micro-batch(es) of {micro} rows per data share, "
@@ -142,7 +164,7 @@ def train(model: torch.nn.Module, args, device: torch.device) -> None:
     for step in range(start, args.steps):
         t0 = time.perf_counter()
         for group in opt.param_groups:
-            group["lr"] = cosine_lr(step, args)
+            group["lr"] = cosine_lr(step, schedule)
         rows_ = next(data).to(device)
         batch = {"input_ids": rows_, "labels": rows_}      # the model shifts the labels itself
         if pipelined:
@@ -166,14 +188,14 @@ def train(model: torch.nn.Module, args, device: torch.device) -> None:
             print(f"step {step + 1:>4}  loss {loss.item():.4f}  "
                   + (f"skipped: fp16 overflow, loss scale now {scaler.scale:g}" if skipped else
                      f"grad norm {norm.item():.3f}")
-                  + f"  lr {cosine_lr(step, args):.2e}  {seconds * 1e3:.0f} ms", flush=True)
+                  + f"  lr {cosine_lr(step, schedule):.2e}  {seconds * 1e3:.0f} ms", flush=True)
             if log:
                 log.write(json.dumps({"step": step + 1, "loss": loss.item(), "grad_norm": norm.item(),
-                                      "lr": cosine_lr(step, args), "step_s": seconds}) + "\n")
+                                      "lr": cosine_lr(step, schedule), "step_s": seconds}) + "\n")
                 log.flush()
         done = step + 1
         if args.ckpt_dir and (done == args.steps or (args.ckpt_every and done % args.ckpt_every == 0)):
-            autopar.save(pm, opt, args.ckpt_dir, step=done)
+            autopar.save(pm, opt, args.ckpt_dir, step=done, extra=run)
             if rank == 0:
                 print(f"saved {args.ckpt_dir} at step {done}", flush=True)
     if log:

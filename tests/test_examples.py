@@ -4,7 +4,9 @@
 resumed from that checkpoint under a cluster plan file (pp=2 x dp=2 on 4 devices, scaled to
 the 2 ranks: two pipeline stages): the resumed step 3 must reproduce the first run's step-3
 loss (same data rows, same learning rate, restored AdamW state; another layout, so to
-round-off). ``train_moe.py`` trains 3 steps with its experts over ``ep=2``. Every step's loss
+round-off); resumed again under ``--mesh dp=2`` with more ``--steps``, it keeps the saved global
+batch (2 rows per share) and schedule length, says so, and step 3 is again the first run's.
+``train_moe.py`` trains 3 steps with its experts over ``ep=2``. Every step's loss
 must be finite, and training must lower it.
 """
 from __future__ import annotations
@@ -63,6 +65,18 @@ def test_train_hf_checkpoints_and_resumes_under_another_layout(tmp_path):
     resumed = losses(tmp_path / "resumed.jsonl")
     assert sorted(resumed) == [3]
     assert resumed[3] == pytest.approx(first[3], rel=1e-5), (resumed, first)
+    # on dp=2 (two data shares where the saved run had one) and asking for more steps: the run keeps its
+    # global batch and its schedule's length, says so, and step 3 is still the first run's step 3
+    shutil.rmtree(ckpt / "step-00000003", ignore_errors=True)
+    (ckpt / "LATEST").write_text("step-00000002\n")
+    out = torchrun("train_hf.py", "--mesh", "dp=2", "--steps", "4", "--ckpt-dir", str(ckpt), "--resume",
+                   "--log-jsonl", str(tmp_path / "wider.jsonl"), cwd=tmp_path)
+    assert "keeping the saved run's global batch of 4 rows per step: 2 data share(s) of 2 rows" in out, out
+    assert "schedule keeps the length it was saved with (3 steps)" in out, out
+    assert "resuming changes the run" in out                 # autopar.load's own warning, on rank 0
+    wider = losses(tmp_path / "wider.jsonl")
+    assert sorted(wider) == [3, 4]
+    assert wider[3] == pytest.approx(first[3], rel=1e-5), (wider, first)
 
 
 def test_train_moe_trains_its_experts_over_an_expert_axis(tmp_path):

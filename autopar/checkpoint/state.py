@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,7 @@ def _groups_of(inner: torch.optim.Optimizer, entries) -> list[dict]:
 # -- save ------------------------------------------------------------------------------------
 @peer_errors()
 def save(model: nn.Module, optimizer: Any, path: str | os.PathLike, *, step: int | None = None,
-         extra: dict | None = None, key: str | bytes | None = None) -> Path:
+         extra: dict | None = None, key: str | bytes | None = None, scheduler: Any = None) -> Path:
     """Write ``model``'s and ``optimizer``'s whole state under ``path`` (every rank calls it).
 
     Returns the new checkpoint directory; ``path/LATEST`` names it once every rank is done,
@@ -84,10 +85,16 @@ def save(model: nn.Module, optimizer: Any, path: str | os.PathLike, *, step: int
     sizes and sha256s, checked by :func:`load`. One save per ``path`` at a time: a second,
     concurrent one raises :class:`CheckpointError` naming the owner of ``path/.autopar-save.lock``.
     With ``key`` (bytes, or a string), the manifest is signed: ``load(..., key=)`` then refuses
-    a checkpoint whose manifest was altered, or signed with another key, or is missing."""
+    a checkpoint whose manifest was altered, or signed with another key, or is missing.
+
+    ``scheduler``: a torch LR scheduler (``LambdaLR``, transformers' schedules ...) whose position
+    :func:`load` restores with ``scheduler=``. The number of data shares the batch is split over is
+    recorded too, so a load under another layout can say that the global batch changes."""
     root, distributed = Path(path), dist.is_initialized()
     secret = integrity.signing_key(key, "autopar.save")
     extra_json = integrity.collectively(lambda: integrity.extra_to_json(extra), distributed)
+    scheduler_json = None if scheduler is None else integrity.collectively(
+        lambda: _scheduler_json(scheduler), distributed)
     name = f"step-{step:08d}" if step is not None else f"ckpt-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**9:09d}"
     if distributed:
         box = [name]
@@ -99,7 +106,8 @@ def save(model: nn.Module, optimizer: Any, path: str | os.PathLike, *, step: int
         objects["autopar/meta"] = {"format": FORMAT, "step": step, "extra_json": extra_json,
                                    "shapes": {k: list(v) for k, v in whole_shapes(model).items()},
                                    "plan": getattr(getattr(model, "plan", None), "mesh", None),
-                                   "world": dist.get_world_size() if distributed else 1}
+                                   "world": dist.get_world_size() if distributed else 1,
+                                   "data_shares": data_shares(model), "scheduler_json": scheduler_json}
         try:
             integrity.write(root, target, tensors, items, objects, distributed, secret)
         except BaseException:
@@ -150,7 +158,44 @@ def _write_items(model: nn.Module, optimizer: Any) -> tuple[dict, list, dict[str
 
 # -- load ------------------------------------------------------------------------------------
 @peer_errors()
-def load(model: nn.Module, optimizer: Any, path: str | os.PathLike, *, key: str | bytes | None = None) -> dict:
+def _scheduler_json(scheduler: Any) -> str:
+    if not hasattr(scheduler, "state_dict") or not hasattr(scheduler, "load_state_dict"):
+        raise CheckpointError("scheduler= takes a torch LR scheduler", where="autopar.save",
+                              got=type(scheduler).__name__, fix="pass the scheduler built on the autopar optimizer")
+    try:
+        return json.dumps(scheduler.state_dict())
+    except (TypeError, ValueError) as e:
+        raise CheckpointError("the scheduler's state_dict() is not plain data", where="autopar.save(scheduler=)",
+                              got=str(e), fix="save its position in extra= instead") from None
+
+
+def data_shares(model: nn.Module) -> int:
+    """How many shares the global batch is split over under ``model``'s plan (1 for a plain module)."""
+    from autopar.data import batch_share
+    try:
+        return batch_share(model, 0).count
+    except Exception:   # noqa: BLE001 - a plain module or a plan without a mesh: one share
+        return 1
+
+
+def _changes(model: nn.Module, meta: dict, scheduler: Any, target: Path) -> list[str]:
+    """What a resume under this layout changes of the saved run, in words (said loudly by :func:`load`)."""
+    said = []
+    saved, now = meta.get("data_shares"), data_shares(model)
+    if isinstance(saved, int) and saved != now:
+        said.append(f"the batch was split over {saved} data share(s) when {target.name} was saved and is over {now} "
+                    f"now: with the same rows per share the global batch is {now / saved:g}x the saved one (and "
+                    f"the rows each step reads change); give each share {saved}/{now} of its rows to keep the run "
+                    f"as it was")
+    if scheduler is not None and not meta.get("scheduler_json"):
+        said.append(f"{target.name} holds no LR scheduler state (saved without scheduler=): the schedule starts "
+                    "again from its beginning; the learning rates in the optimizer's groups are the saved ones until "
+                    "its first step")
+    return said
+
+
+def load(model: nn.Module, optimizer: Any, path: str | os.PathLike, *, key: str | bytes | None = None,
+         scheduler: Any = None) -> dict:
     """Read the newest checkpoint under ``path`` into ``model`` and ``optimizer`` (every rank
     calls it, with the model and optimizer of its current plan, whatever plan saved it).
     Returns ``{"step": ..., "extra": ..., "path": ...}``, step and extra as given to :func:`save`.
@@ -160,6 +205,11 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike, *, key: str 
     directory's ``MANIFEST.json`` (size and sha256; the ranks split the files between them);
     a checkpoint without one (older autopar) loads unverified, with a warning. Anything
     wrong raises the same :class:`CheckpointError` on every rank, naming the file.
+
+    ``scheduler``: the run's LR scheduler, put back where it was (``save(..., scheduler=)``).
+    What this layout changes of the saved run (the global batch, when the data shares differ;
+    a schedule the checkpoint does not hold) is said in a warning on rank 0 and listed under
+    ``"changed"`` in the returned dict.
 
     Two other kinds of directory load weights only (the optimizer's state is left as it is):
     one ``transformers`` wrote (``config.json`` and safetensors; :mod:`autopar.checkpoint.pretrained`)
@@ -264,7 +314,16 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike, *, key: str 
     except (TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"autopar/meta in {target} is unreadable", where="autopar.load", got=str(e),
                               fix="restore the checkpoint from a copy, or load an older one") from None
-    return {"step": meta.get("step"), "extra": extra, "path": target}
+    if scheduler is not None and meta.get("scheduler_json"):
+        try:
+            scheduler.load_state_dict(json.loads(meta["scheduler_json"]))
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            raise CheckpointError("the saved scheduler state does not fit this scheduler", where="autopar.load",
+                                  got=str(e)[:200], fix="pass a scheduler of the kind saved") from None
+    changed = _changes(model, meta, scheduler, target)
+    if changed and (not distributed or dist.get_rank() == 0):
+        warnings.warn("resuming changes the run: " + "; ".join(changed), stacklevel=3)
+    return {"step": meta.get("step"), "extra": extra, "path": target, "changed": changed}
 
 
 def _plain_prefix(model: nn.Module, md: dict) -> str | None:
