@@ -39,7 +39,7 @@ _LAZY = {
     "plan": "autopar.api", "load": "autopar.checkpoint", "save": "autopar.checkpoint",
     "full_state_dict": "autopar.checkpoint.full", "save_pretrained": "autopar.checkpoint.pretrained",
     "init_distributed": "autopar.runtime.health", "clip_grad_norm_": "autopar.clip",
-    "ScaledPlan": "autopar.scaled_plan", "scale_plan": "autopar.scaled_plan",
+    "ScaledPlan": "autopar.scaled_plan", "scale_plan": "autopar.scaled_plan", "Trainer": "autopar.trainer",
 }
 _SUBMODULES = {"checkpoint", "data", "models", "cli", "passes", "cost", "runtime", "build", "core", "summary"}
 
@@ -69,4 +69,5 @@ __all__ = ["AutoparError", "AutoparInternalError", "CaptureError", "CheckpointEr
            "PlanFileError", "ShardingError", "UnsupportedError",
            "DataMode", "DataOptions", "ExpertOptions", "PipelineOptions", "Plan", "TensorOptions", "ScaledPlan",
            "analyze", "capture", "checkpoint", "clip_grad_norm_", "data", "full_state_dict", "init_distributed",
-           "load", "optimizer", "parallelize", "plan", "save", "save_pretrained", "scale_plan", "__version__"]
+           "load", "optimizer", "parallelize", "plan", "save", "save_pretrained", "scale_plan", "Trainer",
+           "__version__"]
