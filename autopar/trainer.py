@@ -173,9 +173,19 @@ class Trainer(transformers.Trainer):
             torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        import shutil
+
+        import torch.distributed as dist
+
         import autopar
-        autopar.save(self.model, self._autopar_optimizer, os.path.join(output_dir, STATE),
-                     step=self.state.global_step, scheduler=self.lr_scheduler)
+        state = os.path.join(output_dir, STATE)
+        # Trainer writes checkpoint-N over an earlier run's (its weights included): so does the state
+        if os.path.isdir(state) and (not dist.is_initialized() or dist.get_rank() == 0):
+            shutil.rmtree(state)
+        if dist.is_initialized():
+            dist.barrier()
+        autopar.save(self.model, self._autopar_optimizer, state, step=self.state.global_step,
+                     scheduler=self.lr_scheduler)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         import autopar
