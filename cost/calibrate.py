@@ -380,6 +380,35 @@ def _measure_links(device: torch.device, plan: dict[str, Any],
     return links
 
 
+def _warm_up(device: torch.device, size: int, seconds: float = 0.2) -> None:
+    """Matmuls until ``seconds`` have passed, untimed: the first products of a process start
+    thread pools and allocators, and timed they read as a device several times slower."""
+    a = torch.randn(size, size, device=device)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        torch.mm(a, a)
+    _sync(device)
+
+
+#: dtypes whose matmul rates differ by more than this are reported as suspect
+PLAUSIBLE_RATIO = 30.0
+
+
+def implausible_rates(flops: dict[str, float], quick: bool) -> str | None:
+    """A note when one dtype's matmul rate is over :data:`PLAUSIBLE_RATIO` times another's (on an
+    H200 bf16 is ~14x fp32 without TF32; more is a timing artefact or a missing fast path)."""
+    if len(flops) < 2:
+        return None
+    fast, slow = max(flops, key=flops.get), min(flops, key=flops.get)
+    ratio = flops[fast] / max(flops[slow], 1e-30)
+    if ratio <= PLAUSIBLE_RATIO:
+        return None
+    return (f"matmul {fast} measured {ratio:.0f}x faster than {slow} ({flops[fast] / 1e9:.1f} vs "
+            f"{flops[slow] / 1e9:.1f} GFLOP/s), more than a device's dtypes differ: {slow} has no fast path "
+            "here, or the timing is noise" + (" (a --quick run's sizes are small: rerun without --quick)" if quick
+                                             else "") + "; the planner uses these rates as measured")
+
+
 def calibrate(device: str = "auto", *, out: str | None = None, quick: bool = False) -> dict:
     """Measure this machine and return (and, with ``out``, write) a hardware profile dict.
 
@@ -392,10 +421,12 @@ def calibrate(device: str = "auto", *, out: str | None = None, quick: bool = Fal
     _log(f"device {target}, {'quick' if quick else 'full'} run, torch {torch.__version__}")
     flops: dict[str, float] = {}
     matmul: dict[str, dict[str, float]] = {}
+    _warm_up(target, max(plan["matmul_sizes"]))
     for dtype in _DTYPES:
         rates = measure_matmul(target, dtype, plan["matmul_sizes"], plan["repeats"])
         if rates:
             matmul[dtype], flops[canonical_dtype(dtype)] = rates, max(rates.values())
+    odd = implausible_rates(flops, quick)
     attention: dict[str, float] = {}
     for dtype in ("bf16", "fp32") if target.type == "cuda" else ("fp32",):
         rate = measure_attention(target, dtype, plan["attention_shape"], plan["repeats"])
@@ -403,7 +434,9 @@ def calibrate(device: str = "auto", *, out: str | None = None, quick: bool = Fal
             attention[canonical_dtype(dtype)] = rate
     bandwidth = measure_memory(target, plan["memory_bytes"], plan["repeats"])
     overhead = measure_kernel_overhead(target, plan["overhead_count"])
-    notes: list[str] = []
+    notes: list[str] = [odd] if odd else []
+    if odd:
+        _log("NOTE: " + odd)
     links = _measure_links(target, plan, notes)
     spec = build_device_spec(target, flops, bandwidth, overhead, attention)
     measurements = {"matmul_flops_per_s": matmul, "attention_flops_per_s": attention, "copy_bandwidth": bandwidth,

@@ -106,3 +106,11 @@ def test_gpu_names_find_their_datasheet_profile():
                      "AMD Instinct MI300X": "mi300x-192gb", "NVIDIA B200": "b200-180gb",
                      # other parts than the datasheet's: measured rates become their peaks
                      "NVIDIA H100 PCIe": None, "NVIDIA H100 NVL": None, "NVIDIA GeForce RTX 4090": None}
+
+
+def test_dtype_rates_too_far_apart_are_said():
+    from autopar.cost.calibrate import PLAUSIBLE_RATIO, implausible_rates
+    assert implausible_rates({"fp32": 50e9, "bf16": 700e9}, quick=False) is None           # an H200's 14x
+    note = implausible_rates({"fp32": 2e9, "bf16": 400e9}, quick=True)
+    assert note and "200x faster than fp32" in note and "rerun without --quick" in note
+    assert implausible_rates({"fp32": 1e9, "bf16": PLAUSIBLE_RATIO * 1e9 * 1.01}, quick=False)
