@@ -74,7 +74,7 @@ def test_report_and_save_plan_for_every_mode(capsys, tmp_path, pp):
     page = html.read_text()
     shown = re.search(r"planner time</th><td>([^<]+)</td>", page).group(1)
     assert shown != "0 us" and float(shown.split()[0]) > 0, shown
-    assert "<th>ep</th>" in page and "Alternatives" in page
+    assert "<th>expert parallel</th>" in page and "Alternatives" in page
     notes = [line[4:] for line in text.splitlines() if line.startswith("  - ")]
     assert notes and all(n.replace("'", "&#x27;").replace('"', "&quot;") in page for n in notes)
     p = SavedPlan.load(saved)           # what `autopar train --plan` reads

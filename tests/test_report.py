@@ -169,3 +169,19 @@ def test_write_report(tmp_path):
     text = path.read_text(encoding="utf-8")
     assert text == render_report(**kw)
     assert "plan — ünïcode" in text
+
+
+def test_alternatives_are_sorted_and_say_what_differs():
+    chosen = example_plan()
+    slow = alternative(64, 2, 8, 21.3, 71.0e9, "slower")
+    fast = alternative(128, 8, 1, 15.0, 95.1e9, "over memory")
+    page = render_report(**report_kwargs(alternatives=[slow, fast]))
+    assert page.index("15.0 s") < page.index("21.3 s")                       # fastest first
+    assert f"tensor parallel {chosen['degrees']['tp']} → 8" in page and "pipeline stages 8 → 1" in page
+    assert "<th>differs from the chosen plan</th>" in page and "<th>op</th>" not in page   # words, not keys
+
+
+def test_wide_tables_scroll_inside_the_page():
+    page = render_report(**report_kwargs())
+    assert page.count('<div class="scroll"><table>') >= 3          # every data table in its own scroller
+    assert ".scroll { max-width: 100%; overflow-x: auto; }" in page and "overflow-wrap: anywhere" in page

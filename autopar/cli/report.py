@@ -17,13 +17,16 @@ MEMORY_COLORS = {"params": "#4e79a7", "grads": "#f28e2b", "optimizer": "#59a14f"
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 72em; color: #222; }
 h1 { font-size: 1.6em; } h2 { font-size: 1.25em; border-bottom: 1px solid #ccc; margin-top: 1.8em; }
-table { border-collapse: collapse; margin: 0.5em 0; }
-th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: left; font-size: 0.92em; }
+table { border-collapse: collapse; margin: 0.5em 0; max-width: 100%; }
+.scroll { max-width: 100%; overflow-x: auto; }
+th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: left; font-size: 0.92em;
+         overflow-wrap: anywhere; }
 th { background: #f4f4f4; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 table.summary th { width: 14em; }
 code { font-size: 0.95em; }
-.timeline { overflow-x: auto; }
+.timeline { max-width: 100%; overflow-x: auto; }
+svg { max-width: none; }
 """
 
 
@@ -60,7 +63,7 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[object]], numeric: It
         cells = "".join(f'<td class="num">{_e(c)}</td>' if i in numeric else f"<td>{_e(c)}</td>"
                         for i, c in enumerate(row))
         body.append(f"<tr>{cells}</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table></div>'
 
 
 def _section(heading: str, body: str) -> str:
@@ -153,24 +156,48 @@ def stage_table(stages: list[dict]) -> str:
     return _table(["stage", "device", "layers", "time", "memory"], rows, numeric=[0, 1, 3, 4])
 
 
+#: a block row's keys and the words the page shows for them
+BLOCK_COLUMNS = (("name", "graph node"), ("op", "operation"), ("module", "module"), ("shape", "output shape"),
+                 ("placement", "placement on the tensor axis"), ("collective", "communication"))
+
+
 def block_table(block_rows: list[dict]) -> str:
     if not block_rows:
         return "<p>no block nodes</p>"
-    keys = ("name", "op", "module", "shape", "placement", "collective")
-    return _table(keys, [[r.get(k, "") for k in keys] for r in block_rows])
+    return _table([w for _, w in BLOCK_COLUMNS], [[r.get(k, "") for k, _ in BLOCK_COLUMNS] for r in block_rows])
 
 
-ALTERNATIVE_HEADERS = ("dp", "tp", "pp", "ep", "ZeRO", "mb", "schedule", "recompute", "step", "memory", "why not")
+ALTERNATIVE_HEADERS = ("data parallel", "tensor parallel", "pipeline stages", "expert parallel", "ZeRO stage",
+                       "micro-batch", "schedule", "recompute", "step time", "memory per device",
+                       "differs from the chosen plan", "why not chosen")
+_COMPARED = (("dp", "data parallel"), ("tp", "tensor parallel"), ("pp", "pipeline stages"), ("ep", "expert parallel"))
 
 
-def alternatives_table(alternatives: list[dict]) -> str:
-    """The other configurations, one row each (an empty table, headers kept, when there are none)."""
+def _differences(a: dict, chosen: dict | None) -> str:
+    """What sets alternative ``a`` apart from the chosen plan, e.g. ``tensor parallel 4 → 8``."""
+    if chosen is None:
+        return ""
+    out = []
+    mine, theirs = a.get("degrees", {}), chosen.get("degrees", {})
+    for key, words in _COMPARED:
+        if mine.get(key, 1) != theirs.get(key, 1):
+            out.append(f"{words} {theirs.get(key, 1)} → {mine.get(key, 1)}")
+    for key, words in (("zero_stage", "ZeRO"), ("micro_batch_size", "micro-batch"), ("schedule", "schedule"),
+                       ("recompute", "recompute")):
+        if key in a and key in chosen and a[key] != chosen[key]:
+            out.append(f"{words} {chosen[key]} → {a[key]}")
+    return ", ".join(out) or "same layout"
+
+
+def alternatives_table(alternatives: list[dict], chosen: dict | None = None) -> str:
+    """The other configurations, fastest first, one row each with what differs from the chosen
+    plan (an empty table, headers kept, when there are none)."""
     rows = []
-    for a in alternatives:
+    for a in sorted(alternatives, key=lambda a: a["predicted"]["step_time_s"]):
         d, p = a["degrees"], a["predicted"]
         rows.append((d.get("dp", 1), d.get("tp", 1), d.get("pp", 1), d.get("ep", 1), a["zero_stage"],
                      a["micro_batch_size"], a["schedule"], a["recompute"], fmt_seconds(p["step_time_s"]),
-                     fmt_gb(p["peak_memory_bytes"]), a.get("reason", "")))
+                     fmt_gb(p["peak_memory_bytes"]), _differences(a, chosen), a.get("reason", "")))
     table = _table(ALTERNATIVE_HEADERS, rows, numeric=[0, 1, 2, 3, 4, 5, 8, 9])
     return table if rows else table + "\n<p>no alternatives recorded</p>"
 
@@ -191,7 +218,7 @@ def render_report(*, title: str, plan: dict, alternatives: list[dict], timeline_
         _section("Pipeline timeline", f'<div class="timeline">{timeline_svg}</div>'),
         _section("Stage map", stage_table(stages)),
         _section("Annotated graph of one block class", block_table(block_rows)),
-        _section("Alternatives", alternatives_table(alternatives)),
+        _section("Alternatives", alternatives_table(alternatives, plan)),
         _section("Notes", notes_list(notes)),
     ]
     return ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\"/>\n"
