@@ -184,4 +184,4 @@ def test_alternatives_are_sorted_and_say_what_differs():
 def test_wide_tables_scroll_inside_the_page():
     page = render_report(**report_kwargs())
     assert page.count('<div class="scroll"><table>') >= 3          # every data table in its own scroller
-    assert ".scroll { max-width: 100%; overflow-x: auto; }" in page and "overflow-wrap: anywhere" in page
+    assert ".scroll { max-width: 100%; overflow-x: auto; }" in page and "td { overflow-wrap: break-word; }" in page

@@ -185,8 +185,8 @@ def _changes(model: nn.Module, meta: dict, scheduler: Any, target: Path) -> list
     if isinstance(saved, int) and saved != now:
         said.append(f"the batch was split over {saved} data share(s) when {target.name} was saved and is over {now} "
                     f"now: with the same rows per share the global batch is {now / saved:g}x the saved one (and "
-                    f"the rows each step reads change); give each share {saved}/{now} of its rows to keep the run "
-                    f"as it was")
+                    f"the rows each step reads change); give each share {saved / now:g}x the rows it had to keep "
+                    f"the run as it was")
     if scheduler is not None and not meta.get("scheduler_json"):
         said.append(f"{target.name} holds no LR scheduler state (saved without scheduler=): the schedule starts "
                     "again from its beginning; the learning rates in the optimizer's groups are the saved ones until "

@@ -19,8 +19,8 @@ body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 72em; co
 h1 { font-size: 1.6em; } h2 { font-size: 1.25em; border-bottom: 1px solid #ccc; margin-top: 1.8em; }
 table { border-collapse: collapse; margin: 0.5em 0; max-width: 100%; }
 .scroll { max-width: 100%; overflow-x: auto; }
-th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: left; font-size: 0.92em;
-         overflow-wrap: anywhere; }
+th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: left; font-size: 0.92em; }
+td { overflow-wrap: break-word; }
 th { background: #f4f4f4; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 table.summary th { width: 14em; }
@@ -79,6 +79,14 @@ def _schedule_text(plan: dict) -> str:
     return f"{plan['schedule']} ({v} virtual stages per device)" if v and v > 1 else str(plan["schedule"])
 
 
+#: the simulator's step parts, in words
+PART_WORDS = {"pipeline_s": "pipeline: compute, stage sends and bubbles", "dp_comm_s": "data-parallel communication",
+              "optimizer_s": "optimizer step", "tp_comm_per_block_s": "tensor-parallel communication, one block",
+              "block_fwd_s": "one block's forward", "block_bwd_s": "one block's backward",
+              "p2p_s": "one stage-to-stage send", "ep_comm_s": "expert all-to-all", "compute_s": "compute",
+              "comm_s": "communication"}
+
+
 def plan_summary(plan: dict) -> str:
     """Key/value table of the chosen configuration and its predictions."""
     p = plan["predicted"]
@@ -105,7 +113,8 @@ def plan_summary(plan: dict) -> str:
         rows.append(("configurations scored", plan["configurations_scored"]))
     body = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows)
     parts = p.get("parts_s", {})
-    detail = _table(["part", "time"], [(k, fmt_seconds(v)) for k, v in parts.items()], numeric=[1]) if parts else ""
+    detail = _table(["part of the step", "time"], [(PART_WORDS.get(k, k), fmt_seconds(v)) for k, v in parts.items()],
+                    numeric=[1]) if parts else ""
     return f'<table class="summary"><tbody>{body}</tbody></table>\n{detail}'
 
 
@@ -182,8 +191,9 @@ def _differences(a: dict, chosen: dict | None) -> str:
     for key, words in _COMPARED:
         if mine.get(key, 1) != theirs.get(key, 1):
             out.append(f"{words} {theirs.get(key, 1)} → {mine.get(key, 1)}")
-    for key, words in (("zero_stage", "ZeRO"), ("micro_batch_size", "micro-batch"), ("schedule", "schedule"),
-                       ("recompute", "recompute")):
+    for key, words in (("zero_stage", "ZeRO"), ("micro_batch_size", "micro-batch"),
+                       ("microbatches", "micro-batches per step"), ("schedule", "schedule"),
+                       ("virtual_stages", "virtual stages"), ("recompute", "recompute")):
         if key in a and key in chosen and a[key] != chosen[key]:
             out.append(f"{words} {chosen[key]} → {a[key]}")
     return ", ".join(out) or "same layout"
