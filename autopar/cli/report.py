@@ -167,7 +167,7 @@ def stage_table(stages: list[dict]) -> str:
 
 #: a block row's keys and the words the page shows for them
 BLOCK_COLUMNS = (("name", "graph node"), ("op", "operation"), ("module", "module"), ("shape", "output shape"),
-                 ("placement", "placement on the tensor axis"), ("collective", "communication"))
+                 ("placement", "placement on the tensor axis"), ("collective", "split strategy"))
 
 
 def block_table(block_rows: list[dict]) -> str:
