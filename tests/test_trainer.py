@@ -4,7 +4,8 @@ A tiny ``transformers`` Llama in float64 trains 5 SGD steps under Trainer's cosi
 with warm-up, weight decay, gradient clipping and per-step logging, on the same rows in order
 (``train_sampling_strategy="sequential"``): once with plain ``transformers.Trainer`` in one
 process (4 rows per step), and with ``autopar.Trainer`` on 2 ranks as dp=2 (2 rows per data
-share) and as tp=2 (weights split, asserted). Every logged loss (Trainer keeps it in float32:
+share) and as tp=2 (weights split, asserted), and dp=2 with one row per share accumulated over two
+micro-steps. Every logged loss (Trainer keeps it in float32:
 1e-6), learning rate and gradient norm must equal the single-process run's; ``save_model`` then
 writes a directory ``from_pretrained`` loads with the trained weights (float64: 1e-8 of the
 single-process run's); a checkpoint (``save_steps``) holds the
@@ -66,9 +67,11 @@ def _case(rank: int, world: int, root: str) -> dict:
     # as torchrun starts a rank: Trainer and accelerate then run in their distributed mode (MULTI_CPU)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     out = {}
-    for name, mesh, rows, opts in (("dp", {"dp": 2}, ROWS // 2, {}), ("tp", {"tp": 2}, ROWS, {"memory_budget": 1})):
+    for name, mesh, rows, opts in (("dp", {"dp": 2}, ROWS // 2, {}), ("tp", {"tp": 2}, ROWS, {"memory_budget": 1}),
+                                   ("accumulated", {"dp": 2}, ROWS // 4, {})):
         model = hf_tiny.build("llama", torch.float64)
-        extra = dict(save_strategy="steps", save_steps=3) if name == "tp" else {}
+        extra = dict(save_strategy="steps", save_steps=3) if name == "tp" else \
+            dict(gradient_accumulation_steps=2) if name == "accumulated" else {}
         trainer = autopar.Trainer(model, _args(f"{root}/{name}", rows, **extra), mesh=mesh,
                                   parallelize_options=opts, train_dataset=Rows())
         trainer.train()
@@ -93,7 +96,7 @@ def runs(tmp_path_factory):
     return ranks, _reference(str(root / "single")), root
 
 
-@pytest.mark.parametrize("name", ["dp", "tp"])
+@pytest.mark.parametrize("name", ["dp", "tp", "accumulated"])
 def test_trainer_logs_what_one_process_logs(runs, name):
     ranks, (want, _), _ = runs
     got = ranks[0][name]["logged"]
