@@ -87,3 +87,55 @@ def test_full_state_dict_is_the_models_whole_state(ranks, name):
         assert torch.allclose(t, v, rtol=TOL, atol=TOL), (k, (t - v).abs().max().item() if v.is_floating_point() else "")
     if name == "tp":
         assert got["split"] >= 4, got["split"]          # weights really were split
+
+
+def _products(rank: int, world: int, root: str) -> dict:
+    """pp=2 x tp=2 (a stage's tensor-axis shards, whole on no rank) and dp=2 x tp=2 ZeRO-3,
+    trained as above; rank 0's gathered dict, and a save_pretrained directory of the first."""
+    torch.set_num_threads(1)
+    out = {}
+    for name, mesh, kw in (("pp_tp", {"pp": 2, "tp": 2}, {}), ("dp_tp", {"dp": 2, "tp": 2}, dict(zero_stage=3, memory_budget=1))):
+        model, data = hf_tiny.build("gpt2", torch.float64), hf_tiny.batch(rows=4, seq=8)
+        share = (rank // 2) % mesh.get("dp", 1)
+        part = {k: v.chunk(2)[share] for k, v in data.items()} if "dp" in mesh else data
+        pm = autopar.parallelize(model, mesh, example_kwargs=part, **kw)
+        opt = autopar.optimizer(pm, torch.optim.SGD, lr=0.1, momentum=0.9)
+        for _ in range(STEPS):
+            if "pp" in mesh:
+                pm.step(**part)
+            else:
+                pm(**part).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        split = [f for f, _ in pm.named_parameters() if str(pm.placement_of(f)).startswith("S(")]
+        full = autopar.full_state_dict(pm)
+        if name == "pp_tp":
+            autopar.save_pretrained(pm, f"{root}/pp_tp")
+        out[name] = {"split": split, "values": full}
+    return out
+
+
+@pytest.fixture(scope="module")
+def products(tmp_path_factory):
+    root = tmp_path_factory.mktemp("products")
+    return run_ranks(_products, 4, str(root), timeout_s=400), root
+
+
+@pytest.mark.parametrize("name", ["pp_tp", "dp_tp"])
+def test_full_state_dict_on_product_meshes(products, name):
+    want = _reference()
+    ranks, _ = products
+    got = ranks[0][name]["values"]
+    assert sorted(got) == sorted(want) and all(r[name]["values"] == {} for r in ranks[1:])
+    assert ranks[0][name]["split"], "weights really were split on the tensor axis"
+    for k, v in want.items():
+        assert torch.allclose(got[k], v, rtol=TOL, atol=TOL), k
+
+
+def test_save_pretrained_from_a_pipeline_of_tensor_shards(products):
+    import transformers
+    _, root = products
+    got = transformers.AutoModelForCausalLM.from_pretrained(root / "pp_tp", dtype=torch.float64)
+    for k, v in _reference().items():
+        assert torch.allclose(got.state_dict()[k], v, rtol=TOL, atol=TOL), k
+    assert got.lm_head.weight is got.transformer.wte.weight

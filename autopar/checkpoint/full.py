@@ -46,7 +46,11 @@ def full_state_dict(module: Any) -> dict[str, torch.Tensor]:
     device = torch.device("cpu")
     # per key: 0 if this rank does not hold it, else 1 + the index of its dtype
     whole = {k for k, v in mine.items() if k in shapes and tuple(v.shape) == tuple(shapes[k]) and v.dtype in _DTYPES}
-    held = torch.tensor([1 + _DTYPES.index(mine[k].dtype) if k in whole else 0 for k in keys], dtype=torch.int64)
+    # and the boxes of the keys this rank holds only in part (a pipeline stage's tensor-axis shards)
+    parts = _pieces(module, shapes, whole)
+    held = torch.tensor([[1 + _DTYPES.index(mine[k].dtype) if k in whole else 0 for k in keys],
+                         [1 + _DTYPES.index(parts[k][0].dtype) if k in parts else 0 for k in keys]],
+                        dtype=torch.int64)
     if distributed:
         device = collective_device()
         table = [torch.empty_like(held, device=device) for _ in range(dist.get_world_size())]
@@ -54,11 +58,20 @@ def full_state_dict(module: Any) -> dict[str, torch.Tensor]:
         table = [t.cpu() for t in table]
     else:
         table = [held]
-    owner = {}
+    owner, assembled = {}, {}
     for i, k in enumerate(keys):
-        who = next((r for r, t in enumerate(table) if t[i] > 0), None)
+        who = next((r for r, t in enumerate(table) if t[0, i] > 0), None)
         if who is not None:
-            owner[k] = (who, _DTYPES[int(table[who][i]) - 1])
+            owner[k] = (who, _DTYPES[int(table[who][0, i]) - 1])
+            continue
+        some = next((r for r, t in enumerate(table) if t[1, i] > 0), None)
+        if aliases.get(k) in assembled:          # a tied second name of a tensor assembled above
+            assembled[k] = assembled[aliases[k]]
+            owner[k] = (0, assembled[k].dtype)
+        elif some is not None:          # nobody holds it whole: assembled from every rank's boxes
+            assembled[k] = _assemble(parts.get(k), tuple(shapes[k]), _DTYPES[int(table[some][1, i]) - 1],
+                                     device, distributed)
+            owner[k] = (0, assembled[k].dtype)
     missing = [k for k in keys if k not in owner]
     if missing:
         raise CheckpointError(f"{len(missing)} entries of the model's state dict are held by no rank",
@@ -69,6 +82,10 @@ def full_state_dict(module: Any) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for k in keys:
         who, dtype = owner[k]
+        if k in assembled:
+            if rank == 0:
+                out[k] = assembled[k].cpu().clone()
+            continue
         if who == 0:
             if rank == 0:
                 out[k] = mine[k].cpu().clone()
@@ -80,6 +97,33 @@ def full_state_dict(module: Any) -> dict[str, torch.Tensor]:
             dist.recv(buf, src=who)
             out[k] = buf.cpu()
     return out if rank == 0 else {}
+
+
+def _pieces(module: Any, shapes: dict, whole: set) -> dict[str, tuple[torch.Tensor, list]]:
+    """key -> (a local tensor, its boxes ``(whole offsets, sizes, view)``) for the entries this
+    rank holds but not whole, from the checkpoint layout (:func:`autopar.checkpoint.layout.model_entries`)."""
+    from autopar.checkpoint.layout import model_entries
+    out = {}
+    for key, lay, t in model_entries(module):
+        if key in shapes and key not in whole and t.dtype in _DTYPES:
+            out[key] = (t, lay.pieces(t.detach()))
+    return out
+
+
+def _assemble(mine: tuple | None, shape: tuple, dtype: torch.dtype, device: torch.device,
+              distributed: bool) -> torch.Tensor:
+    """The whole tensor from every rank's boxes of it: each rank fills what it holds into a
+    tensor of the lowest value its dtype has, and an all-reduce takes the maximum (replicas hold
+    equal values, so the result is exact, with no arithmetic on them). Every rank calls it."""
+    work = torch.uint8 if dtype == torch.bool else dtype
+    lowest = -torch.inf if work.is_floating_point or work.is_complex else torch.iinfo(work).min
+    buf = torch.full(shape, lowest, dtype=work, device=device)
+    if mine is not None:
+        for offsets, sizes, view in mine[1]:
+            buf[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))] = view.to(device=device, dtype=work)
+    if distributed:
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+    return buf.to(dtype)
 
 
 __all__ = ["full_state_dict"]
