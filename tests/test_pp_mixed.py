@@ -15,9 +15,9 @@ masters equal the reference's (measured: bit for bit; ``EXACT`` leaves room for 
 reordering and none for one bf16 rounding, which accumulating the micro-batches or reducing
 over dp in bf16 would add). With experts, an expert's owner multiplies every ep rank's rows
 in one bf16 product where the reference makes one per share, so activations and gradients
-differ by bf16 roundings: ``BF16_TOL`` allows 1 % of the largest update (about 2.5 bf16 ulps
-of a gradient; measured at most 0.25 %), while bf16 masters or an unaveraged expert gradient
-miss by tens of percent. Errors are relative to the largest change the reference made to any
+differ by bf16 roundings: ``BF16_TOL`` allows 1 % of the largest update with torch's AVX2 CPU
+kernels (about 2.5 bf16 ulps of a gradient; measured at most 0.25 %) and 8 % with its AVX512 ones
+(measured 4 %), while bf16 masters or an unaveraged expert gradient miss by tens of percent. Errors are relative to the largest change the reference made to any
 weight.
 
 Each case also checks what it claims: the masters and optimizer state are fp32, the stage (or
@@ -43,7 +43,15 @@ from autopar.runtime.dp import shard_range
 from autopar.runtime.launch import run_ranks
 
 STEPS, LR = 3, 0.1
-EXACT, BF16_TOL = 1e-6, 1e-2      # of the largest update; see the module docstring
+# With experts the two runs differ by bf16 roundings of products over different row counts
+# (module docstring), by how much depends on torch's CPU kernels for this machine: with its AVX2
+# kernels at most 0.25 % of the largest update (the loss 2e-5 relative), with its AVX512 ones
+# 4.0 % (the loss 1.2e-4; ATEN_CPU_CAPABILITY=avx2 on the same machine gives the former). Either
+# stays well under what a bf16 master or an unaveraged expert gradient misses by (tens of percent).
+_AVX512 = torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512")
+EXACT = 1e-6                                      # of the largest update; see the module docstring
+BF16_TOL = 8e-2 if _AVX512 else 1e-2              # the same, with experts
+LOSS_BF16_TOL = 3e-4 if _AVX512 else 1e-4         # the loss with experts, relative
 BF16 = torch.bfloat16
 SMALL = {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "vocab": 64, "max_seq": 16}
 MOE = {**SMALL, "experts": 4, "top_k": 2, "capacity_factor": 4.0}   # no token is ever dropped
@@ -283,7 +291,7 @@ def test_mixed_precision_cases(worlds, world, i):
             # a pipeline returns the global batch's token mean (every share holds as many tokens);
             # one graph returns the output, and the test's own loss on it is its share's
             expect = sum(want) / len(want) if "pp" in mesh else want[r["share"]]
-            assert abs(got - expect) <= (1e-4 if experts else 1e-6) * abs(expect)
+            assert abs(got - expect) <= (LOSS_BF16_TOL if experts else EXACT) * abs(expect), (got, expect)
         assert _error(r, ref) < (BF16_TOL if experts else EXACT), (mesh, opts, _error(r, ref))
         assert {m[0].dtype for m in r["masters"].values()} == {torch.float32} and r["state"] == {torch.float32}
         assert r["params"] == {BF16}
