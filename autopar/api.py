@@ -86,6 +86,9 @@ def _records_model(fn):
             pm = fn(model, *args, **kwargs)
         refuse_replaced_parameters(model, (pm, *getattr(pm, "stages", ())))
         pm.global_shapes, pm.param_aliases = shapes, aliases
+        if hasattr(pm, "whole_state"):     # a pipeline: state_dict() is the whole model's on every rank
+            from autopar.checkpoint.full import every_rank_state_dict, load_whole_state_dict
+            pm.whole_state = (every_rank_state_dict, load_whole_state_dict)
         config = getattr(model, "config", None)       # a transformers model: what save_pretrained writes
         pm.pretrained_source = ((config, getattr(model, "generation_config", None))
                                 if hasattr(config, "save_pretrained") else None)

@@ -56,16 +56,23 @@ class OpCosts:
 
 
 def const_nodes(gm: fx.GraphModule) -> set[fx.Node]:
-    """Ops whose value depends on parameters, buffers and constants only (no user input)."""
+    """Ops whose value depends on parameters, buffers and constants only (no user input). An op
+    that writes its input in place (BatchNorm's ``num_batches_tracked.add_(1)``) is not one:
+    a stage recomputes constants it needs, and this must run once, in one stage."""
     out: set[fx.Node] = set()
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             if info(node).kind in ("param", "buffer", "constant"):
                 out.add(node)
         elif node.op in ("call_function", "get_attr"):
-            if all(a in out for a in node.all_input_nodes):
+            if all(a in out for a in node.all_input_nodes) and not _writes_in_place(node):
                 out.add(node)
     return out
+
+
+def _writes_in_place(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and schema.is_mutable
 
 
 def op_costs(gm: fx.GraphModule, *, node_time: Callable[[fx.Node], float],

@@ -14,8 +14,10 @@ backward of every micro-batch; ``loss_fn(output, target_chunk)`` on the last sta
 scaled by 1/micro-batches so they are those of the mean loss), then sums the gradients of
 parameters held by several stages (a tied embedding and head) over the pipeline axis and
 averages every gradient over the data axis. The loss returned on every rank is the mean of
-the micro-batch losses. ``state_dict()`` holds this rank's parameters under the original keys;
-the union over pipeline ranks is the whole model's.
+the micro-batch losses. ``local_state_dict()`` holds this rank's parameters and buffers under the
+original keys (the union over pipeline ranks is the whole model's); ``state_dict()`` is the whole
+model's on every rank (a collective, through the functions :func:`autopar.parallelize` sets in
+``whole_state``), and ``load_state_dict`` takes a whole one.
 
 Under mixed precision (``compute_dtype`` bf16 or fp16) the stages hold 16-bit parameters and
 run forward (and the loss) under autocast; activations and their gradients travel between
@@ -88,7 +90,8 @@ class StageModule(nn.Module):
                 set_tensor(self, fqn, nn.Parameter(local, requires_grad=trainable.get(fqn, True)))
             else:
                 set_tensor(self, fqn, local, buffer=True, persistent=fqn not in ginfo.transient_buffers)
-        self._mutated = _mutated_inputs(sg.gm)   # received values the stage writes in place
+        # received values the stage writes in place (its own buffers, BatchNorm's counter, are written as they are)
+        self._mutated = [i for i in _mutated_inputs(sg.gm) if sg.order[i][0] == "act"]
 
     @property
     def graph_module(self) -> fx.GraphModule:
@@ -283,6 +286,12 @@ class PipelineModule(nn.Module):
         self._pipe_stages = [PipeStage(st, st.index, num_stages, device, input_args=ins, output_args=outs,
                                     group=pp_group, on_last_backward=self._stage_done, on_backward=collect)
                              for st, (ins, outs) in zip(stages, examples)]
+        # this rank's own entries (its stages'), before the hooks below make ZeRO-3 pieces whole
+        self._local_keys = frozenset(nn.Module.state_dict(self, keep_vars=True))
+        # set by autopar.parallelize (autopar/checkpoint/full.py): the whole state dict on every
+        # rank, and loading one; state_dict() and load_state_dict() use them when set
+        self.whole_state: tuple[Callable, Callable] | None = None
+        self.collective_wait_s = 60.0    # how long state_dict() waits for the other ranks before raising
         if pieces:
             self._register_state_dict_hook(_whole_pieces)
             self._register_load_state_dict_pre_hook(self._to_pieces)
@@ -369,6 +378,33 @@ class PipelineModule(nn.Module):
             value, data = state_dict[key], self._axis_of(fqn)
             if data is not None and isinstance(value, torch.Tensor) and value.shape != data.pieces[fqn].shape:
                 state_dict[key] = data.piece_of(value)
+
+    def local_state_dict(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+        """This rank's stages' entries under the original keys, as this rank holds them (a ZeRO-3
+        piece made whole on the tensor axis; a tensor-axis shard as this rank's part)."""
+        return nn.Module.state_dict(self, keep_vars=keep_vars)
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """Every entry of the original model's state dict, whole, on every rank (as a model on one
+        process gives it): this rank's own entries as it holds them, the other stages' sent by
+        their ranks. A collective: every rank calls it (a rank calling alone gets a
+        PeerFailureError after ``collective_wait_s``). :meth:`local_state_dict` is this rank's part."""
+        if self.whole_state is None or args:
+            return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        from autopar.runtime.agreement import rendezvous
+        rendezvous(dist.group.WORLD.group_name, "PipelineModule.state_dict()", self.collective_wait_s)
+        out = destination if destination is not None else {}
+        for key, value in self.whole_state[0](self, keep_vars).items():
+            out[prefix + key] = value
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Takes the whole model's state dict (what :meth:`state_dict` returns, or the original
+        model's): each rank copies its own boxes of it; or this rank's own entries
+        (:meth:`local_state_dict`)."""
+        if self.whole_state is not None and not set(state_dict) <= self._local_keys:
+            return self.whole_state[1](self, state_dict, strict)
+        return super().load_state_dict(state_dict, strict, assign)
 
     def placement_of(self, fqn: str):
         """How a parameter is stored on the tensor axis (``Replicate`` without one)."""

@@ -132,7 +132,7 @@ def _held(kind: str, pm, opt) -> dict:
     for fqn, v in pm.state_dict().items():
         if hasattr(v, "full_tensor"):   # a tensor-axis DTensor: assembled whole by torch
             out[f"model/{fqn}"] = (v.full_tensor().detach().clone(), ("whole",))
-        elif kind == "ep":              # experts gathered from every ep rank: whole, as the model's
+        elif kind in ("ep", "pp"):      # experts gathered from every ep rank, every stage's entries: whole
             out[f"model/{fqn}"] = (v.detach().clone(), ("whole",))
         else:
             out[f"model/{fqn}"] = (v.detach().clone(), where(fqn, v))

@@ -6,6 +6,11 @@ and pp=2 (the planner's schedule), beside one process. On rank 0 the gathered di
 the model's keys (the tied second name included), every tensor whole and equal to one
 process's, and loads into a fresh model with ``strict=True``; every other rank gets ``{}``.
 One world of 2 ranks runs every case.
+
+Under a pipeline ``pm.state_dict()`` itself is the whole model's, on every rank (pp=2, and pp=2 x
+tp=2 where a stage holds tensor-axis shards): the model's keys, every tensor whole and equal to
+one process's; ``pm.local_state_dict()`` is the rank's own part; ``pm.load_state_dict`` takes a
+whole state dict (another model's, strict) and each rank keeps its boxes of it.
 """
 from __future__ import annotations
 
@@ -45,9 +50,10 @@ def _case(mesh: dict, **kw) -> dict:
         opt.step()
         opt.zero_grad()
     full = autopar.full_state_dict(pm)
+    whole = _pipeline_state(pm) if "pp" in mesh else None
     split = sum(1 for f, _ in pm.named_parameters() if str(pm.placement_of(f)).startswith("S(")) \
         if "tp" in mesh else None
-    out = {"keys": sorted(full), "split": split, "loaded": None}
+    out = {"keys": sorted(full), "split": split, "loaded": None, "whole": whole}
     if full:
         fresh = hf_tiny.build("gpt2", torch.float64, seed=5)
         try:
@@ -58,6 +64,36 @@ def _case(mesh: dict, **kw) -> dict:
         out["tied"] = fresh.lm_head.weight is fresh.transformer.wte.weight
         out["values"] = full
     return out
+
+
+def _pipeline_state(pm) -> dict:
+    """A pipeline rank's ``state_dict()`` (whole, every key), its own part, and a whole state dict
+    of another model loaded into it (strict) and read back; a short one refused under strict."""
+    got = {k: v.detach().clone() for k, v in pm.state_dict().items()}
+    other = hf_tiny.build("gpt2", torch.float64, seed=5).state_dict()
+    pm.load_state_dict(other)
+    back = pm.state_dict()
+    err = max((back[k] - v).abs().max().item() for k, v in other.items() if v.is_floating_point())
+    short = {k: v for k, v in other.items() if k != "transformer.ln_f.bias"}
+    try:
+        pm.load_state_dict(short)
+        refused = ""
+    except autopar.CheckpointError as exc:
+        refused = str(exc)
+    lenient = pm.load_state_dict(short, strict=False)
+    return {"values": got, "local": sorted(pm.local_state_dict()), "reload_err": err, "refused": refused,
+            "missing": list(lenient.missing_keys)}
+
+
+def _check_pipeline_state(ranks: list[dict], want: dict) -> None:
+    for rank, r in enumerate(ranks):
+        got = r["whole"]
+        assert sorted(got["values"]) == sorted(want), (rank, set(got["values"]) ^ set(want))
+        for k, v in want.items():
+            assert torch.allclose(got["values"][k], v, rtol=TOL, atol=TOL), (rank, k)
+        assert set(got["local"]) < set(want), rank          # a rank's own part is part of the model
+        assert got["reload_err"] == 0.0, (rank, got["reload_err"])
+        assert "missing" in got["refused"] and got["missing"] == ["transformer.ln_f.bias"], got["refused"]
 
 
 CASES = {"dp": ({"dp": 2}, dict(zero_stage=3)), "tp": ({"tp": 2}, dict(memory_budget=1)), "pp": ({"pp": 2}, {})}
@@ -87,6 +123,8 @@ def test_full_state_dict_is_the_models_whole_state(ranks, name):
         assert torch.allclose(t, v, rtol=TOL, atol=TOL), (k, (t - v).abs().max().item() if v.is_floating_point() else "")
     if name == "tp":
         assert got["split"] >= 4, got["split"]          # weights really were split
+    if name == "pp":
+        _check_pipeline_state([r[name] for r in ranks], want)
 
 
 def _products(rank: int, world: int, root: str) -> dict:
@@ -111,7 +149,8 @@ def _products(rank: int, world: int, root: str) -> dict:
         full = autopar.full_state_dict(pm)
         if name == "pp_tp":
             autopar.save_pretrained(pm, f"{root}/pp_tp")
-        out[name] = {"split": split, "values": full}
+        whole = _pipeline_state(pm) if name == "pp_tp" else None     # loads other weights: last
+        out[name] = {"split": split, "values": full, "whole": whole}
     return out
 
 
@@ -130,6 +169,8 @@ def test_full_state_dict_on_product_meshes(products, name):
     assert ranks[0][name]["split"], "weights really were split on the tensor axis"
     for k, v in want.items():
         assert torch.allclose(got[k], v, rtol=TOL, atol=TOL), k
+    if name == "pp_tp":
+        _check_pipeline_state([r[name] for r in ranks], want)
 
 
 def test_save_pretrained_from_a_pipeline_of_tensor_shards(products):

@@ -76,6 +76,10 @@ def _ranks(rank: int, world: int) -> dict:
     out["state_err"] = max(((v - ref_state[k]).abs().max() / ref_state[k].abs().max().clamp_min(1e-3)).item()
                            for k, v in held.items())
     out["held"] = sorted(held)
+    # the whole state dict, integer buffers too: BatchNorm's counter counts this rank's steps
+    whole = pm.state_dict()
+    out["keys"] = sorted(whole) == sorted(ref_state)
+    out["counters"] = {k: (int(whole[k]), int(v)) for k, v in ref_state.items() if "num_batches_tracked" in k}
     return out
 
 
@@ -100,3 +104,5 @@ def test_batchnorm_with_one_micro_batch_equals_one_process(results) -> None:
     assert any(any("running_mean" in k for k in r["held"]) for r in results)
     for r in results:
         assert r["loss_err"] < 1e-10 and r["state_err"] < 1e-10, r
+        assert r["keys"] and len(r["counters"]) == 2, r
+        assert all(got == want == STEPS for got, want in r["counters"].values()), r["counters"]

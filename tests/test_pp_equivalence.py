@@ -8,7 +8,8 @@ trains a single-process copy on the same batch with the same loss (the mean over
 batch, which is what the mean of equal micro-batch losses is). Per step the loss every rank
 gets back must match within 1e-5 relative; after the steps every parameter a rank holds
 (under its original name) must match the reference within 1e-5 relative to the model's
-scale, and the union of the ranks' ``state_dict()`` keys must be the model's.
+scale, the union of the ranks' ``local_state_dict()`` keys must be the model's, and each rank's
+``state_dict()`` must be the whole model's (every key, whole, equal to the reference).
 """
 from __future__ import annotations
 
@@ -73,14 +74,17 @@ def _run(rank: int, world: int, name: str, overrides: dict, mesh: dict, schedule
     scale = max(p.abs().max().item() for p in ref.parameters())
     ref_state = ref.state_dict()
     param_err, tp_slices = 0.0, 0
-    for fqn, v in pm.state_dict().items():
+    whole = pm.state_dict()      # every entry, whole, on every rank
+    whole_err = max((whole[k] - v).abs().max().item() / scale for k, v in ref_state.items() if v.is_floating_point())
+    for fqn, v in pm.local_state_dict().items():      # this rank's own part
         want = ref_state[fqn]
         if v.shape != want.shape:    # a tensor-axis slice: compare with the matching slice
             dim = next(d for d in range(v.dim()) if v.shape[d] != want.shape[d])
             want = want.chunk(tp, dim)[dist.get_rank() % tp]
             tp_slices += 1
         param_err = max(param_err, (v - want).abs().max().item() / scale)
-    return {"loss_err": loss_err, "param_err": param_err, "keys": sorted(pm.state_dict()),
+    return {"loss_err": loss_err, "param_err": param_err, "keys": sorted(pm.local_state_dict()),
+            "whole_keys": sorted(whole), "whole_err": whole_err,
             "all_keys": sorted(ref_state), "stages": [s.index for s in pm.stages], "tp_slices": tp_slices,
             "schedule": pm.schedule_name, "micro": pm.microbatches,
             "checkpointed": sum(len(st._recompute) for st in pm.stages)}
@@ -91,6 +95,7 @@ def _check(results: list[dict], mesh: dict) -> None:
     for r in results:
         assert r["loss_err"] < RTOL, r
         assert r["param_err"] < RTOL, r
+        assert r["whole_keys"] == r["all_keys"] and r["whole_err"] < RTOL, r
         keys |= set(r["keys"])
     assert keys == set(results[0]["all_keys"])          # every parameter lives somewhere, named as before
     assert len({tuple(r["stages"]) for r in results}) == mesh["pp"]   # each pipeline rank its own stages

@@ -4,8 +4,8 @@ Real gloo ranks, one world per rank count shared by all its cases (worlds are th
 Each case builds the model on every rank with the same seed, parallelizes it, trains three
 SGD-momentum steps with ``pm.step`` and ``autopar.optimizer``, and trains a single-process copy
 on the whole batch. Per step the loss must match, and after the steps every parameter (the
-union of the ranks' ``state_dict()``) must match, to 1e-5 relative in float32 and 1e-10 in
-float64. Each case also asserts that what it forces really happened: ZeRO-1/2 optimizers
+union of the ranks' ``local_state_dict()``, and each rank's whole ``state_dict()``) must match,
+to 1e-5 relative in float32 and 1e-10 in float64. Each case also asserts that what it forces really happened: ZeRO-1/2 optimizers
 step pieces, ZeRO-2 keeps only gradient pieces after a step, ZeRO-3 modules hold pieces
 between steps, recomputation runs checkpointed regions, a tensor axis splits weights.
 """
@@ -99,7 +99,9 @@ def _case(mesh: dict, *, schedule: str, virtual: int | None = None, zero: int = 
     ref_state = ref.state_dict()
     scale = max(p.abs().max().item() for p in ref.parameters())
     param_err, slices = 0.0, 0
-    for fqn, v in pm.state_dict().items():
+    whole = pm.state_dict()      # every entry, whole, on every rank
+    whole_err = max((whole[k] - v).abs().max().item() / scale for k, v in ref_state.items() if v.is_floating_point())
+    for fqn, v in pm.local_state_dict().items():      # this rank's own part
         v = v.full_tensor() if hasattr(v, "full_tensor") else v
         want = ref_state[fqn]
         if pm.expert_storage.get(fqn) == "rows":                # this ep rank's experts' rows
@@ -113,7 +115,8 @@ def _case(mesh: dict, *, schedule: str, virtual: int | None = None, zero: int = 
     during.pop("pm")
     during["optimizer"] = _bytes([v for st in opt.state.values() for v in st.values()])
     during["last_stage"] = pm._last
-    return {"during": during, "loss_err": loss_err, "param_err": param_err, "keys": sorted(pm.state_dict()), "all": sorted(ref_state),
+    return {"during": during, "loss_err": loss_err, "param_err": param_err, "keys": sorted(pm.local_state_dict()), "all": sorted(ref_state),
+            "whole_keys": sorted(whole), "whole_err": whole_err,
             "held": held, "slices": slices,
             "stepped_numel": sum(m.numel() for m in stepped.values()) if stepped else None,
             "whole_numel": sum(p.numel() for p in ref.parameters()),
@@ -163,6 +166,7 @@ def _check(mesh: dict, opts: dict, results: list[dict]) -> None:
     for r in results:
         assert r["loss_err"] < tol, (mesh, opts, r)
         assert r["param_err"] < tol, (mesh, opts, r)
+        assert r["whole_keys"] == r["all"] and r["whole_err"] < tol, (mesh, opts, r["whole_err"])
         keys |= set(r["keys"])
     assert keys == set(results[0]["all"])
     zero = opts.get("zero", 0)
