@@ -15,6 +15,12 @@ documents (a document id per position). Each query row sees the same keys in the
 on one process, so the rows are one process's rows. Backward: the gradients of the gathered
 keys and values are summed over the ranks and each rank keeps its own positions' (a
 reduce-scatter), which is their gradient on one process.
+
+:func:`alltoall_attention` is the all-to-all kind (Ulysses): one all-to-all trades the sequence
+split for a head split, each rank attends ``heads / cp`` heads over the whole sequence as one
+process does, and a second all-to-all returns the rows. Its backward is the same exchanges
+reversed. It needs ``cp`` to divide the query heads (key heads too few to split are repeated
+first).
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ import torch.distributed as dist
 from autopar.core.errors import ConfigError
 from autopar.runtime.collectives import c10d
 
-__all__ = ["allgather_attention", "attention_mask", "positions", "shard", "unshard"]
+__all__ = ["allgather_attention", "alltoall_attention", "attention_mask", "positions", "shard", "unshard"]
 
 
 def positions(seq: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -91,6 +97,82 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, windo
     return allowed
 
 
+def _group(group: dist.ProcessGroup | str) -> tuple[str, int, int]:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    name = group if isinstance(group, str) else group.group_name
+    pg = _resolve_process_group(name)
+    return name, pg.size(), pg.rank()
+
+
+def _order(seq: int, cp: int, device: torch.device) -> torch.Tensor:
+    """The global position of each token of the ranks' shares laid end to end (rank-major)."""
+    return torch.cat([positions(seq, cp, r, device) for r in range(cp)])
+
+
+def _whole_ids(ids: torch.Tensor, group_name: str, cp: int) -> torch.Tensor:
+    """``[batch, seq]`` document ids of the whole sequence from every rank's ``[batch, s_local]``."""
+    gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(ids.t().contiguous(), cp, group_name))
+    return torch.empty_like(gathered).index_copy_(0, _order(gathered.shape[0], cp, ids.device), gathered).t()
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: str) -> None:
+    if k.shape[-2] != q.shape[-2] or v.shape[-2] != q.shape[-2]:
+        raise ConfigError("queries, keys and values must hold the same tokens", where=where,
+                          got=f"{q.shape[-2]}, {k.shape[-2]}, {v.shape[-2]} positions")
+    if q.shape[1] % k.shape[1]:
+        raise ConfigError(f"{k.shape[1]} key heads do not divide {q.shape[1]} query heads", where=where,
+                          fix="pass keys and values with a divisor of the query heads")
+
+
+def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | str,
+                       causal: bool = True, window: int | None = None, doc_ids: torch.Tensor | None = None,
+                       scale: float | None = None) -> torch.Tensor:
+    """The all-to-all kind (Ulysses): heads for sequence. One all-to-all gives each rank the whole
+    sequence of ``heads / cp`` of the query heads (and of the key heads, repeated first when
+    ``cp`` does not divide them), which it attends exactly as one process does; a second
+    all-to-all returns the rows to the ranks that hold their tokens. Arguments and result as
+    :func:`allgather_attention`; ``cp`` must divide the query heads."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    group_name, cp, rank = _group(group)
+    _check(q, k, v, "alltoall_attention")
+    heads = q.shape[1]
+    if heads % cp:
+        raise ConfigError(f"all-to-all context parallelism splits the heads: {heads} query heads over cp={cp}",
+                          where="alltoall_attention", fix="use a cp degree that divides the heads, or the "
+                                                          "all-gather or ring kind")
+    if k.shape[1] % cp:                        # too few key heads to split: give each query head its own
+        rep = heads // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    s_local = q.shape[-2]
+    seq = s_local * cp
+    order = _order(seq, cp, q.device)
+    back = torch.argsort(order)
+
+    def to_heads(x: torch.Tensor) -> torch.Tensor:            # [B, h, s_local, D] -> [B, h/cp, seq, D]
+        b, h, s, d = x.shape
+        parts = x.permute(1, 0, 2, 3).reshape(cp, h // cp, b, s, d).contiguous()
+        got = all_to_all_single_autograd(parts, None, None, group_name)       # [src rank, h/cp, B, s, D]
+        rows = got.permute(2, 1, 0, 3, 4).reshape(b, h // cp, cp * s, d)     # rank-major tokens
+        return rows.index_select(2, back)                                    # global order
+
+    def to_tokens(x: torch.Tensor) -> torch.Tensor:           # [B, h/cp, seq, D] -> [B, h, s_local, D]
+        b, hh, _, d = x.shape
+        rows = x.index_select(2, order).reshape(b, hh, cp, s_local, d)
+        parts = rows.permute(2, 1, 0, 3, 4).contiguous()                     # [dst rank, h/cp, B, s, D]
+        got = all_to_all_single_autograd(parts, None, None, group_name)       # [head group, h/cp, B, s, D]
+        return got.reshape(hh * cp, b, s_local, d).permute(1, 0, 2, 3)
+
+    qh, kh, vh = to_heads(q), to_heads(k), to_heads(v)
+    rep = qh.shape[1] // kh.shape[1]
+    if rep > 1:
+        kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
+    pos = torch.arange(seq, device=q.device)
+    ids = _whole_ids(doc_ids, group_name, cp)[:, None] if doc_ids is not None else None
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=attention_mask(pos, pos, causal, window, ids, ids), scale=scale)
+    return to_tokens(out)
+
+
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | str,
                         causal: bool = True, window: int | None = None, doc_ids: torch.Tensor | None = None,
                         scale: float | None = None) -> torch.Tensor:
@@ -102,29 +184,16 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, gr
     ``i - j < window`` (with ``causal``, Mistral's sliding window). ``doc_ids``: ``[batch,
     s_local]``, this rank's tokens' document ids (packed documents attend within their own).
     Returns ``[batch, heads, s_local, dim]``, this rank's rows of the whole attention."""
-    group_name = group if isinstance(group, str) else group.group_name
-    from torch.distributed.distributed_c10d import _resolve_process_group
-    pg = _resolve_process_group(group_name)
-    cp, rank = pg.size(), pg.rank()
-    s_local = q.shape[-2]
-    if k.shape[-2] != s_local or v.shape[-2] != s_local:
-        raise ConfigError("queries, keys and values must hold the same tokens", where="allgather_attention",
-                          got=f"{q.shape[-2]}, {k.shape[-2]}, {v.shape[-2]} positions")
-    if q.shape[1] % k.shape[1]:
-        raise ConfigError(f"{k.shape[1]} key heads do not divide {q.shape[1]} query heads",
-                          where="allgather_attention", fix="pass keys and values with a divisor of the query heads")
-    seq = s_local * cp
+    group_name, cp, rank = _group(group)
+    _check(q, k, v, "allgather_attention")
+    seq = q.shape[-2] * cp
     q_pos = positions(seq, cp, rank, q.device)
     k_pos = torch.arange(seq, device=q.device)
     k_all = _GatherSeq.apply(k, group_name, cp, rank)
     v_all = _GatherSeq.apply(v, group_name, cp, rank)
     q_doc = k_doc = None
     if doc_ids is not None:
-        q_doc = doc_ids
-        gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(doc_ids.t().contiguous(), cp, group_name))
-        k_doc = torch.empty_like(gathered).index_copy_(0, torch.cat([positions(seq, cp, r, q.device)
-                                                                      for r in range(cp)]), gathered).t()
-        q_doc, k_doc = q_doc[:, None], k_doc[:, None]          # broadcast over heads
+        q_doc, k_doc = doc_ids[:, None], _whole_ids(doc_ids, group_name, cp)[:, None]   # broadcast over heads
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k_all, v_all = k_all.repeat_interleave(rep, dim=1), v_all.repeat_interleave(rep, dim=1)

@@ -1,12 +1,12 @@
-"""Context-parallel attention (runtime/cp.py), all-gather kind, against one process.
+"""Context-parallel attention (runtime/cp.py), all-gather and all-to-all kinds, against one process.
 
 Two gloo ranks each hold their load-balanced share of the sequence (chunks r and 2cp-1-r of
 2cp). Queries, keys and values (float64, seeded alike on every rank) run through
-``allgather_attention`` on the shares and through SDPA on the whole sequence with the same mask;
+each kind (``allgather_attention``, ``alltoall_attention``) on the shares and through SDPA on the whole sequence with the same mask;
 a weighted sum of the outputs is the loss (its weights split alike). This rank's output rows and
 the gradients of its queries, keys and values must equal one process's at its positions within
 1e-12: causal, full, a sliding window, packed documents (block-diagonal), grouped-query keys
-(2 key heads for 4 query heads). The layout helpers are checked without ranks, cp up to 4.
+(2 key heads for 4 query heads, and 1, which cp does not divide). The layout helpers are checked without ranks, cp up to 4.
 """
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ CASES = {
     "window": dict(causal=True, window=5),
     "documents": dict(causal=True, docs=True),
     "gqa": dict(causal=True, kv_heads=2),
+    "mqa": dict(causal=True, kv_heads=1),
 }
+KINDS = {"allgather": cpa.allgather_attention, "alltoall": cpa.alltoall_attention}
 
 
 def _inputs(kv_heads: int, docs: bool):
@@ -51,34 +53,35 @@ def _reference(q, k, v, w, ids, causal, window):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _case(name: str) -> float:
+def _case(name: str, kind: str) -> float:
     opts = CASES[name]
     causal, window = opts["causal"], opts.get("window")
     q, k, v, w, ids = _inputs(opts.get("kv_heads", H), opts.get("docs", False))
     want = _reference(q, k, v, w, ids, causal, window)
     cp, rank = dist.get_world_size(), dist.get_rank()
     ql, kl, vl = (cpa.shard(t, 2, cp, rank).requires_grad_() for t in (q, k, v))
-    out = cpa.allgather_attention(ql, kl, vl, group=dist.group.WORLD, causal=causal, window=window,
+    out = KINDS[kind](ql, kl, vl, group=dist.group.WORLD, causal=causal, window=window,
                                   doc_ids=cpa.shard(ids, 1, cp, rank) if ids is not None else None)
     (out * cpa.shard(w, 2, cp, rank)).sum().backward()
     got = (out.detach(), ql.grad, kl.grad, vl.grad)
     return max((g - cpa.shard(r, 2, cp, rank)).abs().max().item() for g, r in zip(got, want))
 
 
-def _all(rank: int, world: int) -> dict[str, float]:
+def _all(rank: int, world: int) -> dict[tuple[str, str], float]:
     torch.set_num_threads(1)
-    return {name: _case(name) for name in CASES}
+    return {(kind, name): _case(name, kind) for kind in KINDS for name in CASES}
 
 
 @pytest.fixture(scope="module")
-def errors() -> list[dict[str, float]]:
+def errors() -> list[dict[tuple[str, str], float]]:
     return run_ranks(_all, 2, timeout_s=300)
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("name", list(CASES))
-def test_allgather_attention_equals_one_process(errors, name):
+def test_context_parallel_attention_equals_one_process(errors, kind, name):
     for rank, errs in enumerate(errors):
-        assert errs[name] <= 1e-12, (rank, name, errs[name])
+        assert errs[kind, name] <= 1e-12, (rank, kind, name, errs[kind, name])
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
