@@ -21,6 +21,12 @@ split for a head split, each rank attends ``heads / cp`` heads over the whole se
 process does, and a second all-to-all returns the rows. Its backward is the same exchanges
 reversed. It needs ``cp`` to divide the query heads (key heads too few to split are repeated
 first).
+
+:func:`ring_attention` is the ring kind: keys and values travel round the ranks, the next block
+in flight while this one is computed, and each block's attention is merged into the running
+result by log-sum-exp (a rank holds at most two blocks of keys); backward sends keys, values and
+their gradient sums round again, ending at their owners. Exact up to rounding: the softmax is
+summed block by block (float64: within 1e-12 of one process).
 """
 from __future__ import annotations
 
@@ -30,7 +36,8 @@ import torch.distributed as dist
 from autopar.core.errors import ConfigError
 from autopar.runtime.collectives import c10d
 
-__all__ = ["allgather_attention", "alltoall_attention", "attention_mask", "positions", "shard", "unshard"]
+__all__ = ["allgather_attention", "alltoall_attention", "attention_mask", "positions", "ring_attention", "shard",
+           "unshard"]
 
 
 def positions(seq: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -171,6 +178,119 @@ def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, gro
     out = torch.nn.functional.scaled_dot_product_attention(
         qh, kh, vh, attn_mask=attention_mask(pos, pos, causal, window, ids, ids), scale=scale)
     return to_tokens(out)
+
+
+def _shift(tensors: list[torch.Tensor], group_name: str, cp: int, rank: int):
+    """Send ``tensors`` to the next rank of the ring and receive the previous rank's (started,
+    not waited): (works, received)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    pg = _resolve_process_group(group_name)
+    nxt, prv = (rank + 1) % cp, (rank - 1) % cp
+    got = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), group=pg, group_peer=nxt) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, r, group=pg, group_peer=prv) for r in got]
+    return dist.batch_isend_irecv(ops), got
+
+
+def _wait(works) -> None:
+    for w in works:
+        w.wait()
+
+
+class _Ring(torch.autograd.Function):
+    """Ring attention: keys and values go round the ranks; each block's partial result is merged
+    by log-sum-exp; backward sends keys, values and their gradient sums round again."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group_name: str, cp: int, rank: int, causal: bool, window, ids, scale: float):
+        seq = q.shape[-2] * cp
+        q_pos = positions(seq, cp, rank, q.device)
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], -torch.inf, dtype=q.dtype, device=q.device)
+        kv = [k, v]
+        for t in range(cp):
+            owner = (rank - t) % cp
+            pending = _shift(kv, group_name, cp, rank) if t < cp - 1 else None   # the next block travels meanwhile
+            probs, blk_lse = _block(q, kv[0], q_pos, owner, seq, cp, causal, window, ids, scale)
+            new = torch.logaddexp(lse, blk_lse)
+            keep = torch.where(torch.isneginf(new), 0.0, torch.exp(lse - new))
+            take = torch.where(torch.isneginf(new), 0.0, torch.exp(blk_lse - new))
+            out = out * keep[..., None] + (probs @ _rep(kv[1], q)) * take[..., None]
+            lse = new
+            if pending is not None:
+                _wait(pending[0])
+                kv = pending[1]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (group_name, cp, rank, causal, window, ids, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        group_name, cp, rank, causal, window, ids, scale = ctx.args
+        seq = q.shape[-2] * cp
+        q_pos = positions(seq, cp, rank, q.device)
+        delta = (d_out * out).sum(-1, keepdim=True)
+        dq = torch.zeros_like(q)
+        held = [k, v, torch.zeros_like(k), torch.zeros_like(v)]     # a block and its gradient sums so far
+        for t in range(cp):
+            owner = (rank - t) % cp
+            kb, vb, dk, dv = held
+            scores = _scores(q, kb, q_pos, owner, seq, cp, causal, window, ids, scale)
+            probs = torch.where(torch.isneginf(lse)[..., None], 0.0, torch.exp(scores - lse[..., None]))
+            dv = dv + _unrep(probs.transpose(-1, -2) @ d_out, kb)
+            ds = probs * (d_out @ _rep(vb, q).transpose(-1, -2) - delta)
+            dq = dq + (ds @ _rep(kb, q)) * scale
+            dk = dk + _unrep(ds.transpose(-1, -2) @ q, kb) * scale
+            # the block moves on; after the last step only its sums, which reach its owner
+            works, got = _shift([kb, vb, dk, dv] if t < cp - 1 else [dk, dv], group_name, cp, rank)
+            _wait(works)
+            held = got if t < cp - 1 else [None, None, *got]
+        return dq, held[2], held[3], None, None, None, None, None, None, None
+
+
+def _rep(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    rep = q.shape[1] // kv.shape[1]
+    return kv.repeat_interleave(rep, dim=1) if rep > 1 else kv
+
+
+def _unrep(grad: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """The gradient of the repeated heads summed back onto the key heads."""
+    rep = grad.shape[1] // kv.shape[1]
+    return grad.reshape(grad.shape[0], kv.shape[1], rep, *grad.shape[2:]).sum(2) if rep > 1 else grad
+
+
+def _scores(q, kb, q_pos, owner, seq, cp, causal, window, ids, scale) -> torch.Tensor:
+    """Scaled scores of this rank's queries against ``owner``'s keys, -inf where masked."""
+    k_pos = positions(seq, cp, owner, q.device)
+    scores = (q @ _rep(kb, q).transpose(-1, -2)) * scale
+    q_doc = ids[:, q_pos][:, None] if ids is not None else None      # [batch, 1, s]: broadcast over heads
+    k_doc = ids[:, k_pos][:, None] if ids is not None else None
+    mask = attention_mask(q_pos, k_pos, causal, window, q_doc, k_doc)
+    return scores if mask is None else scores.masked_fill(~mask, -torch.inf)
+
+
+def _block(q, kb, q_pos, owner, seq, cp, causal, window, ids, scale):
+    """Softmax probabilities of one block (rows normalised within it) and its log-sum-exp."""
+    scores = _scores(q, kb, q_pos, owner, seq, cp, causal, window, ids, scale)
+    blk_lse = torch.logsumexp(scores, -1)
+    probs = torch.where(torch.isneginf(blk_lse)[..., None], 0.0, torch.exp(scores - blk_lse[..., None]))
+    return probs, blk_lse
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | str,
+                   causal: bool = True, window: int | None = None, doc_ids: torch.Tensor | None = None,
+                   scale: float | None = None) -> torch.Tensor:
+    """The ring kind: each rank's keys and values go round the ring (the next block is in flight
+    while this one is computed); each block's attention is merged into the running result by
+    log-sum-exp, so no rank ever holds more than two blocks of keys. Backward goes round again with
+    the keys' and values' gradient sums, which end at their owners. Arguments and result as
+    :func:`allgather_attention`. Exact up to rounding (the softmax is summed block by block)."""
+    group_name, cp, rank = _group(group)
+    _check(q, k, v, "ring_attention")
+    ids = _whole_ids(doc_ids, group_name, cp) if doc_ids is not None else None
+    return _Ring.apply(q, k, v, group_name, cp, rank, causal, window, ids,
+                       scale if scale is not None else q.shape[-1] ** -0.5)
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | str,

@@ -1,8 +1,8 @@
-"""Context-parallel attention (runtime/cp.py), all-gather and all-to-all kinds, against one process.
+"""Context-parallel attention (runtime/cp.py), all-gather, all-to-all and ring kinds, against one process.
 
 Two gloo ranks each hold their load-balanced share of the sequence (chunks r and 2cp-1-r of
 2cp). Queries, keys and values (float64, seeded alike on every rank) run through
-each kind (``allgather_attention``, ``alltoall_attention``) on the shares and through SDPA on the whole sequence with the same mask;
+each kind (``allgather_attention``, ``alltoall_attention``, ``ring_attention``) on the shares and through SDPA on the whole sequence with the same mask;
 a weighted sum of the outputs is the loss (its weights split alike). This rank's output rows and
 the gradients of its queries, keys and values must equal one process's at its positions within
 1e-12: causal, full, a sliding window, packed documents (block-diagonal), grouped-query keys
@@ -27,7 +27,7 @@ CASES = {
     "gqa": dict(causal=True, kv_heads=2),
     "mqa": dict(causal=True, kv_heads=1),
 }
-KINDS = {"allgather": cpa.allgather_attention, "alltoall": cpa.alltoall_attention}
+KINDS = {"allgather": cpa.allgather_attention, "alltoall": cpa.alltoall_attention, "ring": cpa.ring_attention}
 
 
 def _inputs(kv_heads: int, docs: bool):
