@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.core.errors import ConfigError
-from autopar.runtime.collectives import c10d
+from autopar.runtime.collectives import all_gather_start, all_gather_wait, c10d
 
 __all__ = ["allgather_attention", "alltoall_attention", "attention_mask", "positions", "ring_attention", "shard",
            "unshard"]
@@ -74,7 +74,7 @@ class _GatherSeq(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, group_name: str, cp: int, rank: int) -> torch.Tensor:
         ctx.group_name, ctx.cp, ctx.rank = group_name, cp, rank
         rows = x.movedim(-2, 0).contiguous()                      # [s_local, ...]
-        gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(rows, cp, group_name))  # [cp * s_local, ...]
+        gathered = all_gather_wait(all_gather_start(rows, cp, group_name))  # [cp * s_local, ...]
         seq = gathered.shape[0]
         order = torch.cat([positions(seq, cp, r, x.device) for r in range(cp)])
         ctx.order = order
@@ -118,7 +118,7 @@ def _order(seq: int, cp: int, device: torch.device) -> torch.Tensor:
 
 def _whole_ids(ids: torch.Tensor, group_name: str, cp: int) -> torch.Tensor:
     """``[batch, seq]`` document ids of the whole sequence from every rank's ``[batch, s_local]``."""
-    gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(ids.t().contiguous(), cp, group_name))
+    gathered = all_gather_wait(all_gather_start(ids.t().contiguous(), cp, group_name))
     return torch.empty_like(gathered).index_copy_(0, _order(gathered.shape[0], cp, ids.device), gathered).t()
 
 

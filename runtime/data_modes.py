@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.core.dp_mode import DataMode
+from autopar.runtime.collectives import all_gather_start, all_gather_wait
 
 c10d = torch.ops._c10d_functional
 
@@ -194,8 +195,8 @@ class ModeState:
             sent = dequantize(norm, q, m.levels, p.dtype)
             self._remember(bucket, p, sent)
             self.sent_bytes += allgather_bytes(q.numel() + norm.numel() * 4, self.n)    # fp32 norms on the wire
-            return ("quantize", c10d.all_gather_into_tensor(norm.to(torch.float32), self.n, self.group_name),
-                    c10d.all_gather_into_tensor(q, self.n, self.group_name), p.numel(), p.dtype)
+            return ("quantize", all_gather_start(norm.to(torch.float32), self.n, self.group_name),
+                    all_gather_start(q, self.n, self.group_name), p.numel(), p.dtype)
         k = keep_count(p.numel(), m.ratio)
         if m.compressor == "randk":
             idx = randk_indices(p.numel(), k, gen).to(p.device)
@@ -206,8 +207,8 @@ class ModeState:
         vals, idx = topk(p, k)
         self._remember(bucket, p, torch.zeros_like(p).index_copy_(0, idx, vals))
         self.sent_bytes += allgather_bytes(k * (vals.element_size() + 4), self.n)   # int32 indices on the wire
-        return ("topk", c10d.all_gather_into_tensor(vals.contiguous(), self.n, self.group_name),
-                c10d.all_gather_into_tensor(idx.to(torch.int32), self.n, self.group_name), p.numel())
+        return ("topk", all_gather_start(vals.contiguous(), self.n, self.group_name),
+                all_gather_start(idx.to(torch.int32), self.n, self.group_name), p.numel())
 
     def _remember(self, bucket: int, p: torch.Tensor, sent: torch.Tensor) -> None:
         if self.mode.error_feedback:
@@ -227,10 +228,10 @@ class ModeState:
             return torch.zeros(numel, dtype=vals.dtype, device=vals.device).index_copy_(0, idx, vals)
         if kind == "topk":
             _, vals, idx, numel = handle
-            vals, idx = c10d.wait_tensor(vals), c10d.wait_tensor(idx)
+            vals, idx = all_gather_wait(vals), all_gather_wait(idx)
             return torch.zeros(numel, dtype=vals.dtype, device=vals.device).index_add_(0, idx.long(), vals)
         _, norms, qs, numel, dtype = handle
-        norms, qs = c10d.wait_tensor(norms).view(self.n, -1), c10d.wait_tensor(qs).view(self.n, numel)
+        norms, qs = all_gather_wait(norms).view(self.n, -1), all_gather_wait(qs).view(self.n, numel)
         return dequantize_sum(norms, qs, self.mode.levels, dtype)      # in rank order: alike everywhere
 
     # -- async --------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from typing import Iterator
 import torch
 import torch.distributed._functional_collectives  # noqa: F401 - registers the c10d functional ops
 
+from autopar.runtime.collectives import all_gather_start, all_gather_wait
 from autopar.runtime.health import peer_errors
 
 _c10d = torch.ops._c10d_functional
@@ -160,14 +161,14 @@ class Bucket:
     def _start_gather(self, shards: tuple[torch.Tensor, ...]) -> torch.Tensor:
         rt = self.rt
         row = torch.cat([s.detach().reshape(-1).to(rt.compute_dtype) for s in shards])
-        return _c10d.all_gather_into_tensor(row, rt.n, rt.group_name)
+        return all_gather_start(row, rt.n, rt.group_name)
 
     def issue_gather(self, shards: tuple[torch.Tensor, ...]) -> torch.Tensor:
         self.forget_backward()
         return self._start_gather(shards)
 
     def finish_gather(self, handle: torch.Tensor) -> list[torch.Tensor]:
-        rows = _c10d.wait_tensor(handle).view(self.rt.n, self.width)
+        rows = all_gather_wait(handle).view(self.rt.n, self.width)
         return self.from_rows(rows)
 
     def issue_grad_scatter(self, grads: tuple[torch.Tensor | None, ...]) -> None:

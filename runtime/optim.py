@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from autopar.core.errors import OptimizerError
-from autopar.runtime.collectives import c10d
+from autopar.runtime.collectives import all_gather_start, all_gather_wait, c10d
 from autopar.runtime.dp import shard_range
 from autopar.runtime.health import peer_errors
 from autopar.runtime.loss_scale import LossScale, make_scaler
@@ -369,9 +369,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 for i, fqn in enumerate(b.fqns):
                     m = self.masters[fqn]
                     row[b.offsets[i]:b.offsets[i] + m.numel()] = m.detach().view(-1)
-                pending.append((b, c10d.all_gather_into_tensor(row, rt.n, rt.group_name)))
+                pending.append((b, all_gather_start(row, rt.n, rt.group_name)))
         for b, h in pending:
-            fulls = b.from_rows(c10d.wait_tensor(h).view(b.rt.n, b.width))
+            fulls = b.from_rows(all_gather_wait(h).view(b.rt.n, b.width))
             for fqn, full in zip(b.fqns, fulls):
                 named[fqn].data.copy_(full)
 
@@ -384,7 +384,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         bucket = rt.buckets[b]
         piece = torch.zeros(bucket.chunks[i], dtype=t.dtype, device=t.device)
         piece[:t.numel()] = t.reshape(-1)
-        got = c10d.wait_tensor(c10d.all_gather_into_tensor(piece, rt.n, rt.group_name))
+        got = all_gather_wait(all_gather_start(piece, rt.n, rt.group_name))
         return got[:bucket.numels[i]].view(bucket.shapes[i]).clone()
 
     def _piece(self, fqn: str, t: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from autopar.runtime.collectives import c10d
+from autopar.runtime.collectives import all_gather_start, all_gather_wait, c10d
 from autopar.runtime.dp import Bucket, DPRuntime, shard_range
 from autopar.runtime.main_grads import MainGrads
 
@@ -171,7 +171,7 @@ class StageDataAxis:
         rt = self.rt
         b, i = rt.where[fqn]
         bucket = rt.buckets[b]
-        got = c10d.wait_tensor(c10d.all_gather_into_tensor(piece.detach().contiguous(), rt.n, rt.group_name))
+        got = all_gather_wait(all_gather_start(piece.detach().contiguous(), rt.n, rt.group_name))
         return got.view(-1)[:bucket.numels[i]].view(bucket.shapes[i]).clone()
 
     def piece_of(self, whole: torch.Tensor) -> torch.Tensor:

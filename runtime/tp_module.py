@@ -35,7 +35,7 @@ from autopar.runtime.ep import owned_rows, whole_experts
 from autopar.core.mesh import names as mesh_names
 from autopar.core.meta import evaluate, graph_info, info, ready
 from autopar.core.placement import Shard, parse
-from autopar.runtime.collectives import c10d
+from autopar.runtime.collectives import all_gather_start, all_gather_wait, c10d
 
 
 class ParallelModule(nn.Module):
@@ -147,7 +147,7 @@ class ParallelModule(nn.Module):
         rt = self._rt_of[fqn]
         b, i = rt.where[fqn]
         bucket = rt.buckets[b]
-        got = c10d.wait_tensor(c10d.all_gather_into_tensor(piece.detach().contiguous(), rt.n, rt.group_name))
+        got = all_gather_wait(all_gather_start(piece.detach().contiguous(), rt.n, rt.group_name))
         return got.view(-1)[:bucket.numels[i]].view(bucket.shapes[i]).clone()
 
     def placement_of(self, fqn: str):
