@@ -72,6 +72,22 @@ def batch(rows: int = 4, seq: int = 8, seed: int = 1) -> dict[str, torch.Tensor]
     return {"input_ids": ids, "labels": ids.clone()}
 
 
+def train_parallel(model: torch.nn.Module, mesh: dict, part: dict[str, torch.Tensor], steps: int, **kw):
+    """``autopar.parallelize`` the model on ``mesh`` and train ``steps`` SGD-momentum steps (lr 0.1,
+    momentum 0.9) on ``part`` with the model's own loss (``pm.step`` in a pipeline); the module."""
+    import autopar
+    pm = autopar.parallelize(model, mesh, example_kwargs=part, **kw)
+    opt = autopar.optimizer(pm, torch.optim.SGD, lr=0.1, momentum=0.9)
+    for _ in range(steps):
+        if "pp" in mesh:
+            pm.step(**part)
+        else:
+            pm(**part).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return pm
+
+
 class Logits(torch.nn.Module):
     """Calls a library model as users do and returns its logits."""
 

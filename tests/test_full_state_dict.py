@@ -40,15 +40,7 @@ def _case(mesh: dict, **kw) -> dict:
     rank = dist.get_rank()
     model, data = hf_tiny.build("gpt2", torch.float64), hf_tiny.batch(rows=4, seq=8)
     part = {k: v.chunk(2)[rank] for k, v in data.items()} if "dp" in mesh else data
-    pm = autopar.parallelize(model, mesh, example_kwargs=part, **kw)
-    opt = autopar.optimizer(pm, torch.optim.SGD, lr=0.1, momentum=0.9)
-    for _ in range(STEPS):
-        if "pp" in mesh:
-            pm.step(**part)
-        else:
-            pm(**part).loss.backward()
-        opt.step()
-        opt.zero_grad()
+    pm = hf_tiny.train_parallel(model, mesh, part, STEPS, **kw)
     full = autopar.full_state_dict(pm)
     whole = _pipeline_state(pm) if "pp" in mesh else None
     split = sum(1 for f, _ in pm.named_parameters() if str(pm.placement_of(f)).startswith("S(")) \
@@ -136,15 +128,7 @@ def _products(rank: int, world: int, root: str) -> dict:
         model, data = hf_tiny.build("gpt2", torch.float64), hf_tiny.batch(rows=4, seq=8)
         share = (rank // 2) % mesh.get("dp", 1)
         part = {k: v.chunk(2)[share] for k, v in data.items()} if "dp" in mesh else data
-        pm = autopar.parallelize(model, mesh, example_kwargs=part, **kw)
-        opt = autopar.optimizer(pm, torch.optim.SGD, lr=0.1, momentum=0.9)
-        for _ in range(STEPS):
-            if "pp" in mesh:
-                pm.step(**part)
-            else:
-                pm(**part).loss.backward()
-            opt.step()
-            opt.zero_grad()
+        pm = hf_tiny.train_parallel(model, mesh, part, STEPS, **kw)
         split = [f for f, _ in pm.named_parameters() if str(pm.placement_of(f)).startswith("S(")]
         full = autopar.full_state_dict(pm)
         if name == "pp_tp":

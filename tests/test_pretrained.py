@@ -66,15 +66,7 @@ def _save_case(name: str, root: str) -> dict:
     rank = dist.get_rank()
     model, data = _model(arch), hf_tiny.batch(rows=4, seq=8)
     part = {k: v.chunk(2)[rank] for k, v in data.items()} if ("dp" in mesh or "ep" in mesh) else data
-    pm = autopar.parallelize(model, mesh, example_kwargs=part, **kw)
-    opt = autopar.optimizer(pm, torch.optim.SGD, lr=0.1, momentum=0.9)
-    for _ in range(STEPS):
-        if "pp" in mesh:
-            pm.step(**part)
-        else:
-            pm(**part).loss.backward()
-        opt.step()
-        opt.zero_grad()
+    pm = hf_tiny.train_parallel(model, mesh, part, STEPS, **kw)
     autopar.save_pretrained(pm, Path(root, name))
     held = {"ep": len(getattr(pm, "ep_runtimes", {}))} if "ep" in mesh else {}
     return held
