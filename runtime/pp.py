@@ -385,23 +385,18 @@ class PipelineModule(nn.Module):
         return nn.Module.state_dict(self, keep_vars=keep_vars)
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
-        """Every entry of the original model's state dict, whole, on every rank (as a model on one
-        process gives it): this rank's own entries as it holds them, the other stages' sent by
-        their ranks. A collective: every rank calls it (a rank calling alone gets a
-        PeerFailureError after ``collective_wait_s``). :meth:`local_state_dict` is this rank's part."""
+        """The whole model's state dict on every rank (a collective: a rank calling alone gets a
+        PeerFailureError after ``collective_wait_s``); :meth:`local_state_dict` is this rank's part."""
         if self.whole_state is None or args:
             return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
         from autopar.runtime.agreement import rendezvous
         rendezvous(dist.group.WORLD.group_name, "PipelineModule.state_dict()", self.collective_wait_s)
         out = destination if destination is not None else {}
-        for key, value in self.whole_state[0](self, keep_vars).items():
-            out[prefix + key] = value
+        out.update((prefix + key, value) for key, value in self.whole_state[0](self, keep_vars).items())
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """Takes the whole model's state dict (what :meth:`state_dict` returns, or the original
-        model's): each rank copies its own boxes of it; or this rank's own entries
-        (:meth:`local_state_dict`)."""
+        """Takes the whole model's state dict (each rank copies its boxes of it) or this rank's own."""
         if self.whole_state is not None and not set(state_dict) <= self._local_keys:
             return self.whole_state[1](self, state_dict, strict)
         return super().load_state_dict(state_dict, strict, assign)
