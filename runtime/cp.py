@@ -76,7 +76,7 @@ class _GatherSeq(torch.autograd.Function):
         rows = x.movedim(-2, 0).contiguous()                      # [s_local, ...]
         gathered = all_gather_wait(all_gather_start(rows, cp, group_name))  # [cp * s_local, ...]
         seq = gathered.shape[0]
-        order = torch.cat([positions(seq, cp, r, x.device) for r in range(cp)])
+        order = _order(seq, cp, x.device)
         ctx.order = order
         whole = torch.empty_like(gathered).index_copy_(0, order, gathered)
         return whole.movedim(0, -2)
