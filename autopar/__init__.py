@@ -35,6 +35,7 @@ _LAZY = {
     "capture": "autopar.passes.capture", "analyze": "autopar.passes.pipeline", "Plan": "autopar.core.plans",
     "DataMode": "autopar.core.dp_mode", "DataOptions": "autopar.core.options",
     "ExpertOptions": "autopar.core.options", "PipelineOptions": "autopar.core.options",
+    "ContextOptions": "autopar.core.options",
     "TensorOptions": "autopar.core.options", "optimizer": "autopar.api", "parallelize": "autopar.api",
     "plan": "autopar.api", "load": "autopar.checkpoint", "save": "autopar.checkpoint",
     "full_state_dict": "autopar.checkpoint.full", "save_pretrained": "autopar.checkpoint.pretrained",
@@ -67,7 +68,7 @@ def __dir__() -> list[str]:
 __all__ = ["AutoparError", "AutoparInternalError", "CaptureError", "CheckpointError", "ConfigError",
            "DoesNotFitError", "InputMismatchError", "MeshError", "OptimizerError", "PeerFailureError",
            "PlanFileError", "ShardingError", "UnsupportedError",
-           "DataMode", "DataOptions", "ExpertOptions", "PipelineOptions", "Plan", "TensorOptions", "ScaledPlan",
+           "ContextOptions", "DataMode", "DataOptions", "ExpertOptions", "PipelineOptions", "Plan", "TensorOptions", "ScaledPlan",
            "analyze", "capture", "checkpoint", "clip_grad_norm_", "data", "full_state_dict", "init_distributed",
            "load", "optimizer", "parallelize", "plan", "save", "save_pretrained", "scale_plan", "Trainer",
            "__version__"]

@@ -236,7 +236,9 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
                    ("expert parallelism", experts, dict(placements=t.placements, sizes=t.sizes,
                                                         bucket_bytes=d.bucket_bytes,
                                                         sequence_parallel=t.sequence_parallel)),
-                   ("no pipeline", not pipelined, dict(batchnorm=o.pipeline.batchnorm)))
+                   ("no pipeline", not pipelined, dict(batchnorm=o.pipeline.batchnorm)),
+                   ("no context axis", not has_axis(mesh, "cp") and (plan is None or plan.cp_axis is None),
+                    dict(cp_kind=o.context.kind)))
     _check_mixed_precision(mixed_precision, plan)
     backend = backend_of(compile)
     check_compile(backend, recompute)
@@ -263,7 +265,7 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
                                       virtual_stages=pipe.virtual_stages, batchnorm=pipe.batchnorm, expert_placement=e.placement,
                                       capacity_factor=e.capacity_factor, recompute=recompute,
                                       placements=t.placements, dp_mode=mode.to_dict(), compile=backend,
-                                      sequence_parallel=t.sequence_parallel,
+                                      sequence_parallel=t.sequence_parallel, cp_kind=o.context.kind,
                                       inputs=[(k, _input_form(v)) for k, v in
                                               [*enumerate(args), *sorted(kwargs.items())]]))
     pm = build(BuildRequest(model=model, mesh=mesh, args=args, kwargs=kwargs, plan=plan, hardware=hardware,

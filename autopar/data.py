@@ -3,7 +3,9 @@
 Ranks on the data axes (``dp``, and ``ep``: every expert-axis rank routes its own tokens) take
 different rows of the global batch; ranks on the tensor and pipeline axes of the same data
 replica take the same rows (the pipeline's first stage reads the inputs, its last the
-targets). :func:`batch_share` says which share a rank owns, :func:`shard` cuts a global batch
+targets). Ranks on the context axis (``cp``) take the same rows and each its own tokens of them:
+dim 1 (the sequence) cut into ``2 cp`` chunks, rank ``r`` holding chunks ``r`` and
+``2 cp - 1 - r`` (``runtime/cp.py``). :func:`batch_share` says which share a rank owns, :func:`shard` cuts a global batch
 to it, and :func:`sampler` gives a ``DataLoader`` sampler that reads only this share of a
 dataset. All three read the parallel module's mesh (``pm.plan.mesh``: axes outermost first,
 ranks laid out row-major as ``init_device_mesh`` lays them)::
@@ -22,6 +24,7 @@ import torch.distributed as dist
 from autopar.core.errors import ConfigError, InputMismatchError, MeshError
 
 DATA_AXES = ("dp", "ep")     # the axes whose ranks take different rows
+CONTEXT_AXIS = "cp"          # the axis whose ranks take different tokens of each row
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,22 @@ def _mesh_of(where: Any) -> dict[str, int]:
     return dict(mesh)
 
 
+def _coordinates(mesh: dict[str, int], rank: int) -> dict[str, int]:
+    coord, r = {}, rank
+    for axis, n in reversed(list(mesh.items())):
+        coord[axis], r = r % n, r // n
+    return coord
+
+
+def context_share(where: Any, rank: int | None = None) -> Share:
+    """Which of the context axis's shares of each sequence ``rank`` holds (count 1 without a cp axis)."""
+    mesh = _mesh_of(where)
+    if rank is None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+    n = mesh.get(CONTEXT_AXIS, 1)
+    return Share(_coordinates(mesh, rank).get(CONTEXT_AXIS, 0) if n > 1 else 0, n)
+
+
 def batch_share(where: Any, rank: int | None = None) -> Share:
     """The share of the global batch ``rank`` (default: this process's rank) feeds ``where`` (a
     parallel module, its plan, or the mesh given to :func:`autopar.parallelize`): its
@@ -65,9 +84,7 @@ def batch_share(where: Any, rank: int | None = None) -> Share:
     if not 0 <= rank < world:
         raise MeshError("rank outside the mesh", where="autopar.data.batch_share", expected=f"0..{world - 1}",
                         got=repr(rank), fix="pass a rank of the mesh")
-    coord, r = {}, rank
-    for axis, n in reversed(list(mesh.items())):
-        coord[axis], r = r % n, r // n
+    coord = _coordinates(mesh, rank)
     index, count = 0, 1
     for axis in mesh:                       # row-major over the data axes, outermost first
         if axis in DATA_AXES:
@@ -79,8 +96,11 @@ def shard(batch: Any, where: Any, rank: int | None = None) -> Any:
     """This rank's rows of a global ``batch`` (a tensor, or a tuple, list or dict of them; other
     values pass through): every tensor cut along dim 0 into :func:`batch_share`'s count of
     equal shares. A batch whose rows do not divide evenly is refused (the parallel model
-    weighs uneven shares by their rows, but a data loader should hand out equal ones)."""
+    weighs uneven shares by their rows, but a data loader should hand out equal ones). With a
+    ``cp`` axis, dim 1 of every tensor of two dims or more (the sequence) is then cut to this
+    rank's tokens (:func:`context_share`; the length must divide into ``2 cp`` chunks)."""
     share = batch_share(where, rank)
+    context = context_share(where, rank)
 
     def cut(t: Any, name: str) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
@@ -91,7 +111,17 @@ def shard(batch: Any, where: Any, rank: int | None = None) -> Any:
                                      expected=f"rows a multiple of {share.count} (the mesh's data shares)",
                                      got=f"{t.shape[0]} rows", fix=f"use a global batch divisible by {share.count}")
         rows = t.shape[0] // share.count
-        return t[share.index * rows:(share.index + 1) * rows]
+        t = t[share.index * rows:(share.index + 1) * rows]
+        if context.count > 1 and t.dim() >= 2:
+            from autopar.runtime.cp import shard as cp_shard
+            if t.shape[1] % (2 * context.count):
+                raise InputMismatchError("the sequence does not cut into the context axis's chunks",
+                                         where=f"autopar.data.shard, input {name}",
+                                         expected=f"dim 1 a multiple of {2 * context.count} (2 x cp)",
+                                         got=f"{t.shape[1]}", fix=f"pad the sequence to a multiple of "
+                                                                  f"{2 * context.count}")
+            t = cp_shard(t, 1, context.count, context.index)
+        return t
 
     if isinstance(batch, Mapping):
         return {k: cut(v, repr(k)) for k, v in batch.items()}

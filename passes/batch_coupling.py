@@ -30,7 +30,7 @@ import torch.fx as fx
 from autopar.core.meta import evaluate, graph_info, info
 from autopar.passes.sharding_rules import reshape_groups
 
-__all__ = ["Pairing", "batch_coupling", "FREE", "LOST", "SUMMED"]
+__all__ = ["Pairing", "batch_coupling", "carried_dims", "FREE", "LOST", "SUMMED"]
 
 aten = torch.ops.aten
 FREE, LOST, SUMMED = None, "lost", "summed"
@@ -123,6 +123,19 @@ def batch_coupling(gm: fx.GraphModule, inputs: list[str] | None = None) -> list[
             found.append(Pairing(node.name, rec.fqn if rec else "", str(node.target), str(why)))
             state[node] = [LOST] * max(1, len(shapes))
     return found
+
+
+def carried_dims(node: fx.Node, dims: list[Dim], sizes: dict[str, int]) -> list[Dim] | None:
+    """Where ``node``'s outputs carry the followed dim when its tensor arguments (lists flattened,
+    kwargs after args) carry it at ``dims``; None when the op pairs entries of that dim with each
+    other. The same rules as :func:`batch_coupling`, for a caller following another dim (context
+    parallelism follows the sequence: ``passes/cp_rewrite.py``)."""
+    args = _tensor_args(node)
+    ctx = Ctx(node, dims, [(_shapes(a, sizes) or [()])[0] for a in args], _shapes(node, sizes))
+    try:
+        return _apply(ctx)
+    except _Pairs:
+        return None
 
 
 def _apply(ctx: Ctx) -> list[Dim]:

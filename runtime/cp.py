@@ -36,8 +36,8 @@ import torch.distributed as dist
 from autopar.core.errors import ConfigError
 from autopar.runtime.collectives import all_gather_start, all_gather_wait, c10d
 
-__all__ = ["allgather_attention", "alltoall_attention", "attention_mask", "positions", "ring_attention", "shard",
-           "unshard"]
+__all__ = ["KINDS", "allgather_attention", "alltoall_attention", "attention_mask", "gather_sequence", "graph_attention",
+           "local_positions", "local_rows", "positions", "ring_attention", "shard", "unshard"]
 
 
 def positions(seq: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -67,25 +67,49 @@ def unshard(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
 
 
 class _GatherSeq(torch.autograd.Function):
-    """All-gather along the sequence (dim -2 of ``[batch, heads, seq, dim]``) into global order;
-    backward sums the gradient over the ranks and keeps this rank's positions."""
+    """All-gather along the sequence dim ``dim`` into global order; backward sums the gradient
+    over the ranks and keeps this rank's positions (a reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group_name: str, cp: int, rank: int) -> torch.Tensor:
-        ctx.group_name, ctx.cp, ctx.rank = group_name, cp, rank
-        rows = x.movedim(-2, 0).contiguous()                      # [s_local, ...]
+    def forward(ctx, x: torch.Tensor, group_name: str, cp: int, rank: int, dim: int = -2) -> torch.Tensor:
+        ctx.group_name, ctx.cp, ctx.rank, ctx.dim = group_name, cp, rank, dim
+        rows = x.movedim(dim, 0).contiguous()                     # [s_local, ...]
         gathered = all_gather_wait(all_gather_start(rows, cp, group_name))  # [cp * s_local, ...]
         seq = gathered.shape[0]
         order = _order(seq, cp, x.device)
         ctx.order = order
         whole = torch.empty_like(gathered).index_copy_(0, order, gathered)
-        return whole.movedim(0, -2)
+        return whole.movedim(0, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        rows = grad.movedim(-2, 0).index_select(0, ctx.order).contiguous()   # back to rank-major order
+        rows = grad.movedim(ctx.dim, 0).index_select(0, ctx.order).contiguous()   # back to rank-major order
         mine = c10d.wait_tensor(c10d.reduce_scatter_tensor(rows, "sum", ctx.cp, ctx.group_name))
-        return mine.movedim(0, -2), None, None, None
+        return mine.movedim(0, ctx.dim), None, None, None, None
+
+
+def gather_sequence(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """The whole sequence of ``x`` (this rank's tokens along ``dim``), in global order, on every
+    rank of the context-parallel group; its gradient reaches each rank's own tokens."""
+    _, cp, rank = _group(group_name)
+    if x.requires_grad and x.is_floating_point():
+        return _GatherSeq.apply(x, group_name, cp, rank, dim)
+    with torch.no_grad():
+        return _GatherSeq.apply(x, group_name, cp, rank, dim)
+
+
+def local_positions(s_local: int, group_name: str, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+    """The global positions of this rank's ``s_local`` tokens (what ``arange(seq)`` is on one
+    process, at this rank's positions)."""
+    _, cp, rank = _group(group_name)
+    pos = positions(s_local * cp, cp, rank, device if device is not None else "cpu")
+    return pos if dtype is None else pos.to(dtype)
+
+
+def local_rows(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """This rank's tokens of a whole-sequence value (sequence along ``dim``)."""
+    _, cp, rank = _group(group_name)
+    return x.index_select(dim, positions(x.shape[dim], cp, rank, x.device))
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int | None,
@@ -102,6 +126,25 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, windo
     if q_doc is not None:
         allowed = both(allowed, q_doc[..., :, None] == k_doc[..., None, :])
     return allowed
+
+
+def _combine(allowed: torch.Tensor | None, extra: torch.Tensor | None) -> torch.Tensor | None:
+    """The model's own mask ``extra`` (bool: True attends; float: added to the scores) with
+    ``allowed`` (bool) on top: bool when both are, else additive (-inf where not allowed)."""
+    if extra is None:
+        return allowed
+    if allowed is None:
+        return extra
+    if extra.dtype == torch.bool:
+        return extra & allowed
+    return extra.masked_fill(~allowed, -torch.inf)
+
+
+def _rows(mask: torch.Tensor | None, q_pos: torch.Tensor) -> torch.Tensor | None:
+    """This rank's query rows of a whole-sequence mask (keys stay in global order)."""
+    if mask is None or mask.dim() < 2 or mask.shape[-2] == 1:
+        return mask
+    return mask.index_select(mask.dim() - 2, q_pos)
 
 
 def _group(group: dist.ProcessGroup | str) -> tuple[str, int, int]:
@@ -133,7 +176,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: str) -> Non
 
 def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | str,
                        causal: bool = True, window: int | None = None, doc_ids: torch.Tensor | None = None,
-                       scale: float | None = None) -> torch.Tensor:
+                       scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """The all-to-all kind (Ulysses): heads for sequence. One all-to-all gives each rank the whole
     sequence of ``heads / cp`` of the query heads (and of the key heads, repeated first when
     ``cp`` does not divide them), which it attends exactly as one process does; a second
@@ -175,8 +218,10 @@ def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, gro
         kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
     pos = torch.arange(seq, device=q.device)
     ids = _whole_ids(doc_ids, group_name, cp)[:, None] if doc_ids is not None else None
+    if mask is not None and mask.dim() == 4 and mask.shape[1] > 1:     # a mask per head: this rank's heads
+        mask = mask.narrow(1, rank * (heads // cp), heads // cp)
     out = torch.nn.functional.scaled_dot_product_attention(
-        qh, kh, vh, attn_mask=attention_mask(pos, pos, causal, window, ids, ids), scale=scale)
+        qh, kh, vh, attn_mask=_combine(attention_mask(pos, pos, causal, window, ids, ids), mask), scale=scale)
     return to_tokens(out)
 
 
@@ -186,7 +231,7 @@ def _shift(tensors: list[torch.Tensor], group_name: str, cp: int, rank: int):
     from torch.distributed.distributed_c10d import _resolve_process_group
     pg = _resolve_process_group(group_name)
     nxt, prv = (rank + 1) % cp, (rank - 1) % cp
-    got = [torch.empty_like(t) for t in tensors]
+    got = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), group=pg, group_peer=nxt) for t in tensors]
     ops += [dist.P2POp(dist.irecv, r, group=pg, group_peer=prv) for r in got]
     return dist.batch_isend_irecv(ops), got
@@ -202,7 +247,7 @@ class _Ring(torch.autograd.Function):
     by log-sum-exp; backward sends keys, values and their gradient sums round again."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group_name: str, cp: int, rank: int, causal: bool, window, ids, scale: float):
+    def forward(ctx, q, k, v, group_name: str, cp: int, rank: int, causal: bool, window, ids, scale: float, rows):
         seq = q.shape[-2] * cp
         q_pos = positions(seq, cp, rank, q.device)
         out = torch.zeros_like(q)
@@ -211,7 +256,7 @@ class _Ring(torch.autograd.Function):
         for t in range(cp):
             owner = (rank - t) % cp
             pending = _shift(kv, group_name, cp, rank) if t < cp - 1 else None   # the next block travels meanwhile
-            probs, blk_lse = _block(q, kv[0], q_pos, owner, seq, cp, causal, window, ids, scale)
+            probs, blk_lse = _block(q, kv[0], q_pos, owner, seq, cp, causal, window, ids, scale, rows)
             new = torch.logaddexp(lse, blk_lse)
             keep = torch.where(torch.isneginf(new), 0.0, torch.exp(lse - new))
             take = torch.where(torch.isneginf(new), 0.0, torch.exp(blk_lse - new))
@@ -221,13 +266,13 @@ class _Ring(torch.autograd.Function):
                 _wait(pending[0])
                 kv = pending[1]
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group_name, cp, rank, causal, window, ids, scale)
+        ctx.args = (group_name, cp, rank, causal, window, ids, scale, rows)
         return out
 
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, out, lse = ctx.saved_tensors
-        group_name, cp, rank, causal, window, ids, scale = ctx.args
+        group_name, cp, rank, causal, window, ids, scale, rows = ctx.args
         seq = q.shape[-2] * cp
         q_pos = positions(seq, cp, rank, q.device)
         delta = (d_out * out).sum(-1, keepdim=True)
@@ -236,7 +281,7 @@ class _Ring(torch.autograd.Function):
         for t in range(cp):
             owner = (rank - t) % cp
             kb, vb, dk, dv = held
-            scores = _scores(q, kb, q_pos, owner, seq, cp, causal, window, ids, scale)
+            scores = _scores(q, kb, q_pos, owner, seq, cp, causal, window, ids, scale, rows)
             probs = torch.where(torch.isneginf(lse)[..., None], 0.0, torch.exp(scores - lse[..., None]))
             dv = dv + _unrep(probs.transpose(-1, -2) @ d_out, kb)
             ds = probs * (d_out @ _rep(vb, q).transpose(-1, -2) - delta)
@@ -246,7 +291,7 @@ class _Ring(torch.autograd.Function):
             works, got = _shift([kb, vb, dk, dv] if t < cp - 1 else [dk, dv], group_name, cp, rank)
             _wait(works)
             held = got if t < cp - 1 else [None, None, *got]
-        return dq, held[2], held[3], None, None, None, None, None, None, None
+        return dq, held[2], held[3], None, None, None, None, None, None, None, None
 
 
 def _rep(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -260,19 +305,23 @@ def _unrep(grad: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     return grad.reshape(grad.shape[0], kv.shape[1], rep, *grad.shape[2:]).sum(2) if rep > 1 else grad
 
 
-def _scores(q, kb, q_pos, owner, seq, cp, causal, window, ids, scale) -> torch.Tensor:
-    """Scaled scores of this rank's queries against ``owner``'s keys, -inf where masked."""
+def _scores(q, kb, q_pos, owner, seq, cp, causal, window, ids, scale, rows) -> torch.Tensor:
+    """Scaled scores of this rank's queries against ``owner``'s keys, -inf where masked
+    (``rows``: this rank's rows of the model's own whole-sequence mask, or None)."""
     k_pos = positions(seq, cp, owner, q.device)
     scores = (q @ _rep(kb, q).transpose(-1, -2)) * scale
     q_doc = ids[:, q_pos][:, None] if ids is not None else None      # [batch, 1, s]: broadcast over heads
     k_doc = ids[:, k_pos][:, None] if ids is not None else None
-    mask = attention_mask(q_pos, k_pos, causal, window, q_doc, k_doc)
-    return scores if mask is None else scores.masked_fill(~mask, -torch.inf)
+    extra = rows if rows is None or rows.shape[-1] == 1 else rows.index_select(rows.dim() - 1, k_pos)
+    mask = _combine(attention_mask(q_pos, k_pos, causal, window, q_doc, k_doc), extra)
+    if mask is None:
+        return scores
+    return scores.masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else scores + mask
 
 
-def _block(q, kb, q_pos, owner, seq, cp, causal, window, ids, scale):
+def _block(q, kb, q_pos, owner, seq, cp, causal, window, ids, scale, rows):
     """Softmax probabilities of one block (rows normalised within it) and its log-sum-exp."""
-    scores = _scores(q, kb, q_pos, owner, seq, cp, causal, window, ids, scale)
+    scores = _scores(q, kb, q_pos, owner, seq, cp, causal, window, ids, scale, rows)
     blk_lse = torch.logsumexp(scores, -1)
     probs = torch.where(torch.isneginf(blk_lse)[..., None], 0.0, torch.exp(scores - blk_lse[..., None]))
     return probs, blk_lse
@@ -280,7 +329,7 @@ def _block(q, kb, q_pos, owner, seq, cp, causal, window, ids, scale):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | str,
                    causal: bool = True, window: int | None = None, doc_ids: torch.Tensor | None = None,
-                   scale: float | None = None) -> torch.Tensor:
+                   scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """The ring kind: each rank's keys and values go round the ring (the next block is in flight
     while this one is computed); each block's attention is merged into the running result by
     log-sum-exp, so no rank ever holds more than two blocks of keys. Backward goes round again with
@@ -289,13 +338,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     group_name, cp, rank = _group(group)
     _check(q, k, v, "ring_attention")
     ids = _whole_ids(doc_ids, group_name, cp) if doc_ids is not None else None
+    rows = _rows(mask, positions(q.shape[-2] * cp, cp, rank, q.device))
     return _Ring.apply(q, k, v, group_name, cp, rank, causal, window, ids,
-                       scale if scale is not None else q.shape[-1] ** -0.5)
+                       scale if scale is not None else q.shape[-1] ** -0.5, rows)
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | str,
                         causal: bool = True, window: int | None = None, doc_ids: torch.Tensor | None = None,
-                        scale: float | None = None) -> torch.Tensor:
+                        scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of this rank's queries to the whole sequence's keys and values.
 
     ``q``: ``[batch, heads, s_local, dim]``, ``k`` and ``v``: ``[batch, kv_heads, s_local, dim]``
@@ -303,19 +353,34 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, gr
     rank's layout (:func:`shard`). ``window``: a query at position ``i`` sees keys ``j`` with
     ``i - j < window`` (with ``causal``, Mistral's sliding window). ``doc_ids``: ``[batch,
     s_local]``, this rank's tokens' document ids (packed documents attend within their own).
-    Returns ``[batch, heads, s_local, dim]``, this rank's rows of the whole attention."""
+    ``mask``: the model's own mask over the whole sequence (broadcastable to ``[batch, heads,
+    seq, seq]``, global positions; bool, True attends, or float, added to the scores), on top of
+    the others. Returns ``[batch, heads, s_local, dim]``, this rank's rows of the whole attention."""
     group_name, cp, rank = _group(group)
     _check(q, k, v, "allgather_attention")
     seq = q.shape[-2] * cp
     q_pos = positions(seq, cp, rank, q.device)
     k_pos = torch.arange(seq, device=q.device)
-    k_all = _GatherSeq.apply(k, group_name, cp, rank)
-    v_all = _GatherSeq.apply(v, group_name, cp, rank)
+    k_all = _GatherSeq.apply(k, group_name, cp, rank, -2)
+    v_all = _GatherSeq.apply(v, group_name, cp, rank, -2)
     q_doc = k_doc = None
     if doc_ids is not None:
         q_doc, k_doc = doc_ids[:, None], _whole_ids(doc_ids, group_name, cp)[:, None]   # broadcast over heads
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k_all, v_all = k_all.repeat_interleave(rep, dim=1), v_all.repeat_interleave(rep, dim=1)
-    mask = attention_mask(q_pos, k_pos, causal, window, q_doc, k_doc)
-    return torch.nn.functional.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale)
+    allowed = _combine(attention_mask(q_pos, k_pos, causal, window, q_doc, k_doc), _rows(mask, q_pos))
+    return torch.nn.functional.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed, scale=scale)
+
+
+KINDS = ("ring", "allgather", "alltoall")
+
+
+def graph_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+                    scale: float | None, kind: str, group_name: str) -> torch.Tensor:
+    """What an attention op of a captured graph runs under context parallelism
+    (``passes/cp_rewrite.py``): ``scaled_dot_product_attention(q, k, v, attn_mask=mask,
+    is_causal=is_causal, scale=scale)`` on one process, here this rank's rows of it by ``kind``;
+    ``mask`` is the whole sequence's (the rewrite computes the model's mask on global positions)."""
+    fn = {"ring": ring_attention, "allgather": allgather_attention, "alltoall": alltoall_attention}[kind]
+    return fn(q, k, v, group=group_name, causal=bool(is_causal), scale=scale, mask=mask)

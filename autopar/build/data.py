@@ -47,13 +47,14 @@ def _dense_data_axis(s: BuildState) -> None:
     master = master_dtype(s.gm)
     compute = torch_dtype(plan.mixed_precision) if plan.mixed_precision else master
     rt = None
-    if plan.dp_axis is not None and plan.dp > 1:
-        dim = s.names.index(plan.dp_axis)
-        rt = DPRuntime(stage=plan.zero_stage, n=s.mesh.size(dim), rank=s.mesh.get_local_rank(dim),
-                       group_name=s.mesh.get_group(dim).group_name, device=s.device, master_dtype=master,
-                       compute_dtype=compute, prefetch=plan.overlap)
+    # the ranks that computed each gradient on other tokens: dp (rows of the batch) x cp (positions)
+    axes = [a for a in ("dp", "cp") if a in s.names and s.sizes.get(a, 1) > 1]
+    if axes:
+        group, n, rank = axes_group(s.mesh, s.names, axes)
+        rt = DPRuntime(stage=plan.zero_stage, n=n, rank=rank, group_name=group.group_name, device=s.device,
+                       master_dtype=master, compute_dtype=compute, prefetch=plan.overlap)
         for fqns, shapes, flags in data_rewrite(s.gm, plan, s.cluster(), rid=rt.id, trainable=s.trainable,
-                                                scheduled=False):
+                                                axis="x".join(axes), n=n, scheduled=False):
             rt.add_bucket(fqns, shapes, flags)
         s.data_nodes = True
         sync_batch_norms(s.gm, rt.group_name)     # training statistics over the global batch
@@ -62,7 +63,7 @@ def _dense_data_axis(s: BuildState) -> None:
         rt = DPRuntime(stage=0, n=1, rank=0, group_name="", device=s.device, master_dtype=master,
                        compute_dtype=compute)
     if rt is None or rt.n == 1:
-        unused_mode(mode, plan.dp)
+        unused_mode(mode, plan.dp * plan.cp)
     s.plan = replace(plan, dp_mode=mode.to_dict() if rt is not None and rt.modes is not None else {})
     s.data = [rt] if rt is not None else []
 

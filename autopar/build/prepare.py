@@ -157,7 +157,8 @@ def plan_of(gm: fx.GraphModule, sol: Solution, axes: tuple[tuple[str, int], ...]
     dp_axis = "dp" if any(a == "dp" for a, _ in axes) else None
     shapes = param_shapes(gm)
     return Plan(mesh=dict(axes), tp_axis=tp[0][0] if tp else None, params=params, nodes=nodes, predicted=predicted,
-                model=name, dp_axis=dp_axis, zero_stage=zero_stage if dp_axis else 0, bucket_bytes=bucket_bytes,
+                model=name, dp_axis=dp_axis, zero_stage=zero_stage if dp_axis or dict(axes).get("cp", 1) > 1 else 0,
+                bucket_bytes=bucket_bytes,
                 overlap=overlap, mixed_precision=mixed_precision, shapes=shapes,
                 fingerprint=Plan.fingerprint_of(shapes))
 

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from autopar.build.context import context_step
 from autopar.build.data import data_step
 from autopar.build.experts import capacity_step, experts_step
 from autopar.build.module import module_step
@@ -57,8 +58,10 @@ BUILD_STEPS: list[Step] = [
          needs=("mesh",)),
     Step("experts", experts_step, "after the tensor rewrite, whose collectives stay outside the exchanged experts; "
          "checks each MoE layer on the real weights", needs=("tensor", "weights"), rewrites=True),
+    Step("context", context_step, "after the tensor rewrite (attention on this rank's heads), on the whole graph: "
+         "each rank's tokens of the sequence", needs=("tensor", "weights", "experts"), rewrites=True),
     Step("pipeline", pipeline_step, "after every rewrite that changes the ops, so the cuts price what each rank runs",
-         needs=("tensor", "weights", "experts"), rewrites=True),
+         needs=("tensor", "weights", "experts", "context"), rewrites=True),
     Step("recompute", recompute_step, "per graph (per stage with a pipeline), over the model's own ops",
          needs=("pipeline",)),
     Step("data", data_step, "buckets follow the parameters each graph (or stage) holds: dense over dp x ep, "

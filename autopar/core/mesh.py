@@ -54,24 +54,33 @@ def in_order(axes: Axes, allowed: tuple[str, ...]) -> bool:
 
 
 def dense_axes(mesh: Any) -> Axes:
-    """The axes of a mesh with no pipeline and no experts: ``dp`` and/or ``tp`` (dp outer)."""
+    """The axes of a mesh with no pipeline and no experts: ``dp``, ``cp`` and/or ``tp`` (in that order)."""
     axes = read(mesh, "e.g. {'dp': 2, 'tp': 2}, init_device_mesh('cpu', (2, 2), mesh_dim_names=('dp', 'tp')) or 4")
     got = [a for a, _ in axes]
     if got == ["tp", "dp"]:
         raise MeshError("the data axis must be the outer mesh axis", where="mesh", got=str(axes),
                         fix="list dp before tp, e.g. {'dp': 2, 'tp': 2}: tensor-parallel ranks are neighbours")
-    if not axes or not in_order(axes, ("dp", "tp")):
-        raise MeshError("this takes a mesh of a data axis and/or a tensor axis", where="mesh",
-                        expected="axes named dp and/or tp (dp outermost), each of size >= 1", got=str(axes),
+    _no_cp_with(axes)
+    if not axes or not in_order(axes, ("dp", "cp", "tp")):
+        raise MeshError("this takes a mesh of a data axis, a context axis and/or a tensor axis", where="mesh",
+                        expected="axes named dp, cp and/or tp (in that order), each of size >= 1", got=str(axes),
                         fix="with pp or ep axes, call autopar.parallelize with that mesh (it plans the pipeline and "
                             "the experts) or run `autopar plan` for a cluster"
-                        if any(a in ("pp", "ep") for a in got) else "name the axes dp and tp")
+                        if any(a in ("pp", "ep") for a in got) else "name the axes dp, cp and tp, in that order")
     return axes
+
+
+def _no_cp_with(axes: Axes) -> None:
+    got = [a for a, _ in axes]
+    if "cp" in got and any(a in ("pp", "ep") for a in got):
+        raise MeshError("context parallelism (cp) combines with dp and tp axes, not with pp or ep", where="mesh",
+                        got=str(dict(axes)), fix="drop the cp axis, or the pp/ep axes (e.g. {'dp': 2, 'cp': 2, 'tp': 2})")
 
 
 def pipeline_axes(mesh: Any) -> Axes:
     """The axes of a pipeline mesh: ``pp`` first, then ``dp``, ``ep`` and/or ``tp``."""
     axes = _named(mesh, "e.g. {'pp': 2, 'tp': 2}")
+    _no_cp_with(axes)
     if not in_order(axes, ("pp", "dp", "ep", "tp")):
         raise MeshError("pipeline mesh axes must be pp, then dp, ep and/or tp, each of size >= 1", where="mesh",
                         expected="e.g. {'pp': 2}, {'pp': 2, 'dp': 2}, {'pp': 2, 'ep': 2} or {'pp': 2, 'tp': 2}",
@@ -82,6 +91,7 @@ def pipeline_axes(mesh: Any) -> Axes:
 def expert_axes(mesh: Any) -> Axes:
     """The axes of an expert-parallel mesh without a pipeline: ``dp``, ``ep``, ``tp`` (ep required)."""
     axes = _named(mesh, "e.g. {'ep': 2} or {'dp': 2, 'ep': 2}")
+    _no_cp_with(axes)
     if not in_order(axes, ("dp", "ep", "tp")) or "ep" not in dict(axes):
         raise MeshError("expert-parallel mesh axes must be dp, ep, tp in that order (ep required)", where="mesh",
                         expected="e.g. {'ep': 2}, {'dp': 2, 'ep': 2}, {'ep': 2, 'tp': 2}", got=str(dict(axes)),

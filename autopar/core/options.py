@@ -135,8 +135,25 @@ class ExpertOptions:
                "a number or None")
 
 
-AxisOptions = TensorOptions | DataOptions | PipelineOptions | ExpertOptions
-KINDS: tuple[type, ...] = (TensorOptions, DataOptions, PipelineOptions, ExpertOptions)
+@dataclass(frozen=True, kw_only=True)
+class ContextOptions:
+    """The context axis (read by the context step, ``autopar/build/context.py``).
+
+    ``kind`` is how attention crosses the ranks that split the sequence: ``"ring"`` (keys and
+    values passed round the ranks, overlapped with the attention of the block at hand),
+    ``"allgather"`` (every rank gathers the whole sequence's keys and values) or ``"alltoall"``
+    (Ulysses: the sequence split traded for a head split; cp must divide the heads). None: the
+    cheapest by the cost model (``cost/cp_planner.py``)."""
+
+    kind: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(type(self).__name__, "kind", self.kind, self.kind in (None, "ring", "allgather", "alltoall"),
+               "'ring', 'allgather', 'alltoall' or None")
+
+
+AxisOptions = TensorOptions | DataOptions | PipelineOptions | ExpertOptions | ContextOptions
+KINDS: tuple[type, ...] = (TensorOptions, DataOptions, PipelineOptions, ExpertOptions, ContextOptions)
 
 
 @dataclass(frozen=True)
@@ -147,19 +164,22 @@ class Options:
     data: DataOptions = DataOptions()
     pipeline: PipelineOptions = PipelineOptions()
     experts: ExpertOptions = ExpertOptions()
+    context: ContextOptions = ContextOptions()
     given: frozenset[str] = frozenset()      # the kinds the caller passed
 
     def flat(self) -> dict[str, Any]:
         """Every option by its field name (``expert_placement`` for ``ExpertOptions.placement``)."""
         out: dict[str, Any] = {}
-        for part in (self.tensor, self.data, self.pipeline, self.experts):
+        for part in (self.tensor, self.data, self.pipeline, self.experts, self.context):
             for f in dataclasses.fields(part):
                 key = "expert_placement" if isinstance(part, ExpertOptions) and f.name == "placement" else f.name
+                key = "cp_kind" if isinstance(part, ContextOptions) else key
                 out[key] = getattr(part, f.name)
         return out
 
 
-_ATTR = {TensorOptions: "tensor", DataOptions: "data", PipelineOptions: "pipeline", ExpertOptions: "experts"}
+_ATTR = {TensorOptions: "tensor", DataOptions: "data", PipelineOptions: "pipeline", ExpertOptions: "experts",
+         ContextOptions: "context"}
 
 
 def collect(options: AxisOptions | Sequence[AxisOptions] | None) -> Options:
@@ -169,7 +189,8 @@ def collect(options: AxisOptions | Sequence[AxisOptions] | None) -> Options:
         return Options()
     items = [options] if isinstance(options, KINDS) else options
     if not isinstance(items, (list, tuple)) or not all(isinstance(o, KINDS) for o in items):
-        raise ConfigError("options= takes TensorOptions, DataOptions, PipelineOptions or ExpertOptions, or a list "
+        raise ConfigError("options= takes TensorOptions, DataOptions, PipelineOptions, ExpertOptions or "
+                          "ContextOptions, or a list "
                           "of them", where="parallelize(options=...)", got=repr(options),
                           fix="e.g. options=[autopar.PipelineOptions(schedule='1f1b'), autopar.DataOptions(overlap=False)]")
     parts: dict[str, Any] = {}

@@ -73,6 +73,8 @@ class Plan:
     shapes: dict[str, list[int]] = field(default_factory=dict)   # the model's parameters, by state_dict key
     fingerprint: str = ""                         # hash of ``shapes``: which model the plan is for
     dp_mode: dict[str, Any] = field(default_factory=dict)   # data-axis mode (autopar/core/dp_mode.py); {}: all-reduce
+    cp_axis: str | None = None                    # the axis that splits the sequence (context parallelism)
+    cp_kind: str | None = None                    # how attention crosses it: ring | allgather | alltoall
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
@@ -91,7 +93,10 @@ class Plan:
         if self.dp_mode:
             from autopar.core.dp_mode import data_mode
             data_mode(self.dp_mode, where="plan dp_mode")     # raises ConfigError on a bad one
-        for axis in (self.tp_axis, self.dp_axis, self.pp_axis, self.ep_axis):
+        if self.cp_kind not in (None, "ring", "allgather", "alltoall"):
+            raise ConfigError("cp_kind must be ring, allgather or alltoall", where="plan", got=repr(self.cp_kind),
+                              fix="pick one of ring, allgather, alltoall")
+        for axis in (self.tp_axis, self.dp_axis, self.pp_axis, self.ep_axis, self.cp_axis):
             if axis is not None and axis not in self.mesh:
                 raise ConfigError(f"plan axis {axis!r} is not a mesh axis", where="plan", got=str(self.mesh),
                                   fix="name the tp/dp axes among the mesh axes")
@@ -99,6 +104,10 @@ class Plan:
     @property
     def dp(self) -> int:
         return self.mesh.get(self.dp_axis, 1) if self.dp_axis else 1
+
+    @property
+    def cp(self) -> int:
+        return self.mesh.get(self.cp_axis, 1) if self.cp_axis else 1
 
     @property
     def pp(self) -> int:
@@ -182,6 +191,7 @@ class Plan:
     def summary(self) -> dict[str, Any]:
         sharded = {k: v for k, v in self.params.items() if v != "R"}
         return {"mesh": self.mesh, "tp_axis": self.tp_axis, "dp_axis": self.dp_axis, "zero_stage": self.zero_stage,
+                **({"cp_axis": self.cp_axis, "cp_kind": self.cp_kind} if self.cp_axis else {}),
                 "dp_mode": self.dp_mode.get("kind", "allreduce"),
                 "mixed_precision": self.mixed_precision, "sharded_params": len(sharded),
                 "replicated_params": len(self.params) - len(sharded), **self.predicted}
@@ -211,10 +221,12 @@ def _fields(data: dict, where: str) -> dict[str, Any]:
     out: dict[str, Any] = {"version": data["version"]}
     out["mesh"] = {str(k): sj.integer(v, f"mesh.{k}", low=1, high=_MAX_COUNT, **at)
                    for k, v in sj.mapping(data["mesh"], "mesh", **at).items()}
-    for key in ("tp_axis", "dp_axis", "pp_axis", "ep_axis", "mixed_precision", "schedule", "capacity_factor"):
+    for key in ("tp_axis", "dp_axis", "pp_axis", "ep_axis", "cp_axis", "cp_kind", "mixed_precision", "schedule",
+                "capacity_factor"):
         out[key] = data.get(key)
-    for key in ("tp_axis", "dp_axis", "pp_axis", "ep_axis"):
+    for key in ("tp_axis", "dp_axis", "pp_axis", "ep_axis", "cp_axis"):
         sj.text(out[key], key, optional=True, **at)
+    sj.choice(out["cp_kind"], "cp_kind", (None, "ring", "allgather", "alltoall"), **at)
     sj.choice(out["mixed_precision"], "mixed_precision", (None, "bf16", "fp16"), **at)
     sj.choice(out["schedule"], "schedule", (None, *_SCHEDULES), **at)
     if out["capacity_factor"] is not None:

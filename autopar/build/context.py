@@ -1,0 +1,60 @@
+"""The context step: each rank of the ``cp`` axis runs its own tokens of every sequence
+(:mod:`autopar.passes.cp_rewrite`), attention crossing the ranks by the plan's kind (given in
+``ContextOptions(kind=...)``, the plan's, or the cheapest by ``cost/cp_planner.py``).
+
+Parameters stay replicated over ``cp``; the data step averages gradients over ``dp x cp`` (each
+rank's loss is its tokens' share). Nothing happens without a cp axis.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import torch.distributed as dist
+
+from autopar.build.state import BuildState
+from autopar.core.errors import ConfigError
+from autopar.core.meta import evaluate, graph_info, info
+from autopar.cost.cp_planner import AttentionShape, choose_kind
+
+log = logging.getLogger("autopar.build")
+
+
+def context_step(s: BuildState) -> None:
+    cp = s.sizes.get("cp", 1)
+    if cp == 1:
+        return
+    given = s.request.options.context.kind
+    planned = s.request.plan.cp_kind if s.request.plan is not None else None
+    if given is not None and planned is not None and given != planned:
+        raise ConfigError("ContextOptions(kind=...) differs from the plan's", where="parallelize(plan=...)",
+                          expected=repr(planned), got=repr(given), fix="drop the kind (the plan's is used), or re-plan")
+    kind, why = given or planned, "given" if given else "the plan's"
+    if kind is None:
+        kind, totals = choose_kind(attention_shapes(s.gm, cp), cp, s.cluster(), tuple(s.sizes.items()))
+        why = "cheapest: " + ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in totals.items() if v != float("inf"))
+    from autopar.passes.cp_rewrite import cp_rewrite
+    group, _ = s.group("cp")
+    report = cp_rewrite(s.gm, cp=cp, group_name=group.group_name, kind=kind)
+    s.plan = replace(s.plan, cp_axis="cp", cp_kind=kind)
+    if dist.get_rank() == 0:
+        log.info("context parallelism cp=%d, %s attention (%s) over %d attention ops; on the whole sequence: %s",
+                 cp, kind, why, len(report.attention),
+                 ", ".join(f"{k} x{v}" for k, v in sorted(report.whole_ops.items())) or "nothing")
+
+
+def attention_shapes(gm, cp: int) -> list[AttentionShape]:
+    """The attention ops of ``gm`` at its example sizes (the rank's share of the sequence), as
+    the whole sequence sees them."""
+    from autopar.passes.cp_rewrite import ATTENTION
+    sizes = dict(graph_info(gm).example_sizes)
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in ATTENTION:
+            q, k = (info(a).values[0] for a in n.args[:2])
+            b, h, t, d = (evaluate(x, sizes) for x in q.shape)
+            causal = bool(n.args[5] if len(n.args) > 5 else n.kwargs.get("is_causal", False))
+            mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
+            out.append(AttentionShape(batch=b, heads=h, kv_heads=evaluate(k.shape[1], sizes), seq=t * cp,
+                                      head_dim=d, itemsize=q.dtype.itemsize, causal=causal or mask is not None))
+    return out
