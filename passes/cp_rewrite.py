@@ -75,10 +75,11 @@ def cp_rewrite(gm: fx.GraphModule, *, cp: int, group_name: str, kind: str) -> Cp
                                fix="label the sequence dim of the token inputs "
                                    "(TensorOptions(dims={'input_ids': {0: 'batch', 1: 'seq'}}))")
     an = _analyse(gm, seq)
-    if not an.attention:
-        raise UnsupportedError("context parallelism found no attention op in the graph", where="parallelize",
-                               got="no scaled_dot_product_attention",
-                               fix="load the model with attn_implementation='sdpa' (transformers), or drop the cp axis")
+    if not an.attention and not an.scores:
+        raise UnsupportedError("context parallelism found no attention in the graph", where="parallelize",
+                               got="no scaled_dot_product_attention and no softmax(q @ k^T) @ v",
+                               fix="drop the cp axis: a model without attention gains nothing from splitting the "
+                                   "sequence")
     return _Emit(gm, an, seq, cp, group_name, kind).run()
 
 
@@ -89,6 +90,11 @@ class _Analysis:
     whole_only: set[fx.Node]          # ops that must run on the whole sequence
     sources: set[fx.Node]             # arange(seq): positions
     attention: set[fx.Node]
+    # eager attention: values holding this rank's query rows against the whole sequence's keys
+    # (their last dim is the whole sequence), and the arguments an op reads whole
+    keys_whole: set[fx.Node] = field(default_factory=set)
+    reads_whole: dict[fx.Node, set[fx.Node]] = field(default_factory=dict)
+    scores: set[fx.Node] = field(default_factory=set)      # q @ k^T of eager attention
 
 
 def _seq_dims(node: fx.Node, seq: sympy.Symbol) -> list[int | None]:
@@ -160,17 +166,86 @@ def _analyse(gm: fx.GraphModule, seq: sympy.Symbol) -> _Analysis:
             else:
                 an.dim[n] = [an.dim[src][n.args[1]] if n.args[1] < len(an.dim[src]) else LOST]
             continue
-        dims = [an.dim.get(a, [LOST])[0] for a in tensor_args(n)]
+        args = tensor_args(n)
+        dims = [an.dim.get(a, [LOST])[0] for a in args]
+        if _eager_attention(n, args, dims, an):
+            continue
         if n.target in _RESHAPES and isinstance(dims[0], int) and not isinstance(dims[0], bool):
             got = [_reshaped(n, dims[0], sizes, seq)]
+        elif any(a in an.keys_whole for a in args) and not _keeps_keys(n, args, an):
+            got = None                   # an op this rewrite cannot follow on query rows: whole
         else:
             got = None if _indexes_sequence(n, dims) else carried_dims(n, dims, sizes)
         if got is None or any(g is LOST for g in got):
             an.whole_only.add(n)
             an.dim[n] = [d if d is not None else LOST for d in _seq_dims(n, seq)] or [LOST]
+            if _query_by_key(n, seq):    # a mask over (query, key): localized, its rows are this rank's
+                an.dim[n] = [len(info(n).values[0].shape) - 2]
+                an.keys_whole.add(n)
         else:
             an.dim[n] = got
+            if any(a in an.keys_whole for a in args):
+                an.keys_whole.add(n)
     return an
+
+
+_MATMULS = {aten.matmul.default, aten.bmm.default}
+_SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
+
+
+def _is_dim(d) -> bool:
+    return isinstance(d, int) and not isinstance(d, bool)
+
+
+def _eager_attention(n: fx.Node, args: list[fx.Node], dims: list, an: _Analysis) -> bool:
+    """Attention written out (``softmax(q @ k^T ...) @ v``): this rank's query rows against the
+    whole sequence's keys (``q @ k^T`` with ``k^T`` read whole), then the weights times the whole
+    sequence's values. Records the node and returns True when ``n`` is one of the two products."""
+    if n.target not in _MATMULS or len(args) != 2 or not all(_is_dim(d) for d in dims):
+        return False
+    (a, b), (da, db) = args, dims
+    ra, rb = (len(info(x).values[0].shape) for x in (a, b))
+    if da != ra - 2 or ra != rb:
+        return False
+    if db == rb - 1 and a not in an.keys_whole:          # scores: queries x keys
+        an.scores.add(n)
+    elif db == rb - 2 and a in an.keys_whole:            # weights x values
+        pass
+    else:
+        return False
+    an.dim[n] = [ra - 2]
+    an.reads_whole[n] = {b}
+    if n not in an.scores:
+        return True
+    an.keys_whole.add(n)
+    return True
+
+
+def _keeps_keys(n: fx.Node, args: list[fx.Node], an: _Analysis) -> bool:
+    """Ops that keep a (query rows x whole keys) value's key dim where it is: elementwise ones
+    (scale, soft-cap, mask, casts, dropout) and a softmax over the keys."""
+    if n.target in _SOFTMAX:
+        rank = len(info(n).values[0].shape)
+        return n.args[1] % rank == rank - 1
+    tags = getattr(n.target, "tags", ())
+    if torch.Tag.pointwise not in tags and n.target not in _ELEMENTWISE:
+        return False
+    shape = info(n).values[0].shape if info(n).values else ()
+    return all(len(info(a).values[0].shape) in (0, len(shape)) or a not in an.keys_whole for a in args)
+
+
+_ELEMENTWISE = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.clone.default,
+                aten.contiguous.default, aten.alias.default, aten.detach.default, aten.dropout.default,
+                aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.type_as.default}
+
+
+def _query_by_key(n: fx.Node, seq: sympy.Symbol) -> bool:
+    """Is ``n`` a (query, key) value: the sequence in its last two dims and nowhere else?"""
+    vals = info(n).values if META_KEY in n.meta else ()
+    if len(vals) != 1 or len(vals[0].shape) < 2:
+        return False
+    dims = [d for d, x in enumerate(vals[0].shape) if sympy.sympify(x) == seq]
+    return dims == [len(vals[0].shape) - 2, len(vals[0].shape) - 1]
 
 
 _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints}
@@ -290,7 +365,9 @@ class _Emit:
                     for a in _inputs(n):
                         need_whole.add(a)
                 else:
-                    need_local.update(_inputs(n))
+                    whole = self.an.reads_whole.get(n, set())
+                    need_local.update(a for a in _inputs(n) if a not in whole)
+                    need_whole.update(whole)
         return need_local, need_whole
 
     @staticmethod
@@ -321,6 +398,10 @@ class _Emit:
             self.local[n] = self._positions(n)
         elif n in an.whole_only and n in an.dep:
             self.local[n] = self._localize(n)
+        elif n in an.reads_whole:
+            self.local[n] = self._copy(n, {a: self.whole[a] for a in an.reads_whole[n]})
+            if n in an.scores:
+                self.report.attention.append(n.name)
         else:
             self.local[n] = self._copy(n, self.local)
 

@@ -79,13 +79,13 @@ class _GatherSeq(torch.autograd.Function):
         order = _order(seq, cp, x.device)
         ctx.order = order
         whole = torch.empty_like(gathered).index_copy_(0, order, gathered)
-        return whole.movedim(0, dim)
+        return whole.movedim(0, dim).contiguous()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         rows = grad.movedim(ctx.dim, 0).index_select(0, ctx.order).contiguous()   # back to rank-major order
         mine = c10d.wait_tensor(c10d.reduce_scatter_tensor(rows, "sum", ctx.cp, ctx.group_name))
-        return mine.movedim(0, ctx.dim), None, None, None, None
+        return mine.movedim(0, ctx.dim).contiguous(), None, None, None, None
 
 
 def gather_sequence(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:

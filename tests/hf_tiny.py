@@ -47,6 +47,8 @@ def configs():
         "t5": (T.T5ForConditionalGeneration, T.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2,
                                                         num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
                                                         pad_token_id=2, eos_token_id=1)),
+        "mixtral": (T.MixtralForCausalLM, T.MixtralConfig(**_llama_like(num_local_experts=4, num_experts_per_tok=2,
+                                                                       experts_implementation="batched_mm"))),
         # multi-head latent attention (keys assembled by writing into slices of a new tensor); dense layers
         "deepseek_v3": (T.DeepseekV3ForCausalLM, T.DeepseekV3Config(
             **_llama_like(num_key_value_heads=4, first_k_dense_replace=2, q_lora_rank=None, kv_lora_rank=16,

@@ -30,13 +30,20 @@ def context_step(s: BuildState) -> None:
         raise ConfigError("ContextOptions(kind=...) differs from the plan's", where="parallelize(plan=...)",
                           expected=repr(planned), got=repr(given), fix="drop the kind (the plan's is used), or re-plan")
     kind, why = given or planned, "given" if given else "the plan's"
-    if kind is None:
-        kind, totals = choose_kind(attention_shapes(s.gm, cp), cp, s.cluster(), tuple(s.sizes.items()))
+    shapes = attention_shapes(s.gm, cp)
+    if kind is None and not shapes:      # written-out attention only: it runs as the all-gather kind
+        kind, why = "allgather", "the model writes its attention out (matmul, softmax, matmul)"
+    elif kind is None:
+        kind, totals = choose_kind(shapes, cp, s.cluster(), tuple(s.sizes.items()))
         why = "cheapest: " + ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in totals.items() if v != float("inf"))
     from autopar.passes.cp_rewrite import cp_rewrite
     group, _ = s.group("cp")
     report = cp_rewrite(s.gm, cp=cp, group_name=group.group_name, kind=kind)
     s.plan = replace(s.plan, cp_axis="cp", cp_kind=kind)
+    eager = len(report.attention) - len(shapes)
+    if eager and kind != "allgather" and dist.get_rank() == 0:
+        log.warning("%d attention op(s) written out (matmul, softmax, matmul) run as the all-gather kind, not %s: "
+                    "each rank multiplies its queries by the whole sequence's keys", eager, kind)
     if dist.get_rank() == 0:
         log.info("context parallelism cp=%d, %s attention (%s) over %d attention ops; on the whole sequence: %s",
                  cp, kind, why, len(report.attention),

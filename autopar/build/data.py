@@ -69,8 +69,8 @@ def _dense_data_axis(s: BuildState) -> None:
 
 
 def _graph_data_axes(s: BuildState) -> None:
-    """With experts: in-graph buckets of the dense parameters over dp x ep and of this rank's
-    experts over dp (``experts`` maps each expert parameter to the shape this rank stores)."""
+    """With experts: in-graph buckets of the dense parameters over dp x cp x ep and of this rank's
+    experts over dp x cp (``experts`` maps each expert parameter to the shape this rank stores)."""
     from autopar.runtime.dp import DPRuntime
 
     plan, gm = s.plan, s.gm
@@ -79,7 +79,8 @@ def _graph_data_axes(s: BuildState) -> None:
     sizes = dict(plan.mesh)
     ep = sizes.get("ep", 1)
     out = []
-    for axes, keep, extra in ((("dp", "ep"), lambda f: f not in experts, 1), (("dp",), lambda f: f in experts, ep)):
+    for axes, keep, extra in ((("dp", "cp", "ep"), lambda f: f not in experts, 1),
+                              (("dp", "cp"), lambda f: f in experts, ep)):
         group, n, rank = axes_group(s.mesh, s.names, [a for a in axes if sizes.get(a, 1) > 1])
         if n == 1 or not any(keep(f) for f in params):
             continue
@@ -144,13 +145,14 @@ def data_axes(mine: list, mesh, names: list[str], sizes: Mapping[str, int], zero
 
     named = [(st.index, dict(st.named_parameters(remove_duplicate=False))) for st in mine]
     ep = sizes.get("ep", 1)
-    if experts and sizes.get("dp", 1) == 1:    # no data axis for the experts: divide where they arrive
+    if experts and sizes.get("dp", 1) * sizes.get("cp", 1) == 1:   # no data axis for the experts: divide there
         if grads is not None:                  # mixed precision: in fp32, as they are accumulated
             grads.divide(experts, ep)
         else:
             average_over_senders([q for _, ps in named for f, q in ps.items() if f in experts], ep)
     out = []
-    for axes, keep, extra in ((("dp", "ep"), lambda f: f not in experts, 1), (("dp",), lambda f: f in experts, ep)):
+    for axes, keep, extra in ((("dp", "cp", "ep"), lambda f: f not in experts, 1),
+                              (("dp", "cp"), lambda f: f in experts, ep)):
         group, n, rank = axes_group(mesh, names, [a for a in axes if sizes.get(a, 1) > 1])
         if n == 1:
             continue

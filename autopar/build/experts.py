@@ -82,7 +82,7 @@ def _expert_plan(s: BuildState, placed: Mapping[str, Placement]) -> Plan:
     return Plan(mesh=s.sizes, tp_axis="tp" if s.tp > 1 else None, params=s.placements, nodes=s.nodes,
                 model=type(r.model).__name__, ep_axis="ep", capacity_factor=s.capacity_factor,
                 dp_axis="dp" if "dp" in s.sizes else None,
-                zero_stage=zero if s.sizes.get("dp", 1) * s.ep > 1 else 0,
+                zero_stage=zero if s.sizes.get("dp", 1) * s.sizes.get("cp", 1) * s.ep > 1 else 0,
                 expert_placement={f: list(p.perm) for f, p in placed.items()}, mixed_precision=s.mixed_precision,
                 predicted=predicted, shapes=shapes, fingerprint=Plan.fingerprint_of(shapes))
 

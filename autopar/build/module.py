@@ -29,7 +29,7 @@ def _graph_module(s: BuildState) -> None:
                         s.plan, input_dims(r.model, r.args, r.options.tensor.dims, r.kwargs), dp=s.data)
     if r.expert_axis:
         stored = {f: how for f, (how, _) in s.experts.items()}
-        if s.sizes.get("dp", 1) == 1:    # no data axis for the experts: divide where their gradients arrive
+        if s.sizes.get("dp", 1) * s.sizes.get("cp", 1) == 1:   # no data axis for the experts: divide where they arrive
             from autopar.runtime.ep import average_over_senders
             average_over_senders([q for f, q in pm.named_parameters() if f in stored], s.ep)
         pm.expert_params = set(stored)
