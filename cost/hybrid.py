@@ -80,7 +80,8 @@ class Score:
 
     def as_dict(self) -> dict[str, Any]:
         c = self.config
-        return {"degrees": c.degrees(), "zero_stage": c.zero_stage, "micro_batch_size": c.micro_batch,
+        return {"degrees": c.degrees(), **({"cp_kind": c.cp_kind} if c.cp > 1 else {}),
+                "zero_stage": c.zero_stage, "micro_batch_size": c.micro_batch,
                 "microbatches": self.microbatches, "schedule": c.schedule, "virtual_stages": c.virtual,
                 "recompute": c.recompute,
                 "predicted": {"step_time_s": self.step_time_s, "tflops_per_device": self.tflops_per_device,
@@ -111,6 +112,10 @@ class _Part:
     layer_saved: float = 0.0          # what full recomputation redoes and frees
     layer_fwd_flops: float = 0.0
     layers: int = 0
+    attn_fwd: float = 0.0             # the attention cores (context parallelism multiplies their work)
+    attn_bwd: float = 0.0
+    attn_flops: float = 0.0
+    attn_fwd_flops: float = 0.0
 
 
 class ModelFacts:
@@ -162,12 +167,18 @@ class ModelFacts:
                 self.hidden = int(evaluate(info(n).values[0].shape[-1], {"batch": 1, "seq": 1}))
                 break
         self.symbols = {str(s) for s in ginfo.symbols}
+        # one block's attention cores: (query shape, key shape, causal), sizes as formulas
+        first_member = min(self.members, key=lambda m: self._first.get(m, 0))
+        self.attention_ops = [(info(n.args[0]).values[0].shape, info(n.args[1]).values[0].shape,
+                               bool(n.args[5] if len(n.args) > 5 else n.kwargs.get("is_causal", False))
+                               or (n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")) is not None)
+                              for n in nodes if _is_sdpa(n) and info(n).block_member == first_member]
         self.experts = math.gcd(*[r.num_experts for r in ginfo.moe_regions]) if ginfo.moe_regions else 0
         self.expert_params = {f for r in ginfo.moe_regions for f in r.expert_params}
         self._captured_fp32 = any(info(n).values[0].dtype == torch.float32 for n in self._param_nodes[:1])
 
-    def sizes(self, micro_batch: int) -> dict[str, int]:
-        return {"batch": micro_batch, "seq": self.seq}
+    def sizes(self, micro_batch: int, seq: int | None = None) -> dict[str, int]:
+        return {"batch": micro_batch, "seq": seq or self.seq}
 
     def param_numel(self, tp: int, strategies: Mapping[str, Any] | None) -> dict[str, float]:
         """Parameters per tp rank of the part before, one block, and the part after."""
@@ -220,27 +231,29 @@ class ModelFacts:
         return "pre"
 
     def parts(self, tp: int, micro_batch: int, cluster: Cluster, axes: tuple[tuple[str, int], ...],
-              *, exact: bool = True) -> tuple[dict[str, _Part], Mapping[str, Any]]:
+              *, exact: bool = True, seq: int | None = None) -> tuple[dict[str, _Part], Mapping[str, Any]]:
         """Per micro-batch: seconds, FLOPs and saved bytes of the part before, one block, after.
         The tensor layout is the solver's at this micro-batch size; ``exact=False`` prices the
         micro-batch-1 layout instead (one solve per degree: the search ranks with it and
-        re-scores its finalists exactly)."""
-        key = (tp, micro_batch, cluster.name, exact or tp == 1 or micro_batch == 1)
+        re-scores its finalists exactly). ``seq``: the tokens of each sequence a rank holds (a
+        context axis's share; default the whole sequence)."""
+        seq = seq or self.seq
+        key = (tp, micro_batch, cluster.name, exact or tp == 1 or micro_batch == 1) + ((seq,) if seq != self.seq else ())
         if key in self._cache:
             return self._cache[key]
         layout_mb = micro_batch if exact else 1
         from autopar.cost.tp_solver import SolverConfig, Pricer, solve
 
-        at = self.sizes(micro_batch)
+        at = self.sizes(micro_batch, seq)
         strategies: Mapping[str, Any] = {}
         pricer = None
         if tp > 1:
             # the solver's layout changes with the token count (a collective's latency weighs
             # less against more tokens): solved at this micro-batch size
-            skey = (tp, layout_mb, cluster.name)
+            skey = (tp, layout_mb, cluster.name, seq)
             if skey not in self._solved:
                 t0 = time.perf_counter()
-                cfg = SolverConfig(n=tp, cluster=cluster, mesh_axes=axes, axis="tp", sizes=self.sizes(layout_mb),
+                cfg = SolverConfig(n=tp, cluster=cluster, mesh_axes=axes, axis="tp", sizes=self.sizes(layout_mb, seq),
                                    dtype=self.dtype)
                 self._solved[skey] = solve(self.gm, cfg).strategies
                 log.info("tensor layout at tp=%d, micro-batch %d solved in %.2fs", tp, layout_mb,
@@ -290,6 +303,11 @@ class ModelFacts:
             p.saved += saved
             p.flops += ff + fb
             p.fwd_flops += ff
+            if sdpa:
+                p.attn_fwd += f
+                p.attn_bwd += b
+                p.attn_flops += ff + fb
+                p.attn_fwd_flops += ff
             if self.where[n] != "block" and rec.block_member is not None:
                 p.layer_fwd += f
                 p.layer_saved += saved
@@ -358,8 +376,38 @@ def _is_score_op(node: fx.Node) -> bool:
 
 
 def _axes(c: Config, cluster: Cluster) -> tuple[tuple[str, int], ...]:
-    # tp innermost (inside a node), then dp, then pp outermost, as Megatron lays ranks out
-    return (("pp", c.pp), ("dp", c.dp), ("tp", c.tp))
+    # tp innermost (inside a node), then cp, then dp, then pp outermost, as Megatron lays ranks out
+    return (("pp", c.pp), ("dp", c.dp), ("cp", c.cp), ("tp", c.tp)) if c.cp > 1 else \
+        (("pp", c.pp), ("dp", c.dp), ("tp", c.tp))
+
+
+def _data_view(c: Config) -> tuple[Config, tuple[tuple[str, int], ...]]:
+    """The data axis as the runtime runs it: gradients averaged (and ZeRO sharded) over dp x cp."""
+    if c.cp == 1:
+        return c, _axes(c, None)
+    from dataclasses import replace
+    return replace(c, dp=c.dp * c.cp, cp=1), (("pp", c.pp), ("dp", c.dp * c.cp), ("tp", c.tp))
+
+
+def context_costs(facts: ModelFacts, c: Config, cluster: Cluster, kind: str | None = None):
+    """(kind, per-block forward and backward seconds of the context axis's exchanges, the
+    kinds' totals): ``kind``, or the cheapest for this block's attention at ``c``."""
+    from autopar.cost.cp_planner import AttentionShape, choose_kind, kind_cost
+    at = facts.sizes(c.micro_batch)
+    width = 2 if facts.dtype in ("bf16", "fp16") else 4
+    shapes = []
+    for q, k, causal in facts.attention_ops:
+        b, h, s, d = (int(evaluate(x, at)) for x in q)
+        shapes.append(AttentionShape(batch=b, heads=max(1, h // c.tp), kv_heads=max(1, int(evaluate(k[1], at)) // c.tp),
+                                     seq=s, head_dim=d, itemsize=width, causal=causal))
+    axes = _axes(c, cluster)
+    totals = {}
+    if kind is None:
+        kind, totals = choose_kind(shapes, c.cp, cluster, axes, "cp", facts.dtype)
+    costs = [kind_cost(kind, a, c.cp, cluster, axes, "cp", facts.dtype) for a in shapes]
+    if any(x.refused for x in costs):
+        raise ConfigError(f"cp kind {kind}: {costs[0].refused}", where="config")
+    return kind, sum(x.comm_fwd_s for x in costs), sum(x.comm_bwd_s for x in costs), totals
 
 
 def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
@@ -373,7 +421,10 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
 
     if c.recompute not in RECOMPUTE:
         raise ConfigError(f"unknown recompute {c.recompute!r}", expected=", ".join(RECOMPUTE))
-    devices = c.dp * c.tp * c.pp
+    devices = c.dp * c.cp * c.tp * c.pp
+    if c.cp > 1 and (facts.seq % (2 * c.cp) or not facts.attention_ops):
+        raise ConfigError(f"cp={c.cp} needs attention and a sequence of a multiple of {2 * c.cp} tokens",
+                          where="config", got=f"seq {facts.seq}")
     if batch % (c.dp * c.micro_batch):
         raise ConfigError(f"batch {batch} does not split into dp={c.dp} x micro-batch {c.micro_batch}",
                           where="config", fix="pick a micro-batch size dividing batch / dp")
@@ -389,10 +440,15 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     if sched == "interleaved" and (c.virtual < 2 or m % c.pp):
         raise ConfigError("interleaved needs virtual >= 2 and micro-batches a multiple of pp", where="config")
     axes = _axes(c, cluster)
-    parts, strategies = facts.parts(c.tp, c.micro_batch, cluster, axes, exact=not fast)
+    parts, strategies = facts.parts(c.tp, c.micro_batch, cluster, axes, exact=not fast, seq=facts.seq // c.cp)
     pre, blk, post = parts["pre"], parts["block"], parts["post"]
     if c.ep > 1:
         blk = _with_experts(blk, c, cluster)
+    if c.cp > 1:
+        kind, cp_fwd, cp_bwd, _ = context_costs(facts, c, cluster, c.cp_kind)
+        blk = _with_context(blk, c.cp, cp_fwd, cp_bwd)
+        from dataclasses import replace as _replace
+        c = _replace(c, cp_kind=kind)
     re_blk = {"none": 0.0, "selective": blk.score_fwd, "full": blk.fwd + blk.comm_fwd}[c.recompute]
     split = 1.0 + ZB_SPLIT_OVERHEAD if sched == "zb" else 1.0     # torch's split backward, both planners
     blk_f, blk_b = blk.fwd + blk.comm_fwd, (blk.bwd + blk.comm_bwd) * split + re_blk
@@ -427,7 +483,8 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
             for d in range(c.pp)]
     experts = [sum(counts[s] for s in range(d, stages, c.pp)) * expert_block for d in range(c.pp)]
     working = blk.saved if c.recompute == "full" else 0.0     # one block's, while it is recomputed
-    mems = [device_memory(facts, c, held[d], result.peak_activation_bytes[d] + working, per_block, numel)
+    data_c, data_axes = _data_view(c)
+    mems = [device_memory(facts, data_c, held[d], result.peak_activation_bytes[d] + working, per_block, numel)
             for d in range(c.pp)]
     worst = max(range(c.pp), key=lambda d: sum(mems[d].values()))
     mem = mems[worst]
@@ -436,15 +493,15 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     stage_params = held[d_big]
     bytes_ = DataBytes.of(facts, stage_params, experts[d_big], per_block, numel["pre"])
     if c.pp > 1:
-        dp_comm, exposed = pipeline_data_axis(c, cluster, axes, bytes_)
+        dp_comm, exposed = pipeline_data_axis(data_c, cluster, data_axes, bytes_)
     else:
-        dp_comm, exposed = lone_stage_data_axis(c, cluster, axes, bytes_, m, fwd[0], bwd[0])
+        dp_comm, exposed = lone_stage_data_axis(data_c, cluster, data_axes, bytes_, m, fwd[0], bwd[0])
     state_bytes_per_param = (4 + 4 * facts.k) if facts.dtype in ("bf16", "fp16") else 4 * (2 + facts.k)
-    optim = optimizer_time(stage_params / (c.dp if c.zero_stage >= 1 else 1), state_bytes_per_param, cluster)
+    optim = optimizer_time(stage_params / (data_c.dp if c.zero_stage >= 1 else 1), state_bytes_per_param, cluster)
     step = pipe + exposed + optim
     peak = sum(mem.values())
     fits = budget is None or peak <= budget
-    samples = batch / c.micro_batch                # the parts are per micro-batch
+    samples = batch / c.micro_batch * c.cp         # the parts are per micro-batch, per cp rank's share
     model_flops = (pre.flops + post.flops + facts.layers * blk.flops) * samples
     hw_flops = model_flops + samples * (facts.layers * blk.fwd_flops + pre.layer_fwd_flops
                                         + post.layer_fwd_flops) * (c.recompute == "full")
@@ -455,6 +512,7 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
                  mfu=tput / peak_flops, peak_memory_bytes=peak, memory=mem,
                  bubble_fraction=result.bubble_fraction, exposed_comm_s=exposed, fits=fits,
                  parts={"pipeline_s": pipe, "dp_comm_s": dp_comm, "optimizer_s": optim,
+                        **({"cp_comm_per_block_s": cp_fwd + cp_bwd} if c.cp > 1 else {}),
                         "tp_comm_per_block_s": blk.comm_fwd + blk.comm_bwd, "block_fwd_s": blk.fwd,
                         "block_bwd_s": blk.bwd, "stage_fwd_s": fwd, "stage_bwd_s": bwd, "p2p_s": p2p,
                         "stage_layers": list(counts), "device_memory_bytes": mems})
@@ -497,6 +555,18 @@ def _with_experts(blk: _Part, c: Config, cluster: Cluster) -> _Part:
                    comm_fwd=blk.comm_fwd + 2 * a2a, comm_bwd=blk.comm_bwd + 2 * a2a)
 
 
+def _with_context(blk: _Part, cp: int, comm_fwd: float, comm_bwd: float) -> _Part:
+    """One block's share on a context axis of ``cp``: the parts were priced at ``seq / cp``
+    tokens, so everything token-wise is this rank's; attention has each local query see the
+    whole sequence's keys (``cp`` times the local cores' work), and its exchanges add
+    ``comm_fwd`` / ``comm_bwd`` (the kind's exposed seconds, ``cost/cp_planner.py``)."""
+    from dataclasses import replace
+    more = cp - 1
+    return replace(blk, fwd=blk.fwd + more * blk.attn_fwd, bwd=blk.bwd + more * blk.attn_bwd,
+                   flops=blk.flops + more * blk.attn_flops, fwd_flops=blk.fwd_flops + more * blk.attn_fwd_flops,
+                   comm_fwd=blk.comm_fwd + comm_fwd, comm_bwd=blk.comm_bwd + comm_bwd)
+
+
 def timeline_of(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int):
     """The event simulation of ``c``'s pipeline (for the timeline picture)."""
     from autopar.cost.pp_sim import StageCosts, make
@@ -509,9 +579,10 @@ def timeline_of(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int):
 
 
 def _boundary_bytes(facts: ModelFacts, c: Config) -> float:
-    """One micro-batch's activation at a block boundary: batch x seq x hidden in the compute dtype."""
+    """One micro-batch's activation at a block boundary: batch x seq x hidden in the compute dtype
+    (this rank's ``seq / cp`` tokens on a context axis)."""
     width = 2 if facts.dtype in ("bf16", "fp16") else 4
-    return float(c.micro_batch * facts.seq * facts.hidden * width)
+    return float(c.micro_batch * (facts.seq // c.cp) * facts.hidden * width)
 
 
 def _stage_activations(facts: ModelFacts, c: Config, counts: list[int], blk: _Part, pre: _Part,

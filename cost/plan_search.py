@@ -1,8 +1,10 @@
 """The joint search over the hybrid simulator's configurations (:mod:`autopar.cost.hybrid`).
 
-:func:`configurations` enumerates dp x tp x pp (tp within a node, pp up to the layer count, dp
-the rest dividing the batch) x ep (a sub-axis of dp for mixture-of-experts models) x ZeRO
-stage x recomputation x micro-batch x schedule. :func:`search` skips a configuration whose
+:func:`configurations` enumerates dp x cp x tp x pp (tp within a node, cp a power of two leaving
+each rank at least ``CP_MIN_TOKENS`` of every sequence, pp up to the layer count, dp the rest
+dividing the batch) x ep (a sub-axis of dp for mixture-of-experts models) x ZeRO stage x
+recomputation x micro-batch x schedule; the context axis's kind is the cheapest for each
+configuration (:func:`autopar.cost.hybrid.context_costs`). :func:`search` skips a configuration whose
 compute alone already loses, ranks the rest with the pipeline's closed form, re-scores the
 finalists with the event simulation, and explains why each other layout lost.
 :func:`smallest_cluster` finds the smallest cluster on which anything fits.
@@ -22,26 +24,37 @@ from autopar.core.progress import progress
 
 log = logging.getLogger("autopar.hybrid")
 
+# The fewest tokens of each sequence a context-parallel rank keeps (two chunks of half that):
+# below it the attention blocks are too short to hide a ring step and the sequence split saves
+# little next to the tensor and pipeline axes (Llama 3's 128K stage keeps 8K per rank with CP16;
+# Megatron-Core turns context parallelism on from 8K-token sequences).
+CP_MIN_TOKENS = 4096
+CP_DEGREES = (1, 2, 4, 8, 16, 32, 64)
+
 
 def configurations(facts: ModelFacts, *, devices: int, batch: int, per_node: int,
                    schedules: Sequence[str] = ("1f1b", "interleaved", "gpipe", "zb"),
                    recomputes: Sequence[str] = RECOMPUTE, zero_stages: Sequence[int] = (0, 1, 2, 3),
                    micro_batches: Sequence[int] = (1, 2, 4, 8), tp_max: int | None = None,
-                   tp_exact: int | None = None) -> Iterable[Config]:
+                   tp_exact: int | None = None, cps: Sequence[int] | None = None) -> Iterable[Config]:
     """Every configuration the search considers: tp a power of two within a node (``tp_exact``:
-    that degree only), pp up to the layer count, dp the rest dividing the batch."""
+    that degree only), cp (``cps``, default every power of two leaving ``CP_MIN_TOKENS`` per rank
+    on a model with attention), pp up to the layer count, dp the rest dividing the batch."""
     tps = [t for t in (1, 2, 4, 8, 16) if t <= (tp_max or per_node) and devices % t == 0] if tp_exact is None \
         else [tp_exact] if devices % tp_exact == 0 else []
+    if cps is None:
+        cps = [c for c in CP_DEGREES if c == 1 or (facts.attention_ops and facts.seq // c >= CP_MIN_TOKENS)]
+    cps = [c for c in cps if c == 1 or facts.seq % (2 * c) == 0]
 
     def eps(dp: int) -> list[int]:   # expert parallelism: a sub-axis of dp dividing the experts
         if not facts.experts:
             return [1]
         return [e for e in range(1, dp + 1) if dp % e == 0 and facts.experts % e == 0]
-    for tp in tps:
+    for tp, cp in [(t, c) for t in tps for c in cps if devices % (t * c) == 0]:
         # any pipeline degree up to the layer count: stages need not hold equal numbers of
         # layers (cost/hybrid.py: stage_layers)
-        for pp in [p for p in range(1, facts.layers + 1) if (devices // tp) % p == 0]:
-            dp = devices // (tp * pp)
+        for pp in [p for p in range(1, facts.layers + 1) if (devices // (tp * cp)) % p == 0]:
+            dp = devices // (tp * pp * cp)
             if batch % dp:
                 continue
             for mb in [b for b in micro_batches if (batch // dp) % b == 0]:
@@ -51,10 +64,10 @@ def configurations(facts: ModelFacts, *, devices: int, batch: int, per_node: int
                         if facts.layers < pp * v or (sched == "interleaved" and (batch // dp // mb) % pp):
                             continue
                         for rc in recomputes:
-                            for z in (zero_stages if dp > 1 else (0,)):
+                            for z in (zero_stages if dp * cp > 1 else (0,)):
                                 for ep in eps(dp):
                                     yield Config(dp=dp, tp=tp, pp=pp, micro_batch=mb, schedule=sched, virtual=v,
-                                                 recompute=rc, zero_stage=z, ep=ep)
+                                                 recompute=rc, zero_stage=z, ep=ep, cp=cp)
 
 
 def search(facts: ModelFacts, cluster: Cluster, *, batch: int, budget: float | None = None,
@@ -100,7 +113,7 @@ def search(facts: ModelFacts, cluster: Cluster, *, batch: int, budget: float | N
 
 
 def _layout(c: Config) -> tuple:
-    return (c.dp, c.tp, c.pp, c.ep, c.micro_batch, c.schedule, c.virtual)
+    return (c.dp, c.cp, c.tp, c.pp, c.ep, c.micro_batch, c.schedule, c.virtual)
 
 
 def _rank_key(s: Score) -> tuple:
@@ -123,7 +136,8 @@ def _lower_bound(facts: ModelFacts, cluster: Cluster, c: Config, batch: int) -> 
     if parts is None:
         return 0.0
     blk = parts["block"]
-    per_mb = facts.layers * (blk.fwd + blk.bwd) * scale / c.pp
+    # on a context axis a rank does 1/cp of the whole sequence's work (attention included)
+    per_mb = facts.layers * (blk.fwd + blk.bwd) * scale / c.pp / c.cp
     return per_mb * batch / (c.dp * c.micro_batch)
 
 

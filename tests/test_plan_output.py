@@ -23,7 +23,7 @@ HEADER = [r"^autopar plan: gpt on 1x4 \S+ \(4 devices\), global batch 8, seq 32,
           r"MFU \d+\.\d%, bubble \d\.\d{3}, exposed communication \S+$",
           r"^  memory per device \(GB\): params \S+  grads \S+  optimizer \S+  activations \S+  total \S+ "
           r"\(budget \S+\)$"]
-COLUMNS = ["dp", "tp", "pp", "ep", "ZeRO", "mb", "sched", "recompute", "step", "memory", "why", "not"]
+COLUMNS = ["dp", "cp", "tp", "pp", "ep", "ZeRO", "mb", "sched", "recompute", "step", "memory", "why", "not"]
 
 
 def plan(capsys, pp: str, *extra: str) -> str:

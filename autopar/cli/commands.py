@@ -526,7 +526,11 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--memory-budget", type=checks.gigabytes("--memory-budget"), metavar="GB")
     sm.add_argument("--tp", type=count("--tp", high=checks.MAX_DEVICES), default=1)
     sm.add_argument("--pp", type=count("--pp", high=checks.MAX_DEVICES), default=1)
-    sm.add_argument("--dp", type=count("--dp", high=checks.MAX_DEVICES), help="default: devices / (tp * pp)")
+    sm.add_argument("--dp", type=count("--dp", high=checks.MAX_DEVICES), help="default: devices / (cp * tp * pp)")
+    sm.add_argument("--cp", type=count("--cp", high=checks.MAX_DEVICES), default=1,
+                    help="context parallelism: ranks splitting each sequence (default 1)")
+    sm.add_argument("--cp-kind", choices=["ring", "allgather", "alltoall"],
+                    help="how attention crosses the cp ranks (default: the cheapest)")
     sm.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
     sm.add_argument("--micro-batch-size", type=count("--micro-batch-size"), default=1,
                     help="samples per micro-batch (default 1); micro-batches = batch / (dp x this)")

@@ -117,11 +117,13 @@ def plan_text(args: argparse.Namespace, name: str, cluster, out: PlanOutcome) ->
         lines.append(f"  saved to {args.save_plan}: `autopar train --plan {args.save_plan}` trains this structure, "
                      f"scaled down, on local CPU ranks")
     lines.append(f"alternatives (top {len(out.others)}):")
-    lines.append(f"  {'dp':>4} {'tp':>3} {'pp':>3} {'ep':>3} {'ZeRO':>4} {'mb':>3} {'sched':>11} {'recompute':>9} "
-                 f"{'step':>9} {'memory':>9}  why not")
+    lines.append(f"  {'dp':>4} {'cp':>3} {'tp':>3} {'pp':>3} {'ep':>3} {'ZeRO':>4} {'mb':>3} {'sched':>11} "
+                 f"{'recompute':>9} {'step':>9} {'memory':>9}  why not")
     for o in out.others:
         k = o.config
-        lines.append(f"  {k.dp:>4} {k.tp:>3} {k.pp:>3} {k.ep:>3} {k.zero_stage:>4} {k.micro_batch:>3} "
+        cp = f"{k.cp}{(k.cp_kind or '?')[0]}" if k.cp > 1 else "1"       # r(ing), a(llgather), a(lltoall)
+        cp = {"ring": f"{k.cp}r", "allgather": f"{k.cp}g", "alltoall": f"{k.cp}u"}.get(k.cp_kind, cp)
+        lines.append(f"  {k.dp:>4} {cp:>3} {k.tp:>3} {k.pp:>3} {k.ep:>3} {k.zero_stage:>4} {k.micro_batch:>3} "
                      f"{k.schedule:>11} {k.recompute:>9} {seconds(o.step_time_s):>9} "
                      f"{o.peak_memory_bytes / 1e9:>6.2f} GB  {o.reason}")
     if not out.others:
@@ -288,14 +290,47 @@ def plan_command(args: argparse.Namespace, w, planned, cluster, start: float) ->
                             title="simulated pipeline schedule")
     notes = [f"{_HYBRID_HELP}; attention priced as {facts.attention}",
              "alternatives are the best variant of each other layout"]
+    details = []
+    if best.config.cp > 1:
+        details = _context_explained(facts, cluster, best, args, space)
+        notes.append("cp column: degree and kind (r ring, g all-gather, u all-to-all over heads); a rank keeps at "
+                     "least 4096 tokens of each sequence")
     if planned.block_copies:
         notes.append(f"planned on a capture of {planned.describe()}; the figures are the real {facts.layers} layers'")
     out = PlanOutcome(mode="auto", search="joint search of dp x tp x pp x ep, ZeRO, recompute, micro-batch and "
                       "schedule", best=best, others=list(others), planner_s=planner_s, scored=scored,
-                      budget=_budget(args, cluster), stages=_hybrid_stages(best), notes=notes,
+                      budget=_budget(args, cluster), stages=_hybrid_stages(best), notes=notes, details=details,
                       timeline_svg=svg, block_rows=lambda: _block_rows(facts, cluster, best.config),
                       dp_grad_numel=_dp_grad_numel(facts, cluster, best))
     return emit_plan(args, w.name, cluster, out)
+
+
+def _context_explained(facts, cluster, best, args: argparse.Namespace, space: dict) -> list[str]:
+    """Why the plan splits the sequence: what each rank holds, each kind's exchange per block, and
+    the best plan without a context axis (slower, or too big)."""
+    from autopar.cost.hybrid import context_costs
+    from autopar.cost.plan_search import leanest, search
+    c = best.config
+    _, _, _, totals = context_costs(facts, c, cluster)
+    kinds = ", ".join(f"{k} {v * 1e3:.3g} ms" if v != float("inf") else f"{k} impossible" for k, v in totals.items())
+    lines = [f"context parallelism: cp={c.cp} ({c.cp_kind}): each device holds {facts.seq // c.cp} of the "
+             f"{facts.seq} tokens of every sequence, activations {best.memory.get('activations', 0.0) / 1e9:.1f} GB "
+             f"per device; exposed exchange per block and micro-batch: {kinds}"]
+    alone, _, _ = search(facts, cluster, batch=args.batch, budget=_budget(args, cluster), top=0,
+                         **{**space, "cps": (1,)})
+    if alone is None:
+        lean = leanest(facts, cluster, batch=args.batch, **{**space, "cps": (1,)})
+        lines.append("  without a context axis nothing fits: " + (
+            f"the leanest layout ({config_line(lean.config, lean.microbatches)}) needs "
+            f"{lean.peak_memory_bytes / 1e9:.1f} GB per device (activations "
+            f"{lean.memory.get('activations', 0.0) / 1e9:.1f} GB), budget {_budget(args, cluster) / 1e9:.1f} GB"
+            if lean is not None else "no layout divides the batch and the devices"))
+    else:
+        lines.append(f"  without it the best layout ({config_line(alone.config, alone.microbatches)}) takes "
+                     f"{alone.step_time_s:.3g}s per step ({100 * (alone.step_time_s / best.step_time_s - 1):+.1f}%), "
+                     f"{alone.tflops_per_device:.1f} TFLOP/s per device, activations "
+                     f"{alone.memory.get('activations', 0.0) / 1e9:.1f} GB")
+    return lines
 
 
 def _dp_grad_numel(facts, cluster, best) -> float:
@@ -377,13 +412,17 @@ def simulate_command(args: argparse.Namespace) -> int:
     cluster = cli_checks.cluster(args.cluster, args.hardware)
     w = load_workload(args.model, batch=args.batch, seq=args.seq, overrides=parse_overrides(args.set))
     facts = _hybrid_facts(args, capture_for_planning(w))
-    tp, pp = args.tp, args.pp
-    dp = args.dp or cluster.world_size // (tp * pp)
-    if dp * tp * pp != cluster.world_size:
-        raise ConfigError(f"dp x tp x pp = {dp * tp * pp} is not the cluster's {cluster.world_size} devices",
+    tp, pp, cp = args.tp, args.pp, args.cp
+    dp = args.dp or cluster.world_size // (cp * tp * pp)
+    if dp * cp * tp * pp != cluster.world_size:
+        raise ConfigError(f"dp x cp x tp x pp = {dp * cp * tp * pp} is not the cluster's {cluster.world_size} devices",
                           where="autopar simulate", fix="pick degrees whose product is the device count")
+    if args.cp_kind is not None and cp == 1:
+        raise ConfigError("--cp-kind needs a context axis", where="autopar simulate", got=f"--cp {cp}",
+                          fix="add --cp N (N >= 2), or drop --cp-kind")
     c = Config(dp=dp, tp=tp, pp=pp, micro_batch=args.micro_batch_size, schedule=args.schedule,
-               virtual=args.virtual_stages, recompute=args.recompute, zero_stage=args.zero)
+               virtual=args.virtual_stages, recompute=args.recompute, zero_stage=args.zero, cp=cp,
+               cp_kind=args.cp_kind)
     t0 = time.perf_counter()
     score = simulate(facts, cluster, c, batch=args.batch, budget=_budget(args, cluster))
     data = {"model": w.name, "cluster": cluster.name, "devices": cluster.world_size, "batch": args.batch,
@@ -426,7 +465,8 @@ def saved_plan_of(args: argparse.Namespace, cluster, best) -> SavedPlan:
 
 def config_line(c, microbatches: int) -> str:
     """One configuration as ``autopar plan`` and ``autopar train`` print it."""
-    return (f"dp={c.dp} tp={c.tp} pp={c.pp}" + (f" ep={c.ep}" if c.ep > 1 else "") + f" ZeRO-{c.zero_stage}, "
+    cp = f" cp={c.cp} ({c.cp_kind})" if getattr(c, "cp", 1) > 1 else ""
+    return (f"dp={c.dp}{cp} tp={c.tp} pp={c.pp}" + (f" ep={c.ep}" if c.ep > 1 else "") + f" ZeRO-{c.zero_stage}, "
             f"micro-batch {c.micro_batch} x {microbatches}, "
             + (f"{c.schedule} schedule" + (f" (v={c.virtual})" if c.virtual > 1 else "") if c.pp > 1 else "no pipeline")
             + f", recompute {c.recompute}")

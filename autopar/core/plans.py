@@ -289,6 +289,8 @@ class Config:
     recompute: str = "none"
     zero_stage: int = 0
     ep: int = 1
+    cp: int = 1                       # context parallelism: ranks splitting each sequence
+    cp_kind: str | None = None        # ring | allgather | alltoall (None: the simulator's cheapest)
 
     def degrees(self) -> dict[str, int]:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep}
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep, **({"cp": self.cp} if self.cp > 1 else {})}

@@ -51,7 +51,8 @@ class SavedPlan:
         return {"format": PLAN_FILE_FORMAT, "version": self.version, "model": self.model,
                 "overrides": dict(self.overrides), "cluster": self.cluster, "hardware": self.hardware,
                 "devices": self.devices, "batch": self.batch, "seq": self.seq, "dtype": self.dtype,
-                "config": asdict(self.config), "microbatches": self.microbatches, "predicted": dict(self.predicted)}
+                "config": _config_dict(self.config), "microbatches": self.microbatches,
+                "predicted": dict(self.predicted)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -111,6 +112,12 @@ class SavedPlan:
         hints = typing.get_type_hints(Config)
         kw = {}
         for f in fields(Config):
+            if f.name in _CONTEXT_FIELDS and f.name not in raw:      # no context axis: the defaults
+                continue
+            if f.name == "cp_kind":
+                kw[f.name] = _checked(raw, f.name, "str", where, prefix="config.")
+                _choice(kw, "cp_kind", ("ring", "allgather", "alltoall"), where)
+                continue
             kind = "int" if hints[f.name] is int else "str"
             kw[f.name] = _checked(raw, f.name, kind, where, prefix="config.",
                                   low=0 if f.name == "zero_stage" else 1)
@@ -135,8 +142,8 @@ class SavedPlan:
     def _check_degrees(self, where: str) -> None:
         c = self.config
         for what, ok, expected, got in (
-                ("dp x tp x pp is not the plan's device count", c.dp * c.tp * c.pp == self.devices,
-                 f"dp x tp x pp = devices = {self.devices}", f"dp={c.dp} tp={c.tp} pp={c.pp}"),
+                ("dp x cp x tp x pp is not the plan's device count", c.dp * c.cp * c.tp * c.pp == self.devices,
+                 f"dp x cp x tp x pp = devices = {self.devices}", f"dp={c.dp} cp={c.cp} tp={c.tp} pp={c.pp}"),
                 ("ep does not divide dp (the expert axis is a sub-axis of the data axis)", c.dp % c.ep == 0,
                  f"ep dividing dp={c.dp}", f"ep={c.ep}"),
                 ("the global batch is not dp x micro-batch x micro-batches",
@@ -146,6 +153,18 @@ class SavedPlan:
             if not ok:
                 raise PlanFileError(f"the plan file's {what}", where=f"{where}, field config", expected=expected,
                                     got=got, fix=_PLAN_FILE_FIX)
+
+
+_CONTEXT_FIELDS = ("cp", "cp_kind")      # written only for a plan with a context axis
+
+
+def _config_dict(c: Any) -> dict:
+    """The Config as the file keeps it: the context axis's fields only where it has one."""
+    out = asdict(c)
+    if out.get("cp", 1) == 1:
+        for k in _CONTEXT_FIELDS:
+            out.pop(k, None)
+    return out
 
 
 def _checked(data: dict, key: str, kind: str, where: str, *, prefix: str = "", low: int = 1) -> Any:
