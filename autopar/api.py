@@ -198,8 +198,10 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
             pipe = o.pipeline
             mesh, opts = merge_options(scaled, mesh, dict(
                 zero_stage=zero_stage, recompute=recompute, mixed_precision=mixed_precision, schedule=pipe.schedule,
-                microbatches=pipe.microbatches, virtual_stages=pipe.virtual_stages))
+                microbatches=pipe.microbatches, virtual_stages=pipe.virtual_stages, cp_kind=o.context.kind))
             zero_stage, recompute, mixed_precision = opts["zero_stage"], opts["recompute"], opts.get("mixed_precision")
+            if opts.get("cp_kind"):
+                o = dataclasses.replace(o, context=dataclasses.replace(o.context, kind=opts["cp_kind"]))
             o = dataclasses.replace(o, pipeline=dataclasses.replace(
                 pipe, schedule=opts.get("schedule", pipe.schedule), microbatches=opts.get("microbatches", pipe.microbatches),
                 virtual_stages=opts.get("virtual_stages", pipe.virtual_stages)))

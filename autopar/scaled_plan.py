@@ -35,7 +35,7 @@ class ScaledPlan:
 
     saved: Any                                  # the SavedPlan it came from
     world: int
-    mesh: dict[str, int]                        # axes pp, dp, ep, tp (size-1 axes left out)
+    mesh: dict[str, int]                        # axes pp, dp, cp, ep, tp (size-1 axes left out)
     micro_batch: int
     microbatches: int                           # per step, per data share
     options: dict[str, Any] = field(default_factory=dict)   # the settings, by parallelize's flat keyword names
@@ -43,10 +43,12 @@ class ScaledPlan:
     def parallelize_kwargs(self) -> dict[str, Any]:
         """:attr:`options` as :func:`autopar.parallelize` takes them: the common ones as keywords,
         the pipeline's in ``options=PipelineOptions(...)``."""
-        from autopar.core.options import PipelineOptions
+        from autopar.core.options import ContextOptions, PipelineOptions
         pipe = {k: self.options[k] for k in ("schedule", "microbatches", "virtual_stages") if k in self.options}
-        flat = {k: v for k, v in self.options.items() if k not in pipe}
-        return {**flat, "options": PipelineOptions(**pipe)} if pipe else flat
+        flat = {k: v for k, v in self.options.items() if k not in pipe and k != "cp_kind"}
+        parts = ([PipelineOptions(**pipe)] if pipe else []) + (
+            [ContextOptions(kind=self.options["cp_kind"])] if self.options.get("cp_kind") else [])
+        return {**flat, "options": parts} if parts else flat
     notes: tuple[str, ...] = ()
 
     @property
@@ -61,7 +63,7 @@ class ScaledPlan:
 
     def describe(self) -> str:
         s, c = self.saved, self.saved.config
-        planned = " x ".join(f"{k}={v}" for k, v in (("pp", c.pp), ("dp", c.dp), ("ep", c.ep), ("tp", c.tp)) if v > 1)
+        planned = " x ".join(f"{k}={v}" for k, v in (("pp", c.pp), ("dp", c.dp), ("cp", c.cp), ("ep", c.ep), ("tp", c.tp)) if v > 1)
         here = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
         head = (f"plan for {s.model} on {s.cluster} {s.hardware} ({s.devices} devices, mesh {planned or 'one device'})"
                 f" applied to {self.world} rank{'s' * (self.world > 1)}: mesh {here}, "
@@ -109,7 +111,7 @@ def scale_plan(plan: Any, world: int | None = None, *, per_node: int | None = No
     nodes = per_node is not None and world > per_node and world % per_node == 0
     c, notes = saved.config, []
     if world == saved.devices and not (nodes and per_node % (c.tp * c.ep)):
-        tp, pp, dp, ep = c.tp, c.pp, c.dp, c.ep
+        tp, pp, dp, ep = c.tp, c.pp, c.dp * c.cp, c.ep        # dp here: every rank beside tp and pp
     elif nodes and per_node % (c.tp * c.ep):
         tp = max(d for d in _divisors(c.tp) if world % d == 0 and per_node % d == 0)
         pp = max(d for d in _divisors(world // tp) if d <= c.pp)
@@ -126,7 +128,15 @@ def scale_plan(plan: Any, world: int | None = None, *, per_node: int | None = No
         notes.append(f"{world} ranks instead of the plan's {saved.devices}: tp {c.tp} -> {tp}, pp {c.pp} -> {pp}, "
                      f"dp {c.dp} -> {dp}" + (f", ep {c.ep} -> {ep}" if c.ep > 1 else "")
                      + " (tensor and pipeline axes kept first: they are what makes the model fit a device)")
-    zero = c.zero_stage if dp > 1 else 0
+    cp = 1
+    if c.cp > 1:        # the context axis takes its share of the data ranks: each sequence split as planned
+        cp = max(d for d in _divisors(c.cp) if dp % d == 0 and (d == 1 or saved.seq % (2 * d) == 0))
+        dp //= cp
+        if dp % ep:
+            ep = max(d for d in _divisors(dp) if d <= ep)
+        if cp != c.cp:
+            notes.append(f"cp {c.cp} -> {cp}")
+    zero = c.zero_stage if dp * cp > 1 else 0
     if zero != c.zero_stage:
         notes.append(f"ZeRO-{c.zero_stage} -> ZeRO-0: no data axis to shard over")
     options: dict[str, Any] = {"zero_stage": zero, "recompute": c.recompute}
@@ -146,13 +156,15 @@ def scale_plan(plan: Any, world: int | None = None, *, per_node: int | None = No
                      "yours to accumulate (ScaledPlan.microbatches)")
     if pp == 1 and m > 1 and c.pp == 1:
         notes.append(f"{m} micro-batches per step: accumulate them in your loop (ScaledPlan.microbatches)")
-    mesh = {k: v for k, v in (("pp", pp), ("dp", dp // ep), ("ep", ep), ("tp", tp)) if v > 1} or {"dp": 1}
+    if cp > 1:
+        options["cp_kind"] = c.cp_kind
+    mesh = {k: v for k, v in (("pp", pp), ("dp", dp // ep), ("cp", cp), ("ep", ep), ("tp", tp)) if v > 1} or {"dp": 1}
     return ScaledPlan(saved=saved, world=world, mesh=mesh, micro_batch=c.micro_batch, microbatches=m,
                       options=options, notes=tuple(notes))
 
 
 _DEFAULTS = {"zero_stage": None, "recompute": "none", "mixed_precision": None, "schedule": None,
-             "microbatches": None, "virtual_stages": None}
+             "microbatches": None, "virtual_stages": None, "cp_kind": None}
 
 
 def merge_options(scaled: ScaledPlan, mesh: Any, given: dict[str, Any]) -> tuple[dict[str, int], dict[str, Any]]:

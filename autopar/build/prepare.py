@@ -46,8 +46,8 @@ def default_dims(example_inputs: tuple, kwargs: Mapping[str, Any] | None = None)
         d: dict[int, str] = {}
         if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] >= 2:
             d[0] = "batch"
-            if x.dim() >= 2 and not x.is_floating_point() and x.shape[1] >= 2:
-                d[1] = "seq"
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and not x.is_floating_point() and x.shape[1] >= 2:
+            d[1] = "seq"
         return d
     positional = tuple(labels(x) for x in example_inputs)
     if not kwargs:

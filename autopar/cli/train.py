@@ -46,7 +46,7 @@ from autopar.core.progress import STAGE_WORDS, on_setup_stage
 from autopar.cli.train_metrics import (json_line, log_context, table_notes, step_record, step_table,
                                    write_first, peak_memory_bytes, rank_device, rank_share)
 
-SCALE_ORDER = ("pp", "dp", "tp")        # the axes scale_down gives ranks to, first to last
+SCALE_ORDER = ("pp", "dp", "cp", "tp")  # the axes scale_down gives ranks to, first to last
 # Argument limits: ``autopar train`` checks a plan on this machine's CPU, beside a single-process copy.
 MAX_RANKS, MAX_STEPS, MAX_BATCH, MAX_SEQ = 64, 100_000, 4096, 4096
 SMALL = {"hidden": 64, "heads": 4, "vocab": 256, "kv_heads": 2, "ffn": 256}   # the small model's sizes
@@ -66,7 +66,7 @@ def scale_down(c, ranks: int) -> tuple:
     if type(ranks) is not int or ranks < 1:
         raise ConfigError("the rank count must be a positive integer", where="--ranks", got=repr(ranks),
                           fix="e.g. --ranks 8")
-    degree, used, notes = {"pp": 1, "dp": 1, "tp": 1}, 1, []
+    degree, used, notes = {"pp": 1, "dp": 1, "cp": 1, "tp": 1}, 1, []
     for axis in SCALE_ORDER:
         planned = getattr(c, axis)
         if planned == 1:
@@ -80,13 +80,16 @@ def scale_down(c, ranks: int) -> tuple:
     if c.ep > 1:
         notes.append(f"ep {c.ep} -> {ep}" + (" (no data axis to hold it)" if ep == 1 else
                                               " (over both data replicas)" if c.dp > c.ep else ""))
-    zero = c.zero_stage if degree["dp"] > 1 else 0
+    zero = c.zero_stage if degree["dp"] * degree["cp"] > 1 else 0
     if zero != c.zero_stage:
         notes.append(f"ZeRO-{c.zero_stage} -> ZeRO-0 (no data axis to shard over)")
     pipelined = degree["pp"] > 1
     if c.pp > 1 and not pipelined:
         notes.append(f"the {c.schedule} schedule goes with the pipeline")
+    if c.cp > 1 and degree["cp"] > 1 and degree["dp"] == 1 and zero != c.zero_stage:
+        zero = c.zero_stage                                  # the data axis is dp x cp: ZeRO shards over cp
     scaled = dataclasses.replace(c, dp=degree["dp"], tp=degree["tp"], pp=degree["pp"], ep=ep, zero_stage=zero,
+                                 cp=degree["cp"], cp_kind=c.cp_kind if degree["cp"] > 1 else None,
                                  schedule=c.schedule if pipelined else "gpipe", virtual=c.virtual if pipelined else 1)
     return scaled, notes
 
@@ -159,9 +162,9 @@ def predict(name: str, overrides: dict, cfg: dict, batch: int, seq: int):
     from autopar.core.plans import Config
     from autopar.cost.hybrid import simulate
 
-    world = cfg["dp"] * cfg["tp"] * cfg["pp"]
-    c = Config(**{k: cfg[k] for k in ("dp", "tp", "pp", "ep", "zero_stage", "recompute", "micro_batch",
-                                      "schedule", "virtual")})
+    world = cfg["dp"] * cfg.get("cp", 1) * cfg["tp"] * cfg["pp"]
+    c = Config(**{k: cfg[k] for k in ("dp", "tp", "pp", "ep", "cp", "cp_kind", "zero_stage", "recompute", "micro_batch",
+                                      "schedule", "virtual") if k in cfg})
     try:
         facts = _facts(name, overrides, batch, seq, cfg.get("precision") or "fp32")
         return simulate(facts, Cluster.from_spec(f"1x{world}", hardware=rank_device(world)), c, batch=batch)
@@ -200,13 +203,15 @@ def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: i
     target = torch.randint(0, model.config.vocab, (batch, seq))
     dp, tp, pp = cfg["dp"], cfg["tp"], cfg["pp"]
     calls = batch // cfg["micro_batch"] if _capacity_routed(model) else 1   # the reference's calls per step
-    share = (rank // tp) % dp      # the data share: dp counts every data replica, ep ranks included
-    local, local_t = tuple(a.chunk(dp)[share] for a in args), target.chunk(dp)[share]
     mesh = runtime_mesh(cfg)
+    # this rank's rows (dp counts every data replica, ep ranks included) and, on a cp axis, its tokens
+    local, local_t = autopar.data.shard(tuple(args), mesh, rank), autopar.data.shard(target, mesh, rank)
     budget = 0.75 * 16 * sum(p.numel() for p in model.parameters()) if tp > 1 else None  # make tp split
     pipeline = autopar.PipelineOptions(
         loss_fn=_loss, schedule=cfg["schedule"], microbatches=batch // dp // cfg["micro_batch"],
         virtual_stages=cfg["virtual"] if cfg["schedule"] == "interleaved" else None) if pp > 1 else None
+    if cfg.get("cp", 1) > 1:
+        pipeline = autopar.ContextOptions(kind=cfg.get("cp_kind"))
     log = log or {}
     said = _stage_sayer(rank, log)
     with on_setup_stage(said):
@@ -376,7 +381,7 @@ def _train(args: argparse.Namespace) -> int:
                               got=f"recompute={cfg['recompute']}", fix="drop --compile, or use a plan without "
                               "recomputation (autopar plan ... --recompute none --save-plan)")
         cfg["compile"] = True        # the first step includes inductor's compilation
-    world = cfg["dp"] * cfg["tp"] * cfg["pp"]
+    world = cfg["dp"] * cfg.get("cp", 1) * cfg["tp"] * cfg["pp"]
     if args.save_every and not args.save:
         raise ConfigError("--save-every needs --save", where="--save-every", got=f"--save-every {args.save_every}",
                           fix="add --save DIR (where the checkpoints go), or drop --save-every")
@@ -508,14 +513,15 @@ def runtime_mesh(cfg: dict) -> dict[str, int]:
     it, while the runtime's ep ranks each take their own share of the batch, so its data axis
     is ``dp / ep``."""
     ep = cfg.get("ep", 1)
-    axes = (("pp", cfg["pp"]), ("dp", cfg["dp"] // ep), ("ep", ep), ("tp", cfg["tp"]))
+    axes = (("pp", cfg["pp"]), ("dp", cfg["dp"] // ep), ("cp", cfg.get("cp", 1)), ("ep", ep), ("tp", cfg["tp"]))
     return {k: v for k, v in axes if v > 1} or {"dp": 1}
 
 
 def _cfg(c) -> dict:
     """A Config as the plain dict the ranks get (and a checkpoint records)."""
     return {"dp": c.dp, "tp": c.tp, "pp": c.pp, "ep": c.ep, "zero_stage": c.zero_stage, "recompute": c.recompute,
-            "micro_batch": c.micro_batch, "schedule": c.schedule, "virtual": c.virtual}
+            "micro_batch": c.micro_batch, "schedule": c.schedule, "virtual": c.virtual,
+            **({"cp": c.cp, "cp_kind": c.cp_kind} if getattr(c, "cp", 1) > 1 else {})}
 
 
 def _from_search(args: argparse.Namespace) -> tuple:
@@ -559,7 +565,7 @@ def _from_plan(args: argparse.Namespace) -> tuple:
     if str(over["layers"]).isdigit() and int(over["layers"]) % (scaled.pp * scaled.virtual):
         raise ConfigError(f"layers={over['layers']} do not split into {scaled.pp * scaled.virtual} equal stages",
                           where="autopar train --set layers", fix=f"use a multiple of {scaled.pp * scaled.virtual}")
-    world = scaled.dp * scaled.tp * scaled.pp
+    world = scaled.dp * scaled.cp * scaled.tp * scaled.pp
     batch = scaled.dp * scaled.micro_batch * m
     precision = saved.dtype if saved.dtype in ("bf16", "fp16") else None
     step = saved.predicted.get("step_time_s")
