@@ -36,8 +36,25 @@ import torch.distributed as dist
 from autopar.core.errors import ConfigError
 from autopar.runtime.collectives import all_gather_start, all_gather_wait, c10d
 
-__all__ = ["KINDS", "allgather_attention", "alltoall_attention", "attention_mask", "gather_sequence", "graph_attention",
+__all__ = ["KINDS", "sent_bytes", "allgather_attention", "alltoall_attention", "attention_mask", "gather_sequence", "graph_attention",
            "local_positions", "local_rows", "positions", "ring_attention", "shard", "unshard"]
+
+
+_SENT = [0]      # bytes this process sent for context-parallel attention (see sent_bytes)
+
+
+def sent_bytes(reset: bool = True) -> int:
+    """Bytes this process has sent to other ranks for context-parallel exchanges (gathers,
+    reduce-scatters, all-to-alls and ring steps, forward and backward, counted as the payload a
+    ring algorithm moves: ``(cp - 1)`` pieces per gather) since the last reset."""
+    got = _SENT[0]
+    if reset:
+        _SENT[0] = 0
+    return got
+
+
+def _count(nbytes: int) -> None:
+    _SENT[0] += int(nbytes)
 
 
 def positions(seq: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -74,6 +91,7 @@ class _GatherSeq(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, group_name: str, cp: int, rank: int, dim: int = -2) -> torch.Tensor:
         ctx.group_name, ctx.cp, ctx.rank, ctx.dim = group_name, cp, rank, dim
         rows = x.movedim(dim, 0).contiguous()                     # [s_local, ...]
+        _count(rows.nbytes * (cp - 1))
         gathered = all_gather_wait(all_gather_start(rows, cp, group_name))  # [cp * s_local, ...]
         seq = gathered.shape[0]
         order = _order(seq, cp, x.device)
@@ -84,6 +102,7 @@ class _GatherSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         rows = grad.movedim(ctx.dim, 0).index_select(0, ctx.order).contiguous()   # back to rank-major order
+        _count(rows.nbytes * (ctx.cp - 1) // ctx.cp)
         mine = c10d.wait_tensor(c10d.reduce_scatter_tensor(rows, "sum", ctx.cp, ctx.group_name))
         return mine.movedim(0, ctx.dim).contiguous(), None, None, None, None
 
@@ -201,7 +220,7 @@ def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, gro
     def to_heads(x: torch.Tensor) -> torch.Tensor:            # [B, h, s_local, D] -> [B, h/cp, seq, D]
         b, h, s, d = x.shape
         parts = x.permute(1, 0, 2, 3).reshape(cp, h // cp, b, s, d).contiguous()
-        got = all_to_all_single_autograd(parts, None, None, group_name)       # [src rank, h/cp, B, s, D]
+        got = _Counted.apply(all_to_all_single_autograd(parts, None, None, group_name), cp)   # [src rank, h/cp, B, s, D]
         rows = got.permute(2, 1, 0, 3, 4).reshape(b, h // cp, cp * s, d)     # rank-major tokens
         return rows.index_select(2, back)                                    # global order
 
@@ -209,7 +228,7 @@ def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, gro
         b, hh, _, d = x.shape
         rows = x.index_select(2, order).reshape(b, hh, cp, s_local, d)
         parts = rows.permute(2, 1, 0, 3, 4).contiguous()                     # [dst rank, h/cp, B, s, D]
-        got = all_to_all_single_autograd(parts, None, None, group_name)       # [head group, h/cp, B, s, D]
+        got = _Counted.apply(all_to_all_single_autograd(parts, None, None, group_name), cp)   # [head group, ...]
         return got.reshape(hh * cp, b, s_local, d).permute(1, 0, 2, 3)
 
     qh, kh, vh = to_heads(q), to_heads(k), to_heads(v)
@@ -225,6 +244,21 @@ def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, gro
     return to_tokens(out)
 
 
+class _Counted(torch.autograd.Function):
+    """Identity that counts an all-to-all's payload, forward and (its gradient) backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cp: int) -> torch.Tensor:
+        ctx.cp = cp
+        _count(x.nbytes * (cp - 1) // cp)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        _count(grad.nbytes * (ctx.cp - 1) // ctx.cp)
+        return grad, None
+
+
 def _shift(tensors: list[torch.Tensor], group_name: str, cp: int, rank: int):
     """Send ``tensors`` to the next rank of the ring and receive the previous rank's (started,
     not waited): (works, received)."""
@@ -233,6 +267,7 @@ def _shift(tensors: list[torch.Tensor], group_name: str, cp: int, rank: int):
     nxt, prv = (rank + 1) % cp, (rank - 1) % cp
     got = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), group=pg, group_peer=nxt) for t in tensors]
+    _count(sum(t.nbytes for t in tensors))
     ops += [dist.P2POp(dist.irecv, r, group=pg, group_peer=prv) for r in got]
     return dist.batch_isend_irecv(ops), got
 
