@@ -145,7 +145,7 @@ def main() -> int:
             if cp > 1 and not args.no_peer:
                 got = run_ranks(_torch_peer, cp, seq, args.steps, timeout_s=3600)
                 errs = [g["error"] for g in got if g["error"]]     # the cause, not a peer's lost connection
-                err = next((e for e in errs if "Connection closed" not in e), errs[0] if errs else "")
+                err = next((e for e in errs if "Connection" not in e), errs[0] if errs else "")
                 row = {"seq": seq, "cp": cp, "kind": "torch ring", "system": "torch", "error": err}
                 if not err:
                     row.update(acts=max(g["acts"] for g in got), step_s=max(g["step_s"] for g in got),

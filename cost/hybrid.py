@@ -169,7 +169,8 @@ class ModelFacts:
         self.symbols = {str(s) for s in ginfo.symbols}
         # one block's attention cores: (query shape, key shape, causal), sizes as formulas
         first_member = min(self.members, key=lambda m: self._first.get(m, 0))
-        self.attention_ops = [(info(n.args[0]).values[0].shape, info(n.args[1]).values[0].shape,
+        from autopar.passes.cp_rewrite import repeated_from       # keys before a grouped-query repeat
+        self.attention_ops = [(info(n.args[0]).values[0].shape, info(repeated_from(n.args[1]) or n.args[1]).values[0].shape,
                                bool(n.args[5] if len(n.args) > 5 else n.kwargs.get("is_causal", False))
                                or (n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")) is not None)
                               for n in nodes if _is_sdpa(n) and info(n).block_member == first_member]

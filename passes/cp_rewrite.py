@@ -40,7 +40,7 @@ import torch.fx as fx
 from autopar.core.errors import ConfigError, UnsupportedError
 from autopar.core.meta import META_KEY, NodeInfo, graph_info, info, set_info
 from autopar.passes.sharding import tensor_args
-from autopar.passes.batch_coupling import FREE, LOST, carried_dims
+from autopar.passes.batch_coupling import FREE, LOST, SUMMED, carried_dims
 from autopar.runtime import cp as cp_runtime
 
 aten = torch.ops.aten
@@ -75,6 +75,13 @@ def cp_rewrite(gm: fx.GraphModule, *, cp: int, group_name: str, kind: str) -> Cp
                                fix="label the sequence dim of the token inputs "
                                    "(TensorOptions(dims={'input_ids': {0: 'batch', 1: 'seq'}}))")
     an = _analyse(gm, seq)
+    forced: set[fx.Node] = set()
+    while True:         # a sum over the sequence read by anything but the outputs runs whole
+        more = _partial_misread(gm, an) - forced
+        if not more:
+            break
+        forced |= more
+        an = _analyse(gm, seq, forced)
     if not an.attention and not an.scores:
         raise UnsupportedError("context parallelism found no attention in the graph", where="parallelize",
                                got="no scaled_dot_product_attention and no softmax(q @ k^T) @ v",
@@ -116,7 +123,7 @@ def _is_tensor(node: fx.Node) -> bool:
     return META_KEY in node.meta and bool(info(node).values)
 
 
-def _analyse(gm: fx.GraphModule, seq: sympy.Symbol) -> _Analysis:
+def _analyse(gm: fx.GraphModule, seq: sympy.Symbol, forced: set[fx.Node] = frozenset()) -> _Analysis:
     sizes = dict(graph_info(gm).example_sizes)
     an = _Analysis({}, set(), set(), set(), set())
     for n in gm.graph.nodes:
@@ -176,7 +183,7 @@ def _analyse(gm: fx.GraphModule, seq: sympy.Symbol) -> _Analysis:
             got = None                   # an op this rewrite cannot follow on query rows: whole
         else:
             got = None if _indexes_sequence(n, dims) else carried_dims(n, dims, sizes)
-        if got is None or any(g is LOST for g in got):
+        if got is None or any(g is LOST for g in got) or n in forced:
             an.whole_only.add(n)
             an.dim[n] = [d if d is not None else LOST for d in _seq_dims(n, seq)] or [LOST]
             if _query_by_key(n, seq):    # a mask over (query, key): localized, its rows are this rank's
@@ -187,6 +194,34 @@ def _analyse(gm: fx.GraphModule, seq: sympy.Symbol) -> _Analysis:
             if any(a in an.keys_whole for a in args):
                 an.keys_whole.add(n)
     return an
+
+
+# ops that keep a per-rank partial sum a partial sum: the value itself, a cast, a linear combination
+_KEEPS_PARTIAL = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
+                  aten.alias.default, aten.detach.default, aten.squeeze.default, aten.squeeze.dim,
+                  aten.unsqueeze.default, aten.to.dtype, aten._to_copy.default, aten.add.Tensor, aten.sub.Tensor,
+                  aten.neg.default, aten.mul.Tensor, aten.div.Tensor}
+
+
+def _partial_misread(gm: fx.GraphModule, an: _Analysis) -> set[fx.Node]:
+    """Sums over the sequence (each rank's part of them) that something other than the graph's
+    outputs reads as if whole (mean pooling fed to a classifier): those must run whole. A sum
+    passed on unchanged, cast, or combined linearly with another such sum or a constant stays a
+    part, as a loss summed over the data axis does."""
+    out = set()
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or an.dim.get(n, [None])[0] is not SUMMED or n not in an.dep:
+            continue
+        for u in n.users:
+            if u.op == "output":
+                continue
+            partial_args = [a for a in _inputs(u) if a in an.dep and a is not n
+                            and an.dim.get(a, [None])[0] is not SUMMED and _is_tensor(a)]
+            linear = u.target in _KEEPS_PARTIAL and not (
+                u.target in (aten.mul.Tensor, aten.div.Tensor) and any(a in an.dep for a in _inputs(u) if a is not n))
+            if not linear or partial_args:
+                out.add(n)
+    return out
 
 
 _MATMULS = {aten.matmul.default, aten.bmm.default}
@@ -273,6 +308,38 @@ def _reshaped(n: fx.Node, d: int, sizes: dict[str, int], seq: sympy.Symbol):
     return LOST
 
 
+def repeated_from(node: fx.Node) -> fx.Node | None:
+    """The keys or values a grouped-query model repeated to its query heads to make ``node``
+    (``x[:, :, None].expand(b, hk, rep, s, d).reshape(b, hk * rep, s, d)`` or
+    ``x.repeat_interleave(rep, 1)``: head ``h`` reads key head ``h // rep``), or None."""
+    src = None
+    if node.target in (aten.reshape.default, aten.view.default, aten._unsafe_view.default):
+        ex = node.args[0]
+        if isinstance(ex, fx.Node) and ex.target is aten.expand.default:
+            un = ex.args[0]
+            if isinstance(un, fx.Node) and un.target is aten.unsqueeze.default and un.args[1] == 2:
+                src = un.args[0]
+    elif node.target is aten.repeat_interleave.self_int and (node.args[2] if len(node.args) > 2
+                                                             else node.kwargs.get("dim")) == 1:
+        src = node.args[0]
+    if src is None or not _is_tensor(src) or not _is_tensor(node):
+        return None
+    have, want = info(src).values[0].shape, info(node).values[0].shape
+    if len(have) != 4 or len(want) != 4 or have[0] != want[0] or have[2:] != want[2:]:
+        return None
+    try:
+        return src if sympy.sympify(want[1] / have[1]).is_integer else None
+    except (TypeError, ZeroDivisionError):
+        return None
+
+
+def _unrepeated(node: fx.Node, an: _Analysis) -> fx.Node:
+    """``node``'s keys or values before a grouped-query repeat (:func:`repeated_from`), where they
+    hold the sequence where it does; else ``node``."""
+    src = repeated_from(node)
+    return src if src is not None and an.dim.get(src, [None])[0] == an.dim.get(node, [None])[0] else node
+
+
 def _indexes_sequence(n: fx.Node, dims: list) -> bool:
     """Does ``n`` pick entries of a local value along its sequence dim by index values?"""
     if n.target not in _INDEXING or not dims or not isinstance(dims[0], int) or isinstance(dims[0], bool):
@@ -356,7 +423,7 @@ class _Emit:
             if n in need_local:
                 if n in self.an.attention:
                     q, k, v = n.args[:3]
-                    need_local.update((q, k, v))
+                    need_local.update((q, _unrepeated(k, self.an), _unrepeated(v, self.an)))
                     mask = self._mask_arg(n)
                     if isinstance(mask, fx.Node):
                         need_whole.add(mask)
@@ -387,8 +454,17 @@ class _Emit:
         if META_KEY in n.meta:
             rec = copy.copy(info(n))
             rec.made_by = "cp_rewrite"
+            rec.values = self._whole_values(rec.values)
             set_info(new, rec)
         return new
+
+    def _whole_values(self, values: tuple) -> tuple:
+        """A whole version's records: its sizes over the whole sequence (``seq`` is this rank's
+        share in the graph's formulas, so the whole one is ``cp * seq``)."""
+        from autopar.core.meta import TensorInfo
+        whole = {self.seq: self.cp * self.seq}
+        return tuple(TensorInfo(tuple(sympy.sympify(x).subs(whole) for x in v.shape), v.dtype,
+                                tuple(sympy.sympify(x).subs(whole) for x in v.stride)) for v in values)
 
     def _emit_local(self, n: fx.Node) -> None:
         an = self.an
@@ -421,10 +497,13 @@ class _Emit:
                                    "no single dim", where=self._where(n), got=str(info(n).values[0].shape),
                                    fix="keep the sequence in one dim of the values that mix positions")
         self.whole[n] = self._call(cp_runtime.gather_sequence, (self.local[n], d, self.group), n, "_whole")
+        info(self.whole[n]).values = self._whole_values(info(self.whole[n]).values)
         self.report.gathered.append(n.name)
 
     def _localize(self, n: fx.Node) -> fx.Node:
         d = self.an.dim[n][0]
+        if not any(self.seq in sympy.sympify(x).free_symbols for v in info(n).values for x in v.shape):
+            return self.whole[n]       # no sequence in it (a pooled value, a loss): the same on every rank
         if not isinstance(d, int) or isinstance(d, bool):
             raise UnsupportedError(
                 f"context parallelism: {n.target} mixes positions of the sequence and its result, read by "
@@ -446,7 +525,9 @@ class _Emit:
             raise UnsupportedError("context parallelism runs attention without dropout", where=self._where(n),
                                    got=f"dropout_p={arg(4, 'dropout_p', 0.0)}",
                                    fix="set the model's attention dropout to 0 (e.g. config.attention_dropout=0.0)")
-        q, k, v = (self.local[a] for a in n.args[:3])
+        # keys and values as the model made them, before a grouped-query model repeats them to the
+        # query heads: the kinds repeat after the exchange, so it moves (and a ring holds) fewer heads
+        q, k, v = (self.local[a] for a in (n.args[0], _unrepeated(n.args[1], self.an), _unrepeated(n.args[2], self.an)))
         mask = self._mask_arg(n)
         mask = self.whole[mask] if isinstance(mask, fx.Node) else None
         self.report.attention.append(n.name)
@@ -461,6 +542,8 @@ class _Emit:
                        made_by="cp_rewrite", requires_grad=bool(src and src.requires_grad))
         if tensor and src is not None:
             rec.values = src.values
+        if not tensor and "val" in like.meta:     # a size: later passes tell sizes by their value's type
+            new.meta["val"] = like.meta["val"]
         set_info(new, rec)
         return new
 

@@ -239,8 +239,11 @@ def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, gro
     ids = _whole_ids(doc_ids, group_name, cp)[:, None] if doc_ids is not None else None
     if mask is not None and mask.dim() == 4 and mask.shape[1] > 1:     # a mask per head: this rank's heads
         mask = mask.narrow(1, rank * (heads // cp), heads // cp)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        qh, kh, vh, attn_mask=_combine(attention_mask(pos, pos, causal, window, ids, ids), mask), scale=scale)
+    if causal and window is None and ids is None and mask is None:      # the whole sequence in order: plain causal
+        out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=_combine(attention_mask(pos, pos, causal, window, ids, ids), mask), scale=scale)
     return to_tokens(out)
 
 

@@ -38,7 +38,7 @@ import torch.fx as fx
 from torch import nn
 
 from autopar.core.errors import ConfigError, InputMismatchError
-from autopar.core.meta import graph_info, info
+from autopar.core.meta import META_KEY, evaluate, graph_info, info
 from autopar.core.meta import StageGraph
 from autopar.core.placement import Shard, Spec, parse
 from autopar.runtime.collectives import c10d
@@ -212,11 +212,21 @@ def _mutated_inputs(gm: fx.GraphModule) -> list[int]:
     return sorted(set(out))
 
 
+def _size(d: Any, gm: fx.GraphModule) -> int:
+    """One dim of a recorded shape: a number, or a formula of the named sizes (a context axis's
+    sequence) at the sizes the model was captured with."""
+    try:
+        return int(d)
+    except TypeError:
+        rec = gm.meta.get(META_KEY) if gm is not None else None
+        return int(evaluate(d, dict(getattr(rec, "example_sizes", {}) or {})))
+
+
 def _example(node: fx.Node, tp_n: int, device: torch.device, sent: torch.dtype | None = None) -> torch.Tensor:
     """An empty tensor like ``node``'s value on this rank (floating-point ones in ``sent`` if given)."""
     rec = info(node)
     value = rec.values[0]
-    shape = [int(d) for d in value.shape]
+    shape = [_size(d, node.graph.owning_module) for d in value.shape]
     text = (rec.placement or "R").split(",")[0]
     try:
         placement = Spec.parse(text).value

@@ -39,7 +39,9 @@ def context_step(s: BuildState) -> None:
     from autopar.passes.cp_rewrite import cp_rewrite
     group, _ = s.group("cp")
     report = cp_rewrite(s.gm, cp=cp, group_name=group.group_name, kind=kind)
-    s.plan = replace(s.plan, cp_axis="cp", cp_kind=kind)
+    s.cp_kind = kind          # the plan records it (a pipeline's plan is made by the pipeline step)
+    if s.plan is not None:
+        s.plan = replace(s.plan, cp_axis="cp", cp_kind=kind)
     eager = len(report.attention) - len(shapes)
     if eager and kind != "allgather" and dist.get_rank() == 0:
         log.warning("%d attention op(s) written out (matmul, softmax, matmul) run as the all-gather kind, not %s: "

@@ -14,6 +14,9 @@ from autopar.core.meta import graph_info, info
 
 
 def module_step(s: BuildState) -> None:
+    if s.cp_kind is not None and s.plan is not None and s.plan.cp_kind is None:
+        from dataclasses import replace
+        s.plan = replace(s.plan, cp_axis="cp", cp_kind=s.cp_kind)
     if s.request.pipelined:
         _pipeline_module(s)
     else:

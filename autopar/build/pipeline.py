@@ -67,7 +67,18 @@ def schedule_step(s: BuildState) -> None:
                           expected=f"a multiple of {m}", got=str(batch), fix="pass a divisible batch")
     s.capture_args = tuple(a.chunk(m)[0] if isinstance(a, torch.Tensor) else a for a in args)
     s.capture_kwargs = {k: a.chunk(m)[0] if isinstance(a, torch.Tensor) else a for k, a in kwargs.items()}
-    s.capture_dims = ()
+    # fixed sizes, but for the sequence on a context axis: its rewrite follows the dim named seq
+    s.capture_dims = _sequence_only(s.capture_args, s.capture_kwargs) if s.sizes.get("cp", 1) > 1 else ()
+
+
+def _sequence_only(args: tuple, kwargs: dict):
+    """Capture labels naming only the sequence (dim 1 of integer inputs of two dims or more)."""
+    from autopar.build.prepare import default_dims
+    labels = default_dims(args, kwargs)
+    keep = lambda d: {i: n for i, n in d.items() if n == "seq"}     # noqa: E731
+    if isinstance(labels, dict):
+        return {k: keep(v) for k, v in labels.items()}
+    return tuple(keep(d) for d in labels)
 
 
 def pipeline_step(s: BuildState) -> None:
@@ -93,7 +104,8 @@ def pipeline_step(s: BuildState) -> None:
     compute = torch_dtype(s.mixed_precision) if s.mixed_precision else None
     s.sent = autocast_dtypes(gm, compute, s.device.type) if compute is not None else {}
     cluster, p, tp_n = s.cluster(), s.sizes["pp"], s.tp
-    costs = op_costs(gm, node_time=node_time_fn(cluster.device, DTYPE), tp=tp_n, wire=s.sent)
+    at = dict(graph_info(gm).example_sizes)       # the sequence of a context axis is a named size
+    costs = op_costs(gm, node_time=node_time_fn(cluster.device, DTYPE, at), tp=tp_n, wire=s.sent, sizes=at)
     final = plan_pipeline(lambda mb: costs, devices=p, batch=s.microbatches, cluster=cluster, axes=s.axes,
                           schedule=s.schedule, microbatches=s.microbatches, virtual=s.virtual_stages,
                           budget=r.memory_budget)

@@ -91,6 +91,9 @@ class BuildState:
     expert_runtimes: dict[str, Any] = field(default_factory=dict)
     expert_placements: dict[str, Any] = field(default_factory=dict)
 
+    # context: the kind of context-parallel attention the rewrite used (None: no cp axis)
+    cp_kind: str | None = None
+
     # pipeline
     stages: list[Any] = field(default_factory=list)        # this rank's StageModules
     stage_graphs: list[Any] = field(default_factory=list)  # every stage's graph

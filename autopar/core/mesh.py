@@ -72,15 +72,10 @@ def dense_axes(mesh: Any) -> Axes:
 def pipeline_axes(mesh: Any) -> Axes:
     """The axes of a pipeline mesh: ``pp`` first, then ``dp``, ``cp``, ``ep`` and/or ``tp``."""
     axes = _named(mesh, "e.g. {'pp': 2, 'tp': 2}")
-    if dict(axes).get("cp", 1) > 1:
-        raise MeshError("context parallelism (cp) does not run inside a pipeline (pp): a pipeline captures each "
-                        "micro-batch with fixed sizes, and the cp rewrite needs the sequence dim named",
-                        where="mesh", got=str(dict(axes)),
-                        fix="combine cp with dp, ep and tp (e.g. {'dp': 2, 'cp': 2, 'tp': 2}), or drop cp")
-    if not in_order(axes, ("pp", "dp", "ep", "tp")):
-        raise MeshError("pipeline mesh axes must be pp, then dp, ep and/or tp, each of size >= 1", where="mesh",
-                        expected="e.g. {'pp': 2}, {'pp': 2, 'dp': 2}, {'pp': 2, 'ep': 2} or {'pp': 2, 'tp': 2}",
-                        got=str(dict(axes)), fix="list the axes in the order pp, dp, ep, tp")
+    if not in_order(axes, ("pp", "dp", "cp", "ep", "tp")):
+        raise MeshError("pipeline mesh axes must be pp, then dp, cp, ep and/or tp, each of size >= 1", where="mesh",
+                        expected="e.g. {'pp': 2}, {'pp': 2, 'dp': 2}, {'pp': 2, 'cp': 2} or {'pp': 2, 'tp': 2}",
+                        got=str(dict(axes)), fix="list the axes in the order pp, dp, cp, ep, tp")
     return axes
 
 
