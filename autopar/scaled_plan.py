@@ -48,7 +48,7 @@ class ScaledPlan:
         flat = {k: v for k, v in self.options.items() if k not in pipe and k != "cp_kind"}
         parts = ([PipelineOptions(**pipe)] if pipe else []) + (
             [ContextOptions(kind=self.options["cp_kind"])] if self.options.get("cp_kind") else [])
-        return {**flat, "options": parts} if parts else flat
+        return {**flat, "options": parts[0] if len(parts) == 1 else parts} if parts else flat
     notes: tuple[str, ...] = ()
 
     @property
