@@ -212,6 +212,10 @@ def _across(rank: int, world: int, root: str) -> dict:
         opt.step()
         opt.zero_grad()
     autopar.save(pm, opt, root, step=2)
+    from autopar.core.plans import Plan
+    plan = Plan.from_json(pm.plan.to_json())                     # the plan, saved and read back, re-applies
+    again = autopar.parallelize(_model("llama"), {"cp": 2}, example_kwargs=part, plan=plan)
+    out["reapplied"] = (plan.cp_axis, plan.cp_kind, again.plan.cp_kind)
     for name, mesh, kind in (("dp", {"dp": 2}, None), ("cp-allgather", {"cp": 2}, "allgather")):
         part = autopar.data.shard(data, mesh)
         pm2 = autopar.parallelize(hf_tiny.build("llama", torch.float64, seed=7), mesh, example_kwargs=part,
@@ -227,7 +231,8 @@ def _across(rank: int, world: int, root: str) -> dict:
 
 def test_a_checkpoint_loads_across_cp_degrees(tmp_path):
     """Saved on cp=2 (ring), loaded on dp=2 and on cp=2 (all-gather): the third step lands where
-    one process's third step does (momentum buffers restored), within 1e-10."""
+    one process's third step does (momentum buffers restored), within 1e-10. The plan with its
+    context axis, saved as JSON and read back, re-applies with its kind."""
     model, data = _model("llama"), _batch("plain")
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for _ in range(3):
@@ -237,6 +242,7 @@ def test_a_checkpoint_loads_across_cp_degrees(tmp_path):
     want = model.state_dict()
     ranks = run_ranks(_across, 2, str(tmp_path / "ckpt"), timeout_s=600)
     for r in ranks:
+        assert r.pop("reapplied") == ("cp", "ring", "ring")
         for name, got in r.items():
             assert sorted(got) == sorted(want), name
             err = max((got[k] - v).abs().max().item() for k, v in want.items() if v.is_floating_point())
