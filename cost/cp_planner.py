@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from autopar.core.errors import ConfigError
+from autopar.core.meta import evaluate
 from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
 from autopar.cost.compute import compute_time
@@ -103,3 +105,24 @@ def choose_kind(ops: Sequence[AttentionShape], cp: int, cluster: Cluster, mesh_a
     totals = {k: sum(kind_cost(k, a, cp, cluster, mesh_axes, axis, dtype).exposed_s for a in ops) for k in KINDS}
     best = min(KINDS, key=lambda k: (totals[k], KINDS.index(k)))
     return best, totals
+
+
+def block_costs(facts, c, cluster: Cluster, axes: Sequence[tuple[str, int]], kind: str | None = None):
+    """For one block of the simulator's model (``facts``: its ``attention_ops``) under
+    configuration ``c`` (micro-batch, tp, cp): (kind, forward and backward seconds of the context
+    axis's exchanges, each kind's total): ``kind``, or the cheapest. Heads are the tensor
+    rank's (``tp`` splits them)."""
+    at = facts.sizes(c.micro_batch)
+    width = 2 if facts.dtype in ("bf16", "fp16") else 4
+    shapes = []
+    for q, k, causal in facts.attention_ops:
+        b, h, s, d = (int(evaluate(x, at)) for x in q)
+        shapes.append(AttentionShape(batch=b, heads=max(1, h // c.tp), kv_heads=max(1, int(evaluate(k[1], at)) // c.tp),
+                                     seq=s, head_dim=d, itemsize=width, causal=causal))
+    totals: dict[str, float] = {}
+    if kind is None:
+        kind, totals = choose_kind(shapes, c.cp, cluster, axes, "cp", facts.dtype)
+    costs = [kind_cost(kind, a, c.cp, cluster, axes, "cp", facts.dtype) for a in shapes]
+    if any(x.refused for x in costs):
+        raise ConfigError(f"cp kind {kind}: {costs[0].refused}", where="config")
+    return kind, sum(x.comm_fwd_s for x in costs), sum(x.comm_bwd_s for x in costs), totals

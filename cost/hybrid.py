@@ -376,7 +376,7 @@ def _is_score_op(node: fx.Node) -> bool:
     return bool(vals) and len(vals[0].shape) == 4 and str(vals[0].shape[-1]) == str(vals[0].shape[-2])
 
 
-def _axes(c: Config, cluster: Cluster) -> tuple[tuple[str, int], ...]:
+def mesh_axes(c: Config, cluster: Cluster | None = None) -> tuple[tuple[str, int], ...]:
     # tp innermost (inside a node), then cp, then dp, then pp outermost, as Megatron lays ranks out
     return (("pp", c.pp), ("dp", c.dp), ("cp", c.cp), ("tp", c.tp)) if c.cp > 1 else \
         (("pp", c.pp), ("dp", c.dp), ("tp", c.tp))
@@ -385,30 +385,9 @@ def _axes(c: Config, cluster: Cluster) -> tuple[tuple[str, int], ...]:
 def _data_view(c: Config) -> tuple[Config, tuple[tuple[str, int], ...]]:
     """The data axis as the runtime runs it: gradients averaged (and ZeRO sharded) over dp x cp."""
     if c.cp == 1:
-        return c, _axes(c, None)
+        return c, mesh_axes(c)
     from dataclasses import replace
     return replace(c, dp=c.dp * c.cp, cp=1), (("pp", c.pp), ("dp", c.dp * c.cp), ("tp", c.tp))
-
-
-def context_costs(facts: ModelFacts, c: Config, cluster: Cluster, kind: str | None = None):
-    """(kind, per-block forward and backward seconds of the context axis's exchanges, the
-    kinds' totals): ``kind``, or the cheapest for this block's attention at ``c``."""
-    from autopar.cost.cp_planner import AttentionShape, choose_kind, kind_cost
-    at = facts.sizes(c.micro_batch)
-    width = 2 if facts.dtype in ("bf16", "fp16") else 4
-    shapes = []
-    for q, k, causal in facts.attention_ops:
-        b, h, s, d = (int(evaluate(x, at)) for x in q)
-        shapes.append(AttentionShape(batch=b, heads=max(1, h // c.tp), kv_heads=max(1, int(evaluate(k[1], at)) // c.tp),
-                                     seq=s, head_dim=d, itemsize=width, causal=causal))
-    axes = _axes(c, cluster)
-    totals = {}
-    if kind is None:
-        kind, totals = choose_kind(shapes, c.cp, cluster, axes, "cp", facts.dtype)
-    costs = [kind_cost(kind, a, c.cp, cluster, axes, "cp", facts.dtype) for a in shapes]
-    if any(x.refused for x in costs):
-        raise ConfigError(f"cp kind {kind}: {costs[0].refused}", where="config")
-    return kind, sum(x.comm_fwd_s for x in costs), sum(x.comm_bwd_s for x in costs), totals
 
 
 def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
@@ -440,13 +419,14 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     sched = c.schedule if c.pp > 1 else "1f1b"
     if sched == "interleaved" and (c.virtual < 2 or m % c.pp):
         raise ConfigError("interleaved needs virtual >= 2 and micro-batches a multiple of pp", where="config")
-    axes = _axes(c, cluster)
+    axes = mesh_axes(c, cluster)
     parts, strategies = facts.parts(c.tp, c.micro_batch, cluster, axes, exact=not fast, seq=facts.seq // c.cp)
     pre, blk, post = parts["pre"], parts["block"], parts["post"]
     if c.ep > 1:
         blk = _with_experts(blk, c, cluster)
     if c.cp > 1:
-        kind, cp_fwd, cp_bwd, _ = context_costs(facts, c, cluster, c.cp_kind)
+        from autopar.cost.cp_planner import block_costs
+        kind, cp_fwd, cp_bwd, _ = block_costs(facts, c, cluster, axes, c.cp_kind)
         blk = _with_context(blk, c.cp, cp_fwd, cp_bwd)
         from dataclasses import replace as _replace
         c = _replace(c, cp_kind=kind)
@@ -603,6 +583,6 @@ def _stage_activations(facts: ModelFacts, c: Config, counts: list[int], blk: _Pa
             for s in range(stages)]
 
 
-__all__ = ["Config", "Score", "ModelFacts", "simulate", "timeline_of", "RECOMPUTE"]
+__all__ = ["Config", "Score", "ModelFacts", "mesh_axes", "simulate", "timeline_of", "RECOMPUTE"]
 
 del asdict

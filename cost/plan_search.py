@@ -4,7 +4,7 @@
 each rank at least ``CP_MIN_TOKENS`` of every sequence, pp up to the layer count, dp the rest
 dividing the batch) x ep (a sub-axis of dp for mixture-of-experts models) x ZeRO stage x
 recomputation x micro-batch x schedule; the context axis's kind is the cheapest for each
-configuration (:func:`autopar.cost.hybrid.context_costs`). :func:`search` skips a configuration whose
+configuration (:func:`autopar.cost.cp_planner.block_costs`). :func:`search` skips a configuration whose
 compute alone already loses, ranks the rest with the pipeline's closed form, re-scores the
 finalists with the event simulation, and explains why each other layout lost.
 :func:`smallest_cluster` finds the smallest cluster on which anything fits.

@@ -21,11 +21,9 @@ model's on every rank (a collective, through the functions :func:`autopar.parall
 
 Under mixed precision (``compute_dtype`` bf16 or fp16) the stages hold 16-bit parameters and
 run forward (and the loss) under autocast; activations and their gradients travel between
-stages in the dtype autocast gives them, which is the 16-bit dtype for what matmuls and the
-residual stream make (fp32 only for what autocast keeps in fp32, such as a norm's statistics
-when a cut falls inside the norm); each micro-batch's 16-bit gradients are added, as they are made,
-into fp32 accumulators (:class:`~autopar.runtime.main_grads.MainGrads`), which the data axis
-reduces in fp32 and the optimizer (:func:`autopar.optimizer`) steps fp32 masters with.
+stages in the dtype autocast gives them (16-bit, but fp32 for what autocast keeps in fp32); each
+micro-batch's 16-bit gradients are added into fp32 accumulators (:class:`~autopar.runtime.
+main_grads.MainGrads`), which the data axis reduces and the optimizer steps fp32 masters with.
 """
 from __future__ import annotations
 
@@ -213,13 +211,8 @@ def _mutated_inputs(gm: fx.GraphModule) -> list[int]:
 
 
 def _size(d: Any, gm: fx.GraphModule) -> int:
-    """One dim of a recorded shape: a number, or a formula of the named sizes (a context axis's
-    sequence) at the sizes the model was captured with."""
-    try:
-        return int(d)
-    except TypeError:
-        rec = gm.meta.get(META_KEY) if gm is not None else None
-        return int(evaluate(d, dict(getattr(rec, "example_sizes", {}) or {})))
+    """One recorded dim: a number, or a formula of the sizes captured (a context axis's sequence)."""
+    return int(evaluate(d, dict(getattr(gm.meta.get(META_KEY), "example_sizes", None) or {})))
 
 
 def _example(node: fx.Node, tp_n: int, device: torch.device, sent: torch.dtype | None = None) -> torch.Tensor:

@@ -308,10 +308,11 @@ def plan_command(args: argparse.Namespace, w, planned, cluster, start: float) ->
 def _context_explained(facts, cluster, best, args: argparse.Namespace, space: dict) -> list[str]:
     """Why the plan splits the sequence: what each rank holds, each kind's exchange per block, and
     the best plan without a context axis (slower, or too big)."""
-    from autopar.cost.hybrid import context_costs
+    from autopar.cost.cp_planner import block_costs
+    from autopar.cost.hybrid import mesh_axes
     from autopar.cost.plan_search import leanest, search
     c = best.config
-    _, _, _, totals = context_costs(facts, c, cluster)
+    _, _, _, totals = block_costs(facts, c, cluster, mesh_axes(c))
     kinds = ", ".join(f"{k} {v * 1e3:.3g} ms" if v != float("inf") else f"{k} impossible" for k, v in totals.items())
     lines = [f"context parallelism: cp={c.cp} ({c.cp_kind}): each device holds {facts.seq // c.cp} of the "
              f"{facts.seq} tokens of every sequence, activations {best.memory.get('activations', 0.0) / 1e9:.1f} GB "

@@ -56,13 +56,11 @@ def scale_down(c, ranks: int) -> tuple:
     """The plan ``c`` (a :class:`~autopar.cost.hybrid.Config`) scaled down to ``ranks`` local
     ranks, and one note per axis saying how it was scaled.
 
-    Each axis of :data:`SCALE_ORDER` the plan splits (degree > 1) gets degree 2 while the
-    ranks last; the rest get 1 (dropped, and said so). The expert axis is a sub-axis of the
-    data axis in the planner, so a plan with ``ep > 1`` keeps ``ep = 2`` across the two data
-    replicas (it needs no ranks of its own). The ZeRO stage, recomputation, micro-batch size,
-    schedule and virtual stages are the plan's; only what needs a dropped axis goes (ZeRO
-    without a data axis, the schedule without a pipeline). The product of the degrees is the
-    number of ranks the scaled plan uses, at most ``ranks``."""
+    Each axis of :data:`SCALE_ORDER` the plan splits gets degree 2 while the ranks last; the
+    rest get 1 (said so). ``ep`` is a sub-axis of dp in the planner: a plan with ``ep > 1`` keeps
+    ``ep = 2`` across the two data replicas. ZeRO stage, recomputation, micro-batch size,
+    schedule and virtual stages are the plan's, but for what needs a dropped axis (ZeRO without
+    a data axis, dp x cp; the schedule without a pipeline). The degrees' product is at most ``ranks``."""
     if type(ranks) is not int or ranks < 1:
         raise ConfigError("the rank count must be a positive integer", where="--ranks", got=repr(ranks),
                           fix="e.g. --ranks 8")
@@ -86,8 +84,6 @@ def scale_down(c, ranks: int) -> tuple:
     pipelined = degree["pp"] > 1
     if c.pp > 1 and not pipelined:
         notes.append(f"the {c.schedule} schedule goes with the pipeline")
-    if c.cp > 1 and degree["cp"] > 1 and degree["dp"] == 1 and zero != c.zero_stage:
-        zero = c.zero_stage                                  # the data axis is dp x cp: ZeRO shards over cp
     scaled = dataclasses.replace(c, dp=degree["dp"], tp=degree["tp"], pp=degree["pp"], ep=ep, zero_stage=zero,
                                  cp=degree["cp"], cp_kind=c.cp_kind if degree["cp"] > 1 else None,
                                  schedule=c.schedule if pipelined else "gpipe", virtual=c.virtual if pipelined else 1)
@@ -207,17 +203,16 @@ def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: i
     # this rank's rows (dp counts every data replica, ep ranks included) and, on a cp axis, its tokens
     local, local_t = autopar.data.shard(tuple(args), mesh, rank), autopar.data.shard(target, mesh, rank)
     budget = 0.75 * 16 * sum(p.numel() for p in model.parameters()) if tp > 1 else None  # make tp split
-    pipeline = autopar.PipelineOptions(
+    options = ([autopar.PipelineOptions(
         loss_fn=_loss, schedule=cfg["schedule"], microbatches=batch // dp // cfg["micro_batch"],
-        virtual_stages=cfg["virtual"] if cfg["schedule"] == "interleaved" else None) if pp > 1 else None
-    if cfg.get("cp", 1) > 1:
-        pipeline = autopar.ContextOptions(kind=cfg.get("cp_kind"))
+        virtual_stages=cfg["virtual"] if cfg["schedule"] == "interleaved" else None)] if pp > 1 else []) + (
+        [autopar.ContextOptions(kind=cfg.get("cp_kind"))] if cfg.get("cp", 1) > 1 else [])
     log = log or {}
     said = _stage_sayer(rank, log)
     with on_setup_stage(said):
         pm = autopar.parallelize(model, mesh, local, zero_stage=cfg["zero_stage"], recompute=cfg["recompute"],
                                  mixed_precision=cfg.get("precision"), compile=cfg.get("compile", False),
-                                 memory_budget=budget, options=pipeline)
+                                 memory_budget=budget, options=options or None)
     opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     first, resumed = 0, None
