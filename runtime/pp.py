@@ -101,20 +101,17 @@ class StageModule(nn.Module):
         self._compiled = compile_graph(self.graph_module, backend) if backend else None
 
     def set_recompute(self, mode: str, layers: Sequence[str] = ()) -> None:
-        """Checkpoint this stage's share of ``layers`` (``full``) or its attention cores
-        (``selective``); see runtime/recompute.py."""
+        """Checkpoint this stage's ``layers`` (``full``) or attention cores (``selective``)."""
         from autopar.runtime.recompute import regions
         self._recompute = regions(self.graph_module, mode, list(layers))
         self.recompute = mode
 
     def to_compute_dtype(self, dtype: torch.dtype, device_type: str,
                          sent: Mapping[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
-        """Mixed precision: hold the floating-point parameters in ``dtype`` (their identity kept)
-        and run forward under autocast. A floating-point value crossing between stages travels
-        in ``sent[its name]``, the dtype it has under autocast (:mod:`autopar.passes.autocast`;
-        ``dtype`` where not known). Returns the values the parameters had before (the fp32
-        masters start from them; a ZeRO-3 parameter emptied between steps has none). The graph must
-        hold no dtype checks (:func:`autopar.passes.autocast.drop_dtype_checks`): they pin the captured fp32 dtypes."""
+        """Mixed precision: floating-point parameters held in ``dtype`` (identity kept), forward
+        under autocast; a value crossing stages travels in ``sent[its name]`` (else ``dtype``).
+        Returns the parameters' values before (the fp32 masters' start). The graph must hold no
+        dtype checks (:func:`autopar.passes.autocast.drop_dtype_checks`)."""
         self.compute_dtype, self._device_type = dtype, device_type
         sent = dict(sent or {})
         self._sent = {name: sent.get(name, dtype) for name in self.outputs}

@@ -91,11 +91,10 @@ def scale_down(c, ranks: int) -> tuple:
 
 
 def small_overrides(name: str, plan_overrides: dict, *, stages: int, seq: int) -> dict:
-    """The overrides that make the zoo model ``name`` (with the plan's own overrides) small:
-    hidden 64, 4 heads, vocab 256 (and 2 key/value heads, an FFN of 256 where the family has
-    them), ``max_seq`` = ``seq``, and layers the smallest multiple of ``stages`` (pp x virtual
-    stages, so every stage gets the same layers) that is at least 4. Expert counts, top-k and
-    capacity stay the family's, so a mixture-of-experts plan trains experts."""
+    """The overrides that make the zoo model ``name`` (with the plan's own) small: hidden 64, 4
+    heads, vocab 256 (2 key/value heads, an FFN of 256 where the family has them), ``max_seq`` =
+    ``seq``, layers the smallest multiple of ``stages`` (pp x virtual) that is at least 4. Expert
+    counts, top-k and capacity stay the family's."""
     from autopar import models
 
     if name not in models.list_models():
@@ -150,10 +149,8 @@ def choose(name: str, overrides: dict, ranks: int, batch: int, seq: int):
 
 
 def predict(name: str, overrides: dict, cfg: dict, batch: int, seq: int):
-    """What the simulator predicts for the configuration ``cfg`` (a :func:`_cfg` dict) on this
-    machine: one node of dp x tp x pp ranks, each priced as its share of the ``cpu`` profile
-    (:func:`rank_device`), in the ranks' compute dtype. None
-    when the simulator cannot score it (a model without repeated layers, say)."""
+    """What the simulator predicts for ``cfg`` (a :func:`_cfg` dict) here: one node of its ranks,
+    each its share of the ``cpu`` profile (:func:`rank_device`); None where it cannot score it."""
     from autopar.cost.cluster import Cluster
     from autopar.core.plans import Config
     from autopar.cost.hybrid import simulate
@@ -179,11 +176,10 @@ def _rank(rank: int, world: int, name: str, overrides: dict, cfg: dict, batch: i
           save: str | None = None, resume: str | None = None, log: dict | None = None,
           save_every: int | None = None) -> dict:
     """One rank of ``autopar train``: the model parallelized under ``cfg`` (a :func:`_cfg` dict)
-    and, beside it, the same model in one process on the whole batch; ``steps`` AdamW steps of
-    both, returning each step's (parallel loss, single-process loss, seconds, peak memory bytes)
-    (seconds and memory: the largest over the ranks) and, from rank 0, the logged records
-    (:func:`step_record`; ``log``: a :func:`log_context` dict, whose ``jsonl`` file rank 0
-    appends each record to and whose ``tick`` file it appends a byte to per step)."""
+    and the same model in one process on the whole batch, ``steps`` AdamW steps of both; each
+    step's (parallel loss, single-process loss, seconds, peak memory bytes: the largest over the
+    ranks) and, from rank 0, the logged records (:func:`step_record`; ``log``: a
+    :func:`log_context` dict: rank 0 appends each record to its ``jsonl`` and a byte per step to its ``tick``)."""
     import copy
 
     import torch.distributed as dist
