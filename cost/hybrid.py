@@ -169,11 +169,9 @@ class ModelFacts:
         self.symbols = {str(s) for s in ginfo.symbols}
         # one block's attention cores: (query shape, key shape, causal), sizes as formulas
         first_member = min(self.members, key=lambda m: self._first.get(m, 0))
-        from autopar.passes.cp_rewrite import repeated_from       # keys before a grouped-query repeat
-        self.attention_ops = [(info(n.args[0]).values[0].shape, info(repeated_from(n.args[1]) or n.args[1]).values[0].shape,
-                               bool(n.args[5] if len(n.args) > 5 else n.kwargs.get("is_causal", False))
-                               or (n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")) is not None)
-                              for n in nodes if _is_sdpa(n) and info(n).block_member == first_member]
+        from autopar.passes.cp_rewrite import attention_ops
+        self.attention_ops = [(q, k, causal) for _, q, k, causal in
+                              attention_ops(gm, lambda n: info(n).block_member == first_member)]
         self.experts = math.gcd(*[r.num_experts for r in ginfo.moe_regions]) if ginfo.moe_regions else 0
         self.expert_params = {f for r in ginfo.moe_regions for f in r.expert_params}
         self._captured_fp32 = any(info(n).values[0].dtype == torch.float32 for n in self._param_nodes[:1])

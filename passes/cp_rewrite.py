@@ -308,6 +308,20 @@ def _reshaped(n: fx.Node, d: int, sizes: dict[str, int], seq: sympy.Symbol):
     return LOST
 
 
+def attention_ops(gm: fx.GraphModule, keep=lambda node: True) -> list[tuple[fx.Node, tuple, tuple, bool]]:
+    """The attention ops of ``gm`` (those ``keep`` accepts) as context parallelism exchanges
+    them: (node, query shape, key shape before a grouped-query repeat, masked or causal), sizes
+    as formulas. What the build's kind choice and the simulator both price."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in ATTENTION and keep(n):
+            causal = bool(n.args[5] if len(n.args) > 5 else n.kwargs.get("is_causal", False))
+            mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
+            key = repeated_from(n.args[1]) or n.args[1]
+            out.append((n, info(n.args[0]).values[0].shape, info(key).values[0].shape, causal or mask is not None))
+    return out
+
+
 def repeated_from(node: fx.Node) -> fx.Node | None:
     """The keys or values a grouped-query model repeated to its query heads to make ``node``
     (``x[:, :, None].expand(b, hk, rep, s, d).reshape(b, hk * rep, s, d)`` or
@@ -361,7 +375,6 @@ class _Emit:
         self.report = CpReport()
         self.local: dict[fx.Node, fx.Node] = {}
         self.whole: dict[fx.Node, fx.Node] = {}
-        self.positions: dict[fx.Node, fx.Node] = {}
 
     def run(self) -> CpReport:
         nodes = list(self.gm.graph.nodes)

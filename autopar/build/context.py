@@ -54,16 +54,12 @@ def context_step(s: BuildState) -> None:
 
 def attention_shapes(gm, cp: int) -> list[AttentionShape]:
     """The attention ops of ``gm`` at its example sizes (the rank's share of the sequence), as
-    the whole sequence sees them."""
-    from autopar.passes.cp_rewrite import ATTENTION
+    the whole sequence sees them (keys before a grouped-query repeat, as they are exchanged)."""
+    from autopar.passes.cp_rewrite import attention_ops
     sizes = dict(graph_info(gm).example_sizes)
     out = []
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in ATTENTION:
-            q, k = (info(a).values[0] for a in n.args[:2])
-            b, h, t, d = (evaluate(x, sizes) for x in q.shape)
-            causal = bool(n.args[5] if len(n.args) > 5 else n.kwargs.get("is_causal", False))
-            mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
-            out.append(AttentionShape(batch=b, heads=h, kv_heads=evaluate(k.shape[1], sizes), seq=t * cp,
-                                      head_dim=d, itemsize=q.dtype.itemsize, causal=causal or mask is not None))
+    for n, q, k, causal in attention_ops(gm):
+        b, h, t, d = (evaluate(x, sizes) for x in q)
+        out.append(AttentionShape(batch=b, heads=h, kv_heads=evaluate(k[1], sizes), seq=t * cp, head_dim=d,
+                                  itemsize=info(n.args[0]).values[0].dtype.itemsize, causal=causal))
     return out
