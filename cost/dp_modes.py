@@ -19,7 +19,7 @@ charges it. Per mode, with G the gradient bytes one rank reduces, P its fp32 par
 ==============  ===============================================  ==================================
 mode            per step                                         exposed (what the step waits for)
 ==============  ===============================================  ==================================
-allreduce       m all-reduces of G                               the planner's figure if given,
+allreduce       m x buckets all-reduces of G                     the planner's figure if given,
                                                                  else all of it
 local_sgd H     one all-reduce of P every H steps                all (after the optimizer step)
 compressed      m x topk: all-gathers of k values + k int32      the fraction all-reduce exposes
@@ -47,6 +47,7 @@ from typing import Sequence
 
 from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
+from autopar.cost.step_terms import DataBytes, bucket_count
 from autopar.core.dp_mode import DataMode
 from autopar.core.errors import ConfigError
 from autopar.runtime.data_modes import QUANT_CHUNK, allgather_bytes, keep_count, neighbours, ring_allreduce_bytes
@@ -159,11 +160,14 @@ def price_modes(grad_numel: int, dp: int, cluster: Cluster, *, grad_bytes_per_el
     lay = _layout(dp, cluster, ranks_per_node, inner)
     m, width = exchanges_per_step, float(grad_bytes_per_elem)
     grads, params = grad_numel * width, grad_numel * 4.0
-    ar_comm = m * lay.coll("all_reduce", grads)
+    # one call per bucket, as the runtime cuts them (:func:`autopar.cost.step_terms.bucket_count`)
+    calls = bucket_count(lay.cluster, lay.axes, DataBytes(grads=grads, params=params, expert_grads=0.0,
+                                                          expert_params=0.0)) if dp > 1 else 1
+    ar_comm = m * calls * lay.coll("all_reduce", grads / calls)
     ar_exposed = ar_comm if allreduce_exposed_s is None else float(allreduce_exposed_s)
     exposed_share = min(1.0, ar_exposed / ar_comm) if ar_comm > 0 else 0.0
     out = [ModePrice(mode=DataMode(), bytes_per_step=m * ring_allreduce_bytes(grads, dp),
-                     collectives_per_step=float(m) if dp > 1 else 0.0, comm_s=ar_comm, exposed_s=ar_exposed,
+                     collectives_per_step=float(m * calls) if dp > 1 else 0.0, comm_s=ar_comm, exposed_s=ar_exposed,
                      saving_s=0.0, note="every gradient averaged every step (the plan)")]
     for mode in (DEFAULT_MODES if modes is None else modes):
         if mode.kind == "allreduce":

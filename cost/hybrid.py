@@ -116,6 +116,7 @@ class _Part:
     attn_bwd: float = 0.0
     attn_flops: float = 0.0
     attn_fwd_flops: float = 0.0
+    attn_more: float = 0.0            # on a context axis: the cores' work per rank is (1 + this) x theirs at seq/cp
 
 
 class ModelFacts:
@@ -266,6 +267,7 @@ class ModelFacts:
         parts = {"pre": _Part(), "block": _Part(), "post": _Part()}
         buffers: set[fx.Node] = set()
         members: set[str] = set()
+        converted: set[tuple[fx.Node, Any]] = set()
         for n in self.gm.graph.nodes:
             if not is_decision(n):
                 continue
@@ -303,6 +305,11 @@ class ModelFacts:
             p.flops += ff + fb
             p.fwd_flops += ff
             if sdpa:
+                # a context axis of cp = S / t ranks: each rank's t queries see all S keys, i.e.
+                # cp x the local core's pairs, or under a causal mask (S + 1) / (t + 1) x them
+                # (the S (S + 1) / 2 pairs below the diagonal, dealt evenly by the load-balanced layout)
+                t_, s_ = float(seq), float(self.seq)
+                p.attn_more = ((s_ + 1) / (t_ + 1) if _causal(n) else s_ / t_) - 1
                 p.attn_fwd += f
                 p.attn_bwd += b
                 p.attn_flops += ff + fb
@@ -321,8 +328,11 @@ class ModelFacts:
             if pricer is not None and s is not None:
                 for j, arg in enumerate(tensor_inputs(n)):
                     src = strategies.get(arg.name)
-                    if src is None or j >= len(s.inputs) or not src.outputs:
+                    if src is None or j >= len(s.inputs) or not src.outputs or (arg, s.inputs[j]) in converted:
                         continue
+                    # the runtime converts a value once per placement its readers need
+                    # (passes/tp_rewrite.py): q, k and v share the gather of their normed input
+                    converted.add((arg, s.inputs[j]))
                     t = pricer.convert(arg, 0, src.outputs[0], s.inputs[j]) * width
                     # the conversion of a value entering the first block happens once, on the
                     # first stage: charged to the part before (not to every counted copy)
@@ -331,7 +341,8 @@ class ModelFacts:
                     q.comm_bwd += t / 2
         blk = parts["block"]
         for name in blk.__dataclass_fields__:
-            setattr(blk, name, getattr(blk, name) / self.captured_layers)
+            if name != "attn_more":
+                setattr(blk, name, getattr(blk, name) / self.captured_layers)
         self._cache[key] = (parts, strategies)
         return parts, strategies
 
@@ -349,6 +360,10 @@ SCORE_PASSES_BWD = 9.5
 
 def _is_sdpa(node: fx.Node) -> bool:
     return "scaled_dot_product" in getattr(node.target, "__name__", str(node.target))
+
+
+def _causal(node: fx.Node) -> bool:
+    return bool(node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False))
 
 
 def _score_bytes(node: fx.Node, at: Mapping[str, int], dtype: str) -> float:
@@ -470,7 +485,7 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     # the data axis and the optimizer: the slowest device's (the one holding the most parameters)
     d_big = max(range(c.pp), key=lambda d: held[d])
     stage_params = held[d_big]
-    bytes_ = DataBytes.of(facts, stage_params, experts[d_big], per_block, numel["pre"])
+    bytes_ = DataBytes.of(facts, stage_params, experts[d_big])
     if c.pp > 1:
         dp_comm, exposed = pipeline_data_axis(data_c, cluster, data_axes, bytes_)
     else:
@@ -537,10 +552,11 @@ def _with_experts(blk: _Part, c: Config, cluster: Cluster) -> _Part:
 def _with_context(blk: _Part, cp: int, comm_fwd: float, comm_bwd: float) -> _Part:
     """One block's share on a context axis of ``cp``: the parts were priced at ``seq / cp``
     tokens, so everything token-wise is this rank's; attention has each local query see the
-    whole sequence's keys (``cp`` times the local cores' work), and its exchanges add
+    whole sequence's keys (``cp`` times the local cores' work, ``(S + 1) / (S / cp + 1)`` times
+    under a causal mask: :attr:`_Part.attn_more`), and its exchanges add
     ``comm_fwd`` / ``comm_bwd`` (the kind's exposed seconds, ``cost/cp_planner.py``)."""
     from dataclasses import replace
-    more = cp - 1
+    more = blk.attn_more
     return replace(blk, fwd=blk.fwd + more * blk.attn_fwd, bwd=blk.bwd + more * blk.attn_bwd,
                    flops=blk.flops + more * blk.attn_flops, fwd_flops=blk.fwd_flops + more * blk.attn_fwd_flops,
                    comm_fwd=blk.comm_fwd + comm_fwd, comm_bwd=blk.comm_bwd + comm_bwd)

@@ -5,6 +5,7 @@ one), the optimizer step (:func:`optimizer_time`) and what a device holds
 (:func:`device_memory`). :mod:`autopar.cost.hybrid` puts them together."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
@@ -63,35 +64,46 @@ def stage_layers(layers: int, stages: int, block: float, pre: float = 0.0, post:
 class DataBytes:
     """What one rank's data axis moves: gradients are reduced in fp32 (a mixed-precision run
     keeps and reduces them in fp32, ``runtime/dp.py``), parameters gathered in the compute
-    dtype; ``tail``: the last bucket's share, which no compute hides."""
+    dtype."""
 
     grads: float
     params: float
     expert_grads: float
     expert_params: float
-    tail_grads: float
-    tail_params: float
 
     @staticmethod
-    def of(facts: "ModelFacts", numel: float, expert_numel: float, per_block: float, pre: float) -> "DataBytes":
+    def of(facts: "ModelFacts", numel: float, expert_numel: float) -> "DataBytes":
         cw = 2.0 if facts.dtype in ("bf16", "fp16") else 4.0
-        tail = min(numel, max(per_block, pre))
         return DataBytes(grads=4.0 * numel, params=cw * numel, expert_grads=4.0 * expert_numel,
-                          expert_params=cw * expert_numel, tail_grads=4.0 * tail, tail_params=cw * tail)
+                          expert_params=cw * expert_numel)
+
+
+def bucket_count(cluster: Cluster, axes: tuple[tuple[str, int], ...], b: DataBytes) -> int:
+    """How many buckets the runtime cuts a rank's parameters into (:func:`autopar.build.prepare.
+    add_data_axis`: :func:`autopar.cost.dp_planner.bucket_bytes` of the fp32 bytes it reduces,
+    the parameters grouped in order until a bucket holds that much): each bucket is one
+    collective call, with its own latency, per kind and per exchange."""
+    from autopar.cost.dp_planner import bucket_bytes
+    if b.grads <= 0:
+        return 1
+    return max(1, math.ceil(b.grads / bucket_bytes(cluster, axes, "dp", b.grads)))
 
 
 def data_collective(kind: str, nbytes: float, expert_bytes: float, c: Config, cluster: Cluster,
-                     axes: tuple[tuple[str, int], ...]) -> float:
-    """One collective of ``nbytes`` of a stage's gradients or parameters over the data axis. With
-    experts (``ep > 1``) their ``expert_bytes`` go over the ``dp / ep`` ranks holding the same
-    experts, the dense rest over the whole data axis."""
+                     axes: tuple[tuple[str, int], ...], calls: int = 1) -> float:
+    """``calls`` collectives (buckets) moving ``nbytes`` in all of a stage's gradients or
+    parameters over the data axis, each paying its own latency. With experts (``ep > 1``) their
+    ``expert_bytes`` go over the ``dp / ep`` ranks holding the same experts, the dense rest over
+    the whole data axis."""
     if c.dp == 1:
         return 0.0
+
+    def timed(nb: float, ax) -> float:
+        return calls * collective_time(kind, nb / calls, cluster, ax, "dp")
     if c.ep == 1:
-        return collective_time(kind, nbytes, cluster, axes, "dp")
+        return timed(nbytes, axes)
     ep_axes = (("pp", c.pp), ("dp", c.dp // c.ep), ("ep", c.ep), ("tp", c.tp))
-    return collective_time(kind, nbytes - expert_bytes, cluster, axes, "dp") + \
-        (collective_time(kind, expert_bytes, cluster, ep_axes, "dp") if c.dp > c.ep else 0.0)
+    return timed(nbytes - expert_bytes, axes) + (timed(expert_bytes, ep_axes) if c.dp > c.ep else 0.0)
 
 
 def lone_stage_data_axis(c: Config, cluster: Cluster, axes: tuple[tuple[str, int], ...], b: DataBytes,
@@ -109,13 +121,15 @@ def lone_stage_data_axis(c: Config, cluster: Cluster, axes: tuple[tuple[str, int
     - ZeRO-3 gathers every bucket for each micro-batch's forward and again for its backward and
       reduce-scatters during backward, prefetched under compute.
 
-    What overlaps a micro-batch's compute is hidden up to that compute; the last bucket's
-    collective (the first bucket's gather) is exposed whatever the overlap."""
+    Every kind runs as one call per bucket (:func:`bucket_count`), each paying the axis's
+    latency. What overlaps a micro-batch's compute is hidden up to that compute; the last
+    bucket's collective (the first bucket's gather) is exposed whatever the overlap."""
     if c.dp == 1:
         return 0.0, 0.0
+    calls = bucket_count(cluster, axes, b)
 
-    def coll(kind: str, nbytes: float, expert: float) -> float:
-        return data_collective(kind, nbytes, expert, c, cluster, axes)
+    def coll(kind: str, nbytes: float, expert: float, n: int = calls) -> float:
+        return data_collective(kind, nbytes, expert, c, cluster, axes, n)
 
     def overlapped(total: float, tail: float, compute: float) -> float:
         return max(total - compute, tail)
@@ -125,14 +139,14 @@ def lone_stage_data_axis(c: Config, cluster: Cluster, axes: tuple[tuple[str, int
     ag = coll("all_gather", b.params, b.expert_params)
     if z == 0:
         ar = coll("all_reduce", b.grads, b.expert_grads)
-        tail = coll("all_reduce", b.tail_grads, 0.0)
+        tail = coll("all_reduce", b.grads / calls, 0.0, 1)
         return m * ar, m * overlapped(ar, tail, bwd)
     if z == 1:
         return rs + ag, rs + ag
     if z == 2:
-        tail = coll("reduce_scatter", b.tail_grads, 0.0)
+        tail = coll("reduce_scatter", b.grads / calls, 0.0, 1)
         return m * rs + ag, m * overlapped(rs, tail, bwd) + ag
-    tail_ag, tail_rs = coll("all_gather", b.tail_params, 0.0), coll("reduce_scatter", b.tail_grads, 0.0)
+    tail_ag, tail_rs = coll("all_gather", b.params / calls, 0.0, 1), coll("reduce_scatter", b.grads / calls, 0.0, 1)
     total = m * (2 * ag + rs)
     exposed = m * (overlapped(ag, tail_ag, fwd) + overlapped(ag + rs, tail_ag + tail_rs, bwd))
     return total, exposed
@@ -199,5 +213,5 @@ def device_memory(facts: ModelFacts, c: Config, held: float, acts: float, per_bl
     return {"params": params, "grads": grads, "optimizer": optim, "activations": acts}
 
 
-__all__ = ["stage_layers", "DataBytes", "data_collective", "lone_stage_data_axis", "pipeline_data_axis",
+__all__ = ["stage_layers", "DataBytes", "bucket_count", "data_collective", "lone_stage_data_axis", "pipeline_data_axis",
            "optimizer_time", "device_memory"]

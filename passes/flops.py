@@ -98,12 +98,17 @@ def _baddbmm(node: fx.Node, ins: list[NodeInfo | None]) -> tuple[sympy.Expr, sym
            aten._scaled_dot_product_efficient_attention.default,
            aten._scaled_dot_product_cudnn_attention.default)
 def _sdpa(node: fx.Node, ins: list[NodeInfo | None]) -> tuple[sympy.Expr, sympy.Expr]:
-    """Q·Kᵀ and P·V: 2·b·h·L·S·(E + Ev). Backward is dP=dO·Vᵀ, dV=Pᵀ·dO, dQ=dS·K, dK=dSᵀ·Q:
-    twice forward (torch's flop counter counts the same; the flash recompute of P is not
-    counted). Registered for the CPU flash kernel too, which torch's counter lacks."""
+    """Q·Kᵀ and P·V: 2·b·h·(query, key pairs)·(E + Ev), the pairs L·S, or L(L+1)/2 under
+    ``is_causal`` with L == S (the flash kernels skip the key blocks above the diagonal, so
+    causal attention does about half the work; torch's flop counter counts it whole). Backward
+    is dP=dO·Vᵀ, dV=Pᵀ·dO, dQ=dS·K, dK=dSᵀ·Q: twice forward (the flash recompute of P is not
+    counted). An explicit mask counts every pair: the kernels that take one compute every
+    block. Registered for the CPU flash kernel too, which torch's counter lacks."""
     q, k, v = _shape(ins[0]), _shape(ins[1]), _shape(ins[2])
     b_h = sympy.Mul(*q[:-2])
-    fwd = 2 * b_h * q[-2] * k[-2] * (q[-1] + v[-1])
+    causal = bool(node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False))
+    pairs = q[-2] * (q[-2] + 1) / 2 if causal and sympy.simplify(q[-2] - k[-2]) == 0 else q[-2] * k[-2]
+    fwd = 2 * b_h * pairs * (q[-1] + v[-1])
     needs = max(_rg(ins[0]), _rg(ins[1]), _rg(ins[2]))
     return fwd, 2 * fwd * needs
 
