@@ -80,6 +80,13 @@ class DeviceSpec:
     # fraction of peak a fused (flash) attention kernel reaches (0: ``matmul_efficiency``)
     sm_count: int = 0
     attention_efficiency: float = 0.0
+    # what a training process holds beside its tensors and what running beside compute costs
+    # (defaults: a GPU under PyTorch and NCCL; :data:`RUNTIME_NOTES` gives each one's source)
+    reserve_bytes: float = 0.75e9          # CUDA context, cuBLAS/cuDNN workspaces
+    comm_buffer_bytes: float = 0.25e9      # per communicator (process group) a rank belongs to
+    fragmentation: float = 0.05            # of the bytes allocated: the caching allocator's slack
+    comm_contention: float = 0.15          # of a hidden collective's time: compute slowed beside it
+    zb_split_overhead: float = 0.10        # zero-bubble's split backward over one whole backward
     sources: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -114,6 +121,17 @@ class DeviceSpec:
                               got=repr(self.attention_efficiency))
         if not self.attention_efficiency:
             object.__setattr__(self, "attention_efficiency", self.matmul_efficiency)
+        for what in ("reserve_bytes", "comm_buffer_bytes"):
+            if getattr(self, what) < 0:
+                raise ConfigError(f"{what} must not be negative", where=where, expected=">= 0",
+                                  got=repr(getattr(self, what)))
+        for what in ("fragmentation", "comm_contention", "zb_split_overhead"):
+            if not (0 <= getattr(self, what) <= 1):
+                raise ConfigError(f"{what} is a fraction", where=where, expected="0 <= value <= 1",
+                                  got=repr(getattr(self, what)))
+        notes = {k: v for k, v in RUNTIME_NOTES.items() if k not in self.sources}
+        if notes:
+            object.__setattr__(self, "sources", MappingProxyType({**self.sources, **notes}))
 
     def peak(self, dtype: object) -> float:
         """Dense peak FLOP/s for ``dtype``; a ConfigError if the device has no figure for it."""
@@ -143,7 +161,10 @@ class DeviceSpec:
                 "matmul_efficiency": self.matmul_efficiency,
                 "memory_efficiency": self.memory_efficiency,
                 "kernel_overhead_s": self.kernel_overhead_s, "sm_count": self.sm_count,
-                "attention_efficiency": self.attention_efficiency, "sources": dict(self.sources)}
+                "attention_efficiency": self.attention_efficiency, "reserve_bytes": self.reserve_bytes,
+                "comm_buffer_bytes": self.comm_buffer_bytes, "fragmentation": self.fragmentation,
+                "comm_contention": self.comm_contention, "zb_split_overhead": self.zb_split_overhead,
+                "sources": dict(self.sources)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, where: str = "hardware profile") -> DeviceSpec:
@@ -155,8 +176,28 @@ class DeviceSpec:
             raise ConfigError("device entry is missing keys", where=where,
                               expected=", ".join(required), got=f"missing {missing}",
                               fix="regenerate the profile with `autopar calibrate --out FILE`")
-        return cls(**{key: data[key] for key in (*required, "kernel_overhead_s", "sm_count",
-                                                 "attention_efficiency", "sources") if key in data})
+        return cls(**{key: data[key] for key in (*required, "kernel_overhead_s", "sm_count", "attention_efficiency",
+                                                 *RUNTIME_NOTES, "sources") if key in data})
+
+
+# Where the runtime constants of a GPU entry come from (estimates until `autopar calibrate`
+# measures them on the device; a profile may give its own, with its own source).
+RUNTIME_NOTES: Mapping[str, str] = MappingProxyType({
+    "reserve_bytes": "estimate: a CUDA context with lazy module loading takes about 0.5 GB, cuBLAS and cuDNN "
+                     "workspaces about 0.25 GB more (torch.cuda.mem_get_info after the first step minus "
+                     "memory_allocated; `autopar calibrate` measures it)",
+    "comm_buffer_bytes": "estimate: NCCL allocates its protocol buffers (NCCL_BUFFSIZE 4 MiB for the simple "
+                         "protocol, smaller LL/LL128 ones) per channel and peer; with up to 32 channels over "
+                         "NVLink about 0.25 GB per communicator",
+    "fragmentation": "estimate: PyTorch's caching allocator keeps a few percent of what it hands out in "
+                     "partly used blocks (PYTORCH_CUDA_ALLOC_CONF=expandable_segments lowers it); 5 % taken",
+    "comm_contention": "estimate: an NCCL collective runs on 16-32 channels, one thread block (SM) each, and "
+                       "shares HBM bandwidth: compute beside it loses about that share of the 108-132 SMs; "
+                       "0.15 of the collective's time is charged to the step even when it is hidden",
+    "zb_split_overhead": "estimate: torch's zero-bubble schedules run autograd twice per micro-batch (input "
+                         "gradients, then weight gradients); on a GPU the second pass re-reads the saved "
+                         "activations and launches its GEMMs separately, about 10 % (on the 2-core CPU "
+                         "bench/pp.py measures 35 %: the CPU profile carries that)"})
 
 
 # --- built-in devices -------------------------------------------------------------------------
@@ -389,9 +430,17 @@ CPU_DEFAULT = DeviceSpec(
     peak_flops={"fp32": 100e9, "bf16": 50e9, "fp16": 20e9},
     memory_bytes=16e9, memory_bandwidth=20e9,
     matmul_efficiency=0.5, memory_efficiency=0.7, kernel_overhead_s=5e-6,
-    sources={key: _CPU_NOTE for key in ("peak_flops.fp32", "peak_flops.bf16", "peak_flops.fp16",
-                                         "memory_bytes", "memory_bandwidth", "matmul_efficiency",
-                                         "memory_efficiency", "kernel_overhead_s")})
+    # no device context or communicator buffers to speak of; gloo's threads share the cores, and
+    # torch's split backward measured 35 % over a whole one here (bench/pp.py: 135 ms vs 101 ms)
+    reserve_bytes=0.0, comm_buffer_bytes=0.0, fragmentation=0.0, comm_contention=0.0, zb_split_overhead=0.35,
+    sources={**{key: _CPU_NOTE for key in ("peak_flops.fp32", "peak_flops.bf16", "peak_flops.fp16",
+                                           "memory_bytes", "memory_bandwidth", "matmul_efficiency",
+                                           "memory_efficiency", "kernel_overhead_s")},
+             "reserve_bytes": "none counted on a CPU host", "comm_buffer_bytes": "none counted on a CPU host",
+             "fragmentation": "none counted on a CPU host",
+             "comm_contention": "not modelled on a CPU host (gloo's threads share the cores)",
+             "zb_split_overhead": "measured on this project's 2-core CPU: bench/pp.py, 135 ms vs 101 ms per "
+                                  "1F1B-sized step"})
 
 BUILTIN_DEVICES: Mapping[str, DeviceSpec] = MappingProxyType(
     {spec.name: spec for spec in (A100_SXM_80GB, H100_SXM_80GB, V100_SXM2_32GB, A10G_24GB, L4_24GB,

@@ -20,7 +20,7 @@ A configuration (:func:`simulate`):
   the part before and the last the part after (:func:`autopar.cost.step_terms.stage_layers`);
   recomputation adds each layer's forward again to its backward (``full``: every layer, of
   every block class), or only the attention cores (``selective``); zero-bubble's split backward
-  costs ``ZB_SPLIT_OVERHEAD`` more; the schedule simulator (:mod:`autopar.cost.pp_sim`) runs the
+  costs the device profile's ``zb_split_overhead`` more; the schedule simulator (:mod:`autopar.cost.pp_sim`) runs the
   ``B / (dp*b)`` micro-batches through them with p2p of one block boundary's activation at the
   tensor layout's share; without a pipeline the one stage runs the micro-batches in turn;
 - the data axis, the optimizer step and the memory a device holds are priced as the runtime
@@ -45,7 +45,7 @@ import torch.fx as fx
 from autopar.cost.cluster import Cluster
 from autopar.cost.comm import collective_time
 from autopar.cost.op_cost import node_seconds
-from autopar.cost.step_terms import (DataBytes, device_memory, lone_stage_data_axis, optimizer_time,
+from autopar.cost.step_terms import (DataBytes, device_memory, lone_stage_data_axis, optimizer_bytes, optimizer_time,
                                      pipeline_data_axis, stage_layers)
 from autopar.core.errors import ConfigError
 from autopar.core.meta import evaluate, graph_info, info
@@ -409,7 +409,7 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     event simulation of the pipeline by its closed form (exact for uniform stages, a close
     estimate otherwise) and prices the micro-batch-1 tensor layout: the search ranks with it
     and re-scores its finalists exactly."""
-    from autopar.cost.pp_sim import ZB_SPLIT_OVERHEAD, StageCosts
+    from autopar.cost.pp_sim import StageCosts
     from autopar.cost.pp_steady import run as run_schedule
 
     if c.recompute not in RECOMPUTE:
@@ -444,7 +444,8 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
         from dataclasses import replace as _replace
         c = _replace(c, cp_kind=kind)
     re_blk = {"none": 0.0, "selective": blk.score_fwd, "full": blk.fwd + blk.comm_fwd}[c.recompute]
-    split = 1.0 + ZB_SPLIT_OVERHEAD if sched == "zb" else 1.0     # torch's split backward, both planners
+    dev = cluster.device
+    split = 1.0 + dev.zb_split_overhead if sched == "zb" else 1.0     # torch's split backward, both planners
     blk_f, blk_b = blk.fwd + blk.comm_fwd, (blk.bwd + blk.comm_bwd) * split + re_blk
     full = c.recompute == "full"          # every layer, of the main block class or another one
     pre_f, pre_b = pre.fwd + pre.comm_fwd, (pre.bwd + pre.comm_bwd) * split + full * pre.layer_fwd
@@ -478,7 +479,8 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     experts = [sum(counts[s] for s in range(d, stages, c.pp)) * expert_block for d in range(c.pp)]
     working = blk.saved if c.recompute == "full" else 0.0     # one block's, while it is recomputed
     data_c, data_axes = _data_view(c)
-    mems = [device_memory(facts, data_c, held[d], result.peak_activation_bytes[d] + working, per_block, numel)
+    mems = [_with_reserve(device_memory(facts, data_c, held[d], result.peak_activation_bytes[d] + working,
+                                        per_block, numel), c, dev)
             for d in range(c.pp)]
     worst = max(range(c.pp), key=lambda d: sum(mems[d].values()))
     mem = mems[worst]
@@ -490,9 +492,11 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
         dp_comm, exposed = pipeline_data_axis(data_c, cluster, data_axes, bytes_)
     else:
         dp_comm, exposed = lone_stage_data_axis(data_c, cluster, data_axes, bytes_, m, fwd[0], bwd[0])
-    state_bytes_per_param = (4 + 4 * facts.k) if facts.dtype in ("bf16", "fp16") else 4 * (2 + facts.k)
-    optim = optimizer_time(stage_params / (data_c.dp if c.zero_stage >= 1 else 1), state_bytes_per_param, cluster)
-    step = pipe + exposed + optim
+    optim = optimizer_time(stage_params / (data_c.dp if c.zero_stage >= 1 else 1), optimizer_bytes(facts.dtype, facts.k),
+                           cluster)
+    # a hidden collective still slows the compute beside it (its kernels hold SMs and HBM bandwidth)
+    contention = dev.comm_contention * max(0.0, dp_comm - exposed)
+    step = pipe + exposed + optim + contention
     peak = sum(mem.values())
     fits = budget is None or peak <= budget
     samples = batch / c.micro_batch * c.cp         # the parts are per micro-batch, per cp rank's share
@@ -505,7 +509,8 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
                  tflops_per_device=tput / 1e12, hw_tflops_per_device=hw_flops / step / devices / 1e12,
                  mfu=tput / peak_flops, peak_memory_bytes=peak, memory=mem,
                  bubble_fraction=result.bubble_fraction, exposed_comm_s=exposed, fits=fits,
-                 parts={"pipeline_s": pipe, "dp_comm_s": dp_comm, "optimizer_s": optim,
+                 parts={"pipeline_s": pipe, "dp_comm_s": dp_comm, "dp_exposed_s": exposed, "optimizer_s": optim,
+                        "contention_s": contention,
                         **({"cp_comm_per_block_s": cp_fwd + cp_bwd} if c.cp > 1 else {}),
                         "tp_comm_per_block_s": blk.comm_fwd + blk.comm_bwd, "block_fwd_s": blk.fwd,
                         "block_bwd_s": blk.bwd, "stage_fwd_s": fwd, "stage_bwd_s": bwd, "p2p_s": p2p,
@@ -536,6 +541,17 @@ def _closed_form(sched: str, p: int, v: int, m: int, fwd: list[float], bwd: list
     inflight = [m if sched == "gpipe" else min(m, (p - s % p) * (1 if v == 1 else 2)) for s in range(p * v)]
     peak = tuple(sum(inflight[s] * acts[s] for s in range(d, p * v, p)) for d in range(p))
     return _Pipe(step_time_s=step, bubble_fraction=(step - busy * m) / (busy * m), peak_activation_bytes=peak)
+
+
+def _with_reserve(mem: dict[str, float], c: Config, dev) -> dict[str, float]:
+    """``mem`` with what the process holds beside its tensors (the device profile's figures,
+    :data:`autopar.cost.hardware.RUNTIME_NOTES`): the CUDA context and library workspaces, the
+    buffers of each communicator the rank is in (one per mesh axis of more than one rank, and
+    the data axis's dp x cp group under context parallelism), and the caching allocator's slack
+    on what it hands out."""
+    groups = sum(d > 1 for d in (c.pp, c.dp, c.cp, c.tp, c.ep)) + (c.cp > 1 and c.dp > 1)
+    held = sum(mem.values())
+    return {**mem, "reserve": dev.reserve_bytes + groups * dev.comm_buffer_bytes + dev.fragmentation * held}
 
 
 def _with_experts(blk: _Part, c: Config, cluster: Cluster) -> _Part:

@@ -76,14 +76,15 @@ def inflight(schedule: str, stages: int, devices: int, microbatches: int) -> lis
 
 
 def simulate_plan(costs: OpCosts, cuts: CutPlan, *, schedule: str, devices: int, virtual: int,
-                  microbatches: int, p2p_time: Callable[[float], float]):
-    """The simulator's result for these cuts under ``schedule``."""
+                  microbatches: int, p2p_time: Callable[[float], float], zb_overhead: float = ZB_SPLIT_OVERHEAD):
+    """The simulator's result for these cuts under ``schedule`` (``zb_overhead``: the device's
+    split-backward overhead, :attr:`autopar.cost.hardware.DeviceSpec.zb_split_overhead`)."""
     from autopar.cost.pp_sim import StageCosts, make, simulate
 
     k = len(costs.ops)
     ends = list(cuts.starts[1:]) + [k]
     fwd, bwd, wgt = [], [], []
-    split = 1.0 + ZB_SPLIT_OVERHEAD if schedule == "zb" else 1.0
+    split = 1.0 + zb_overhead if schedule == "zb" else 1.0
     for a, b in zip(cuts.starts, ends):
         f = sum(costs.time_s[a:b]) / 3.0          # the op times are forward + backward (~1 : 2)
         fwd.append(f)
@@ -135,7 +136,8 @@ def plan_pipeline(costs_at: Callable[[int], OpCosts], *, devices: int, batch: in
                     if schedule and microbatches:
                         raise
                     continue
-                sim = simulate_plan(costs, cuts, schedule=name, devices=p, virtual=v, microbatches=m, p2p_time=p2p)
+                sim = simulate_plan(costs, cuts, schedule=name, devices=p, virtual=v, microbatches=m, p2p_time=p2p,
+                                    zb_overhead=cluster.device.zb_split_overhead)
                 cand = PipelinePlan(stages=stages, devices=p, virtual=v, schedule=name, microbatches=m, cuts=cuts,
                                     step_time_s=sim.step_time_s, bubble_fraction=sim.bubble_fraction,
                                     peak_activation_bytes=tuple(sim.peak_activation_bytes))

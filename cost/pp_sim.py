@@ -43,7 +43,9 @@ from autopar.core.errors import ConfigError
 # torch's zero-bubble schedules run autograd twice per micro-batch (input gradients, then
 # weight gradients from the saved graph); on this project's 2-core CPU that split backward
 # costs ~35 % more than one whole backward (bench/pp.py: 135 ms vs 101 ms per 1F1B-sized
-# step). Both planners charge it (no GPU measurement yet says what it costs there).
+# step). The planners charge each device profile's own figure
+# (:attr:`autopar.cost.hardware.DeviceSpec.zb_split_overhead`); this is the CPU's, the default
+# where no device is known.
 ZB_SPLIT_OVERHEAD = 0.35
 
 KINDS = ("F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")

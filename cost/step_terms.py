@@ -172,9 +172,21 @@ def pipeline_data_axis(c: Config, cluster: Cluster, axes: tuple[tuple[str, int],
     return dp_comm, dp_comm
 
 
-def optimizer_time(numel: float, state_bytes: float, cluster: Cluster) -> float:
-    """An elementwise optimizer reads and writes every state byte once."""
-    return op_time(0.0, 2 * numel * state_bytes, cluster.device, "fp32", launch_overhead=False)
+def optimizer_bytes(dtype: str, k: int) -> float:
+    """Bytes an elementwise optimizer step (Adam: ``k = 2`` fp32 moments) moves per parameter,
+    as a mixed-precision run's is laid out (:mod:`autopar.runtime.optim`, ``runtime/main_grads.py``):
+    it reads the fp32 gradient (4), reads and writes the fp32 master (8) and each moment (8 k),
+    and writes the 16-bit compute copy of the parameter (2): 30 bytes for Adam. In fp32 the
+    master is the parameter: 4 + 8 + 8 k = 28. (Gradients are dropped, not zeroed, after the
+    step: no write.)"""
+    mixed = dtype in ("bf16", "fp16")
+    return 4.0 + 8.0 + 8.0 * k + (2.0 if mixed else 0.0)
+
+
+def optimizer_time(numel: float, bytes_per_param: float, cluster: Cluster) -> float:
+    """An elementwise optimizer over ``numel`` parameters moving ``bytes_per_param`` each
+    (:func:`optimizer_bytes`), at the device's memory bandwidth."""
+    return op_time(0.0, numel * bytes_per_param, cluster.device, "fp32", launch_overhead=False)
 
 
 def device_memory(facts: ModelFacts, c: Config, held: float, acts: float, per_block: float,
@@ -214,4 +226,4 @@ def device_memory(facts: ModelFacts, c: Config, held: float, acts: float, per_bl
 
 
 __all__ = ["stage_layers", "DataBytes", "bucket_count", "data_collective", "lone_stage_data_axis", "pipeline_data_axis",
-           "optimizer_time", "device_memory"]
+           "optimizer_bytes", "optimizer_time", "device_memory"]

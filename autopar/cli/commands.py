@@ -323,7 +323,8 @@ def _plan_pipeline(args: argparse.Namespace, w, gm, cluster, tp: int) -> int:
     def sim():
         if not sims:
             sims.append(simulate_plan(costs, best.cuts, schedule=best.schedule, devices=best.devices,
-                                      virtual=best.virtual, microbatches=best.microbatches, p2p_time=p2p))
+                                      virtual=best.virtual, microbatches=best.microbatches, p2p_time=p2p,
+                                      zb_overhead=cluster.device.zb_split_overhead))
         return sims[0]
     title = f"{w.name} on {cluster.name}: pp={args.pp} {best.schedule}, {best.microbatches} micro-batches"
     if args.timeline:

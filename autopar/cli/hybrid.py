@@ -106,7 +106,8 @@ def plan_text(args: argparse.Namespace, name: str, cluster, out: PlanOutcome) ->
              f"device ({best.hw_tflops_per_device:.1f} with recomputation), MFU {100 * best.mfu:.1f}%, "
              f"bubble {best.bubble_fraction:.3f}, exposed communication {seconds(best.exposed_comm_s)}",
              f"  memory per device (GB): params {gb(mem.get('params', 0.0))}  grads {gb(mem.get('grads', 0.0))}  "
-             f"optimizer {gb(mem.get('optimizer', 0.0))}  activations {gb(mem.get('activations', 0.0))}  total "
+             f"optimizer {gb(mem.get('optimizer', 0.0))}  activations {gb(mem.get('activations', 0.0))}  "
+             f"reserve {gb(mem.get('reserve', 0.0))}  total "
              f"{gb(best.peak_memory_bytes)} (budget {gb(out.budget)})"]
     lines += [f"  {d}" for d in out.details]
     for r in out.stages:

@@ -11,8 +11,9 @@ import html
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-MEMORY_PARTS = ("params", "grads", "optimizer", "activations")
-MEMORY_COLORS = {"params": "#4e79a7", "grads": "#f28e2b", "optimizer": "#59a14f", "activations": "#e15759"}
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "reserve")
+MEMORY_COLORS = {"params": "#4e79a7", "grads": "#f28e2b", "optimizer": "#59a14f", "activations": "#e15759",
+                 "reserve": "#9c9c9c"}
 
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 72em; color: #222; }
