@@ -176,6 +176,7 @@ class ModelFacts:
         self.experts = math.gcd(*[r.num_experts for r in ginfo.moe_regions]) if ginfo.moe_regions else 0
         self.expert_params = {f for r in ginfo.moe_regions for f in r.expert_params}
         self._captured_fp32 = any(info(n).values[0].dtype == torch.float32 for n in self._param_nodes[:1])
+        self.logits = _logits(gm, self.hidden)
 
     def sizes(self, micro_batch: int, seq: int | None = None) -> dict[str, int]:
         return {"batch": micro_batch, "seq": seq or self.seq}
@@ -334,17 +335,67 @@ class ModelFacts:
                     # (passes/tp_rewrite.py): q, k and v share the gather of their normed input
                     converted.add((arg, s.inputs[j]))
                     t = pricer.convert(arg, 0, src.outputs[0], s.inputs[j]) * width
-                    # the conversion of a value entering the first block happens once, on the
-                    # first stage: charged to the part before (not to every counted copy)
-                    q = parts["pre"] if arg in self._entry else p
+                    # a value of the part before is converted once, on the first stage, however
+                    # many blocks read it: charged to the part before (not to every counted copy)
+                    q = parts["pre"] if arg in self._entry or self.where.get(arg) == "pre" else p
                     q.comm_fwd += t / 2
                     q.comm_bwd += t / 2
+        if self.logits is not None:
+            self._add_loss(parts["post"], at, dev, strategies, pricer, width)
         blk = parts["block"]
         for name in blk.__dataclass_fields__:
             if name != "attn_more":
                 setattr(blk, name, getattr(blk, name) / self.captured_layers)
         self._cache[key] = (parts, strategies)
         return parts, strategies
+
+
+    def _add_loss(self, post: _Part, at: Mapping[str, int], dev, strategies: Mapping[str, Any], pricer,
+                  width: float) -> None:
+        """The training loss the graph leaves out when it returns logits (:func:`_logits`):
+        cross-entropy computed as training loops and ``transformers`` compute it, in fp32 on every
+        rank's whole logits (the tensor rewrite returns graph outputs replicated, so a split head
+        is first gathered). Per logit: forward, the fp32 copy (read w, write 4 bytes) and the
+        log-softmax (two reads and a write of 4); backward, its gradient (read the saved output
+        and write, 8, plus the incoming 4) and the cast back (read 4, write w). Held from forward
+        to backward: the logits (w) and the log-softmax output (4). In an fp32 run the casts are
+        no-ops."""
+        from autopar.cost.compute import op_time
+        elems = float(evaluate(info(self.logits).values[0].numel, at))
+        w = 2.0 if self.dtype in ("bf16", "fp16") else 4.0
+        cast = (w + 4.0) if w < 4 else 0.0
+        f = op_time(0.0, (cast + 12.0) * elems, dev, "fp32") + (dev.kernel_overhead_s if cast else 0.0)
+        b = op_time(0.0, (12.0 + cast) * elems, dev, "fp32") + (dev.kernel_overhead_s if cast else 0.0)
+        post.fwd += f
+        post.bwd += b
+        post.saved += (w + 4.0) * elems
+        src = strategies.get(self.logits.name)
+        if pricer is not None and src is not None and src.outputs and isinstance(src.outputs[0].value, Shard):
+            t = pricer.convert(self.logits, 0, src.outputs[0], REP) * width
+            post.comm_fwd += t / 2
+            post.comm_bwd += t / 2
+
+
+def _logits(gm: fx.GraphModule, hidden: int) -> fx.Node | None:
+    """The graph output a loss is computed from when the graph computes none: its largest
+    floating-point output of three dims whose last (the vocabulary) is wider than the hidden
+    size; None when the graph returns a scalar (its own loss) or no such output."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    values: list[fx.Node] = []
+    fx.node.map_arg(out.args, values.append)
+    best = None
+    for v in values:
+        vals = info(v).values
+        if not vals or not vals[0].dtype.is_floating_point:
+            continue
+        shape = vals[0].shape
+        if len(shape) == 0:
+            return None                    # the model returns its loss: it is in the graph
+        if len(shape) == 3 and int(evaluate(shape[-1], {"batch": 1, "seq": 1})) > hidden and \
+                (best is None or int(evaluate(shape[-1], {"batch": 1, "seq": 1})) >
+                 int(evaluate(info(best).values[0].shape[-1], {"batch": 1, "seq": 1}))):
+            best = v
+    return best
 
 
 # Attention that materialises the [b, heads, s, s] scores (no flash kernel), as Megatron-LM's
@@ -489,7 +540,8 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     stage_params = held[d_big]
     bytes_ = DataBytes.of(facts, stage_params, experts[d_big])
     if c.pp > 1:
-        dp_comm, exposed = pipeline_data_axis(data_c, cluster, data_axes, bytes_)
+        chunk_bwd = tuple(bwd[s] for s in range(d_big, stages, c.pp)) if sched == "interleaved" else ()
+        dp_comm, exposed = pipeline_data_axis(data_c, cluster, data_axes, bytes_, chunk_bwd, min(c.pp, m))
     else:
         dp_comm, exposed = lone_stage_data_axis(data_c, cluster, data_axes, bytes_, m, fwd[0], bwd[0])
     optim = optimizer_time(stage_params / (data_c.dp if c.zero_stage >= 1 else 1), optimizer_bytes(facts.dtype, facts.k),
@@ -529,7 +581,8 @@ def _closed_form(sched: str, p: int, v: int, m: int, fwd: list[float], bwd: list
     """Pipeline time without the event simulation: the busiest device works ``m`` times its
     share, plus the fill and drain through the other stages (zb hides the weight-gradient half
     of backward in the drain). Activations: each stage holds as many micro-batches as the
-    schedule keeps in flight on it (all ``m`` under GPipe, ``p - device`` under 1F1B)."""
+    schedule keeps in flight on it (all ``m`` under GPipe and under interleaved 1F1B with
+    ``m == p``, ``p - device`` under 1F1B)."""
     dev = [sum(fwd[s] + bwd[s] for s in range(d, p * v, p)) for d in range(p)]
     busy = max(dev)
     chunk = [(f + b) for f, b in zip(fwd, bwd)]
@@ -538,7 +591,9 @@ def _closed_form(sched: str, p: int, v: int, m: int, fwd: list[float], bwd: list
         fill = sum(sorted(f + b / 2 for f, b in zip(fwd, bwd))[:-1])
     step = busy * m / 1.0 + fill + 2 * (p - 1) * p2p
     step = max(step, busy * m)
-    inflight = [m if sched == "gpipe" else min(m, (p - s % p) * (1 if v == 1 else 2)) for s in range(p * v)]
+    # interleaved with m == p warms up with every forward (Megatron's rule, cost/pp_sim.py)
+    everything = sched == "gpipe" or (sched == "interleaved" and m == p)
+    inflight = [m if everything else min(m, (p - s % p) * (1 if v == 1 else 2)) for s in range(p * v)]
     peak = tuple(sum(inflight[s] * acts[s] for s in range(d, p * v, p)) for d in range(p))
     return _Pipe(step_time_s=step, bubble_fraction=(step - busy * m) / (busy * m), peak_activation_bytes=peak)
 

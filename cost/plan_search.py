@@ -95,7 +95,12 @@ def search(facts: ModelFacts, cluster: Cluster, *, batch: int, budget: float | N
     # the finalists, scored exactly by the event simulation
     t0 = time.perf_counter()
     ranked = sorted(scored, key=_rank_key)
-    final = [simulate(facts, cluster, s.config, batch=batch, budget=budget) for s in ranked[:max(8, 2 * top)]]
+    n = max(8, 2 * top)
+    final = [simulate(facts, cluster, s.config, batch=batch, budget=budget) for s in ranked[:n]]
+    # the closed form can misjudge a pipeline's memory: go on down the ranking until one fits
+    while not any(s.fits for s in final) and n < len(ranked) and ranked[n].fits:
+        final += [simulate(facts, cluster, s.config, batch=batch, budget=budget) for s in ranked[n:2 * n]]
+        n *= 2
     final.sort(key=_rank_key)
     best = final[0] if final and final[0].fits else None
     log.info("search: %d finalists event-simulated in %.2fs", len(final), time.perf_counter() - t0)

@@ -152,24 +152,37 @@ def lone_stage_data_axis(c: Config, cluster: Cluster, axes: tuple[tuple[str, int
     return total, exposed
 
 
-def pipeline_data_axis(c: Config, cluster: Cluster, axes: tuple[tuple[str, int], ...],
-                        b: DataBytes) -> tuple[float, float]:
+def pipeline_data_axis(c: Config, cluster: Cluster, axes: tuple[tuple[str, int], ...], b: DataBytes,
+                        chunk_bwd: tuple[float, ...] = (), group: int = 1) -> tuple[float, float]:
     """The data axis of a pipeline rank (``pp > 1``, :mod:`autopar.runtime.stage_dp`): seconds in
     all, and exposed. It works once per step, not per micro-batch: ZeRO-3 gathers the stages'
-    whole parameters before the first micro-batch; after the last backward ZeRO-0 all-reduces the
-    gradients and ZeRO-2/3 reduce-scatter them, and ZeRO-1's optimizer reduce-scatters them at its
-    step; ZeRO-1/2 all-gather the updated parameters after it. All of it is counted exposed: the
-    gather precedes the first stage's first forward and the reductions follow its last backward
-    (a later pipeline rank could hide its gather under the pipeline's fill, but the step waits
-    for the first)."""
+    whole parameters before the first micro-batch (exposed: the first forward waits for it);
+    ZeRO-1's optimizer reduce-scatters the whole gradients at its step and ZeRO-1/2 all-gather
+    the updated parameters after it (exposed). ZeRO-0/2/3 reduce each stage's gradients as one
+    bucket the moment the schedule finishes that stage's last backward, so with several stages
+    per device (``chunk_bwd``: one micro-batch's backward seconds of each of this device's
+    stages, first stage first) a stage's reduction travels under the backwards still to come:
+    the interleaved schedule's cool-down runs the stages' last backwards in groups of ``group``
+    micro-batches (the pipeline degree), last stage first, so stage ``j``'s reduction has the
+    ``group`` backwards of each lower stage to hide under. The reductions go one after another
+    on the link; what runs past the last backward is exposed."""
     if c.dp == 1:
         return 0.0, 0.0
     z = c.zero_stage
     reduce = data_collective("all_reduce" if z == 0 else "reduce_scatter", b.grads, b.expert_grads, c, cluster,
                               axes)
     gather = data_collective("all_gather", b.params, b.expert_params, c, cluster, axes) if z >= 1 else 0.0
-    dp_comm = reduce + gather      # ZeRO-3's gather before the step, ZeRO-1/2's after it
-    return dp_comm, dp_comm
+    if z == 1 or len(chunk_bwd) < 2:
+        return reduce + gather, reduce + gather
+    v = len(chunk_bwd)
+    # one bucket per stage, each a call of its own
+    each = data_collective("all_reduce" if z == 0 else "reduce_scatter", b.grads / v, b.expert_grads / v, c,
+                           cluster, axes)
+    reduce = v * each
+    done = -math.inf       # when the link is free, from the last backward's end (negative: before it)
+    for j in reversed(range(v)):
+        done = max(done, -group * sum(chunk_bwd[:j])) + each
+    return reduce + gather, max(0.0, done) + gather
 
 
 def optimizer_bytes(dtype: str, k: int) -> float:

@@ -85,7 +85,7 @@ def test_plan_picks_cp_and_says_why(capsys):
 
 def test_simulate_takes_cp_and_its_kind(capsys):
     args = ["simulate", "--model", "llama", *SMALL, "--cluster", "1x4", "--hardware", "h100", "--batch", "2",
-            "--seq", str(SEQ), "--cp", "2", "--dp", "2"]
+            "--seq", str(SEQ), "--json", "--cp", "2", "--dp", "2"]
     assert main([*args, "--cp-kind", "allgather"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["degrees"]["cp"] == 2 and data["cp_kind"] == "allgather"

@@ -221,7 +221,7 @@ def test_batch_that_splits_nowhere_is_a_config_error(small_gpt, cluster):
 # ---------------------------------------------------------------- CLI
 
 _CLI = ["plan", "--pp", "1", "--model", "gpt", "--set", "layers=2", "--cluster", "1x4", "--hardware", "a100",
-        "--batch", "8", "--seq", "128"]
+        "--batch", "8", "--seq", "128", "--dtype", "fp32"]
 
 
 def test_cli_plan_json(capsys):

@@ -162,7 +162,8 @@ def test_autopar_plan_runs_on_the_new_hardware(capsys, one_capture, short: str) 
     assert data["predicted"]["step_time_s"] > 0 and data["fits"]
 
 
-_SIMULATE = ["simulate", "--model", "gpt", "--cluster", "1x8", "--batch", "64", "--seq", "1024", "--zero", "1", "-q"]
+_SIMULATE = ["simulate", "--model", "gpt", "--cluster", "1x8", "--batch", "64", "--seq", "1024", "--zero", "1", "-q",
+             "--json"]
 
 
 def test_b200_steps_faster_than_v100_for_the_same_config(capsys, one_capture) -> None:

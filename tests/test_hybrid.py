@@ -99,7 +99,7 @@ def test_plan_json_has_the_documented_keys(capsys):
 def test_simulate_scores_a_fixed_configuration(capsys):
     code = main(["simulate", "--model", "gpt", "--set", "layers=4", "--set", "hidden=512", "--cluster", "2x4",
                  "--hardware", "a100", "--batch", "32", "--seq", "256", "--tp", "2", "--pp", "2",
-                 "--micro-batch-size", "2", "--schedule", "1f1b", "--recompute", "full", "-q"])
+                 "--micro-batch-size", "2", "--schedule", "1f1b", "--recompute", "full", "-q", "--json"])
     data = json.loads(capsys.readouterr().out)
     assert code == 0
     assert data["degrees"] == {"dp": 2, "tp": 2, "pp": 2, "ep": 1} and data["recompute"] == "full"
@@ -239,3 +239,19 @@ def test_without_a_pipeline_zero_still_shards_and_gathers_per_micro_batch(small)
     # parameters is the gathered working set, two buckets (the one in use and the prefetched)
     assert few[3].memory["params"] < zero["params"] / 2
     assert few[3].memory["optimizer"] == pytest.approx(zero["optimizer"] / 2)
+
+
+def test_simulate_prints_the_step_terms_and_takes_ep(capsys):
+    base = ["simulate", "--model", "moe", "--set", "layers=2", "--cluster", "1x8", "--hardware", "h100",
+            "--batch", "16", "--seq", "256", "-q"]
+    assert main([*base, "--ep", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["degrees"]["ep"] == 2 and data["dtype"] == "bf16"      # plan's default dtype too
+    assert main([*base, "--ep", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "configuration: dp=8 tp=1 pp=1 ep=2 ZeRO-0" in text
+    for term in ("pipeline (compute", "data axis:", "contention of hidden collectives", "optimizer step",
+                 "memory per device (GB): params", "reserve"):
+        assert term in text, term
+    assert main([*base, "--ep", "3"]) != 0
+    assert "ep=3 must divide" in capsys.readouterr().err

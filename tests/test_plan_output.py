@@ -16,14 +16,14 @@ from autopar.core.saved_plan import SavedPlan
 PLAN = ["plan", "--model", "gpt", "--set", "layers=2", "--set", "hidden=64", "--set", "heads=4", "--set", "vocab=256",
         "--cluster", "1x4", "--batch", "8", "--seq", "32", "--top", "3", "-q"]
 MODES = ["auto", "1", "2"]
-HEADER = [r"^autopar plan: gpt on 1x4 \S+ \(4 devices\), global batch 8, seq 32, fp32, adamw; --pp \S+: .+ in "
+HEADER = [r"^autopar plan: gpt on 1x4 \S+ \(4 devices\), global batch 8, seq 32, bf16, adamw; --pp \S+: .+ in "
           r"\d+\.\d\ds$",
           r"^chosen: dp=\d+ tp=\d+ pp=\d+ .*ZeRO-\d, micro-batch \d+ x \d+, .*, recompute \w+$",
           r"^  predicted step time \S+: \d+\.\d model TFLOP/s per device \(\d+\.\d with recomputation\), "
           r"MFU \d+\.\d%, bubble \d\.\d{3}, exposed communication \S+$",
-          r"^  memory per device \(GB\): params \S+  grads \S+  optimizer \S+  activations \S+  total \S+ "
+          r"^  memory per device \(GB\): params \S+  grads \S+  optimizer \S+  activations \S+  reserve \S+  total \S+ "
           r"\(budget \S+\)$"]
-COLUMNS = ["dp", "cp", "tp", "pp", "ep", "ZeRO", "mb", "sched", "recompute", "step", "memory", "why", "not"]
+COLUMNS = ["dp", "cp", "tp", "pp", "ep", "ZeRO", "mb", "sched", "v", "recompute", "step", "memory", "why", "not"]
 
 
 def plan(capsys, pp: str, *extra: str) -> str:

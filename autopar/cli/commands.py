@@ -478,8 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--batch", type=count("--batch"), required=True,
                     help="global batch size (split over the data axis)")
     pl.add_argument("--seq", type=count("--seq"), required=True, help="sequence length")
-    pl.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
-                    help="fp32, or bf16/fp16 mixed precision (16-bit compute, fp32 master weights)")
+    pl.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16",
+                    help="bf16 (default) or fp16 mixed precision (16-bit compute, fp32 master weights), or fp32; "
+                         "the same default as simulate")
     pl.add_argument("--memory-budget", type=checks.gigabytes("--memory-budget"), metavar="GB",
                     help="bytes per device in decimal GB (default: the device's memory)")
     pl.add_argument("--zero", choices=["auto", "0", "1", "2", "3"], default="auto",
@@ -513,7 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no progress lines nor warnings on stderr (errors still print)")
     pl.set_defaults(fn=_plan)
 
-    sm = sub.add_parser("simulate", help="score one fixed configuration with the planner's simulator (JSON)")
+    sm = sub.add_parser("simulate", help="score one fixed configuration with the planner's simulator "
+                        "(step terms and memory; --json)")
     sm.add_argument("--model", required=True, help=_MODEL_HELP)
     sm.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model config field")
     sm.add_argument("--cluster", required=True, metavar="NODESxGPUS")
@@ -522,7 +524,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "or a profile from `autopar calibrate`")
     sm.add_argument("--batch", type=count("--batch"), required=True, help="global batch size")
     sm.add_argument("--seq", type=count("--seq"), required=True)
-    sm.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
+    sm.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16",
+                    help="bf16 (default) or fp16 mixed precision, or fp32; the same default as plan")
     sm.add_argument("--optimizer", default="adamw")
     sm.add_argument("--memory-budget", type=checks.gigabytes("--memory-budget"), metavar="GB")
     sm.add_argument("--tp", type=count("--tp", high=checks.MAX_DEVICES), default=1)
@@ -532,6 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="context parallelism: ranks splitting each sequence (default 1)")
     sm.add_argument("--cp-kind", choices=["ring", "allgather", "alltoall"],
                     help="how attention crosses the cp ranks (default: the cheapest)")
+    sm.add_argument("--ep", type=count("--ep", high=checks.MAX_DEVICES), default=1,
+                    help="expert parallelism of a mixture-of-experts model: ranks dealing the experts "
+                         "(default 1); it must divide dp and the expert count")
     sm.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
     sm.add_argument("--micro-batch-size", type=count("--micro-batch-size"), default=1,
                     help="samples per micro-batch (default 1); micro-batches = batch / (dp x this)")
@@ -541,6 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--attention", choices=["flash", "materialized"], default="flash",
                     help="price attention as a flash kernel, or with the [s, s] scores written out")
     sm.add_argument("--timeline", metavar="OUT.svg", help="draw the simulated pipeline schedule to this SVG file")
+    sm.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     sm.add_argument("-q", "--quiet", action="store_true", help="accepted for symmetry with plan (prints no progress)")
     sm.set_defaults(fn=simulate_command)
 

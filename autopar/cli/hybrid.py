@@ -38,7 +38,8 @@ def _budget(args: argparse.Namespace, cluster) -> float:
 # :class:`~autopar.cost.hybrid.Score` in a :class:`PlanOutcome`; the text, ``--json``,
 # ``--report`` and ``--save-plan`` are written from it alike.
 
-ALTERNATIVE_COLUMNS = ("dp", "tp", "pp", "ep", "ZeRO", "mb", "sched", "recompute", "step", "memory", "why not")
+ALTERNATIVE_COLUMNS = ("dp", "cp", "tp", "pp", "ep", "ZeRO", "mb", "sched", "v", "recompute", "step", "memory",
+                       "why not")
 
 
 @dataclass
@@ -118,14 +119,14 @@ def plan_text(args: argparse.Namespace, name: str, cluster, out: PlanOutcome) ->
         lines.append(f"  saved to {args.save_plan}: `autopar train --plan {args.save_plan}` trains this structure, "
                      f"scaled down, on local CPU ranks")
     lines.append(f"alternatives (top {len(out.others)}):")
-    lines.append(f"  {'dp':>4} {'cp':>3} {'tp':>3} {'pp':>3} {'ep':>3} {'ZeRO':>4} {'mb':>3} {'sched':>11} "
+    lines.append(f"  {'dp':>4} {'cp':>3} {'tp':>3} {'pp':>3} {'ep':>3} {'ZeRO':>4} {'mb':>3} {'sched':>11} {'v':>2} "
                  f"{'recompute':>9} {'step':>9} {'memory':>9}  why not")
     for o in out.others:
         k = o.config
         cp = f"{k.cp}{(k.cp_kind or '?')[0]}" if k.cp > 1 else "1"       # r(ing), a(llgather), a(lltoall)
         cp = {"ring": f"{k.cp}r", "allgather": f"{k.cp}g", "alltoall": f"{k.cp}u"}.get(k.cp_kind, cp)
         lines.append(f"  {k.dp:>4} {cp:>3} {k.tp:>3} {k.pp:>3} {k.ep:>3} {k.zero_stage:>4} {k.micro_batch:>3} "
-                     f"{k.schedule:>11} {k.recompute:>9} {seconds(o.step_time_s):>9} "
+                     f"{k.schedule if k.pp > 1 else '-':>11} {k.virtual:>2} {k.recompute:>9} {seconds(o.step_time_s):>9} "
                      f"{o.peak_memory_bytes / 1e9:>6.2f} GB  {o.reason}")
     if not out.others:
         lines.append(f"  (none{': ' + out.none_why if out.none_why else ''})")
@@ -414,7 +415,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     cluster = cli_checks.cluster(args.cluster, args.hardware)
     w = load_workload(args.model, batch=args.batch, seq=args.seq, overrides=parse_overrides(args.set))
     facts = _hybrid_facts(args, capture_for_planning(w))
-    tp, pp, cp = args.tp, args.pp, args.cp
+    tp, pp, cp, ep = args.tp, args.pp, args.cp, args.ep
     dp = args.dp or cluster.world_size // (cp * tp * pp)
     if dp * cp * tp * pp != cluster.world_size:
         raise ConfigError(f"dp x cp x tp x pp = {dp * cp * tp * pp} is not the cluster's {cluster.world_size} devices",
@@ -424,7 +425,7 @@ def simulate_command(args: argparse.Namespace) -> int:
                           fix="add --cp N (N >= 2), or drop --cp-kind")
     c = Config(dp=dp, tp=tp, pp=pp, micro_batch=args.micro_batch_size, schedule=args.schedule,
                virtual=args.virtual_stages, recompute=args.recompute, zero_stage=args.zero, cp=cp,
-               cp_kind=args.cp_kind)
+               cp_kind=args.cp_kind, ep=ep)
     t0 = time.perf_counter()
     score = simulate(facts, cluster, c, batch=args.batch, budget=_budget(args, cluster))
     data = {"model": w.name, "cluster": cluster.name, "devices": cluster.world_size, "batch": args.batch,
@@ -436,8 +437,42 @@ def simulate_command(args: argparse.Namespace) -> int:
         drawable(score.microbatches, "--timeline")
         sim = timeline_of(facts, cluster, c, batch=args.batch)
         cli_checks.writing("--timeline", args.timeline, lambda: write_timeline(sim, args.timeline))
-    sys.stdout.write(json.dumps(data, indent=1) + "\n")
+    if args.json:
+        sys.stdout.write(json.dumps(data, indent=1) + "\n")
+    else:
+        sys.stdout.write("\n".join(simulate_text(w.name, cluster, args, score, _budget(args, cluster))) + "\n")
     return 0
+
+
+def simulate_text(model: str, cluster, args: argparse.Namespace, score, budget: float) -> list[str]:
+    """``autopar simulate``'s text: the configuration, what it reaches, and the step's terms as
+    the simulator adds them up (``cost/hybrid.py``), then the memory a device holds."""
+    from autopar.cli.dump import seconds
+    p = score.parts
+    gb = lambda b: f"{b / 1e9:.2f}"  # noqa: E731
+    lines = [f"autopar simulate: {model} on {cluster.name} ({cluster.world_size} devices), global batch "
+             f"{args.batch}, seq {args.seq}, {args.dtype}",
+             f"configuration: {config_line(score.config, score.microbatches)}",
+             f"  predicted step time {seconds(score.step_time_s)}: {score.tflops_per_device:.1f} model TFLOP/s per "
+             f"device ({score.hw_tflops_per_device:.1f} with recomputation), MFU {100 * score.mfu:.1f}%",
+             "  step terms:",
+             f"    pipeline (compute, tensor and context exchanges, bubble {score.bubble_fraction:.3f})  "
+             f"{seconds(p['pipeline_s'])}",
+             f"    data axis: {seconds(p['dp_comm_s'])} in all, exposed  {seconds(score.exposed_comm_s)}",
+             f"    contention of hidden collectives  {seconds(p.get('contention_s', 0.0))}",
+             f"    optimizer step  {seconds(p['optimizer_s'])}",
+             f"  per block and micro-batch: forward {seconds(p['block_fwd_s'])}, backward {seconds(p['block_bwd_s'])}, "
+             f"tensor exchanges {seconds(p['tp_comm_per_block_s'])}"
+             + (f", context exchanges {seconds(p['cp_comm_per_block_s'])}" if "cp_comm_per_block_s" in p else "")
+             + (f", expert all-to-all {seconds(p['ep_comm_per_block_s'])}" if "ep_comm_per_block_s" in p else "")
+             + (f"; p2p {seconds(p['p2p_s'])}" if score.config.pp > 1 else "")]
+    mem = score.memory
+    lines.append("  memory per device (GB): " + "  ".join(f"{k} {gb(v)}" for k, v in mem.items())
+                 + f"  total {gb(score.peak_memory_bytes)} (budget {gb(budget)}"
+                 + ("" if score.fits else ": DOES NOT FIT") + ")")
+    if score.config.pp > 1:
+        lines.append(f"  layers per stage: {p['stage_layers']}")
+    return lines
 
 
 def positive_int(text: str, flag: str) -> int:
