@@ -582,7 +582,7 @@ def _closed_form(sched: str, p: int, v: int, m: int, fwd: list[float], bwd: list
     share, plus the fill and drain through the other stages (zb hides the weight-gradient half
     of backward in the drain). Activations: each stage holds as many micro-batches as the
     schedule keeps in flight on it (all ``m`` under GPipe and under interleaved 1F1B with
-    ``m == p``, ``p - device`` under 1F1B)."""
+    ``m == p``, ``p - device`` under 1F1B, ``p`` on every device under zero-bubble)."""
     dev = [sum(fwd[s] + bwd[s] for s in range(d, p * v, p)) for d in range(p)]
     busy = max(dev)
     chunk = [(f + b) for f, b in zip(fwd, bwd)]
@@ -593,7 +593,9 @@ def _closed_form(sched: str, p: int, v: int, m: int, fwd: list[float], bwd: list
     step = max(step, busy * m)
     # interleaved with m == p warms up with every forward (Megatron's rule, cost/pp_sim.py)
     everything = sched == "gpipe" or (sched == "interleaved" and m == p)
-    inflight = [m if everything else min(m, (p - s % p) * (1 if v == 1 else 2)) for s in range(p * v)]
+    # zero-bubble (ZB-H1) holds back d weight-gradients on device d: min(p, m) on every device
+    inflight = [m if everything else min(m, p) if sched == "zb" else min(m, (p - s % p) * (1 if v == 1 else 2))
+                for s in range(p * v)]
     peak = tuple(sum(inflight[s] * acts[s] for s in range(d, p * v, p)) for d in range(p))
     return _Pipe(step_time_s=step, bubble_fraction=(step - busy * m) / (busy * m), peak_activation_bytes=peak)
 

@@ -403,7 +403,8 @@ def test_the_closed_form_holds_what_the_event_simulation_holds(node8):
     # (Megatron's rule): the search's closed form must see the memory the exact scoring sees,
     # or its finalists all fail the budget and a fitting layout is never scored exactly
     f = _facts(layers=2, real=16)
-    for batch, sched, v in ((16, "interleaved", 2), (32, "interleaved", 2), (16, "1f1b", 1), (16, "gpipe", 1)):
+    for batch, sched, v in ((16, "interleaved", 2), (32, "interleaved", 2), (16, "1f1b", 1), (16, "gpipe", 1),
+                            (16, "zb", 1), (64, "zb", 1)):
         c = Config(dp=2, tp=1, pp=4, micro_batch=2, schedule=sched, virtual=v)
         fast, exact = (simulate(f, node8, c, batch=batch, fast=x) for x in (True, False))
         # never less (the closed form may be conservative for interleaved past m == p)
