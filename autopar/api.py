@@ -198,10 +198,13 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
             pipe = o.pipeline
             mesh, opts = merge_options(scaled, mesh, dict(
                 zero_stage=zero_stage, recompute=recompute, mixed_precision=mixed_precision, schedule=pipe.schedule,
-                microbatches=pipe.microbatches, virtual_stages=pipe.virtual_stages, cp_kind=o.context.kind))
+                microbatches=pipe.microbatches, virtual_stages=pipe.virtual_stages, cp_kind=o.context.kind,
+                shard_group=o.data.shard_group))
             zero_stage, recompute, mixed_precision = opts["zero_stage"], opts["recompute"], opts.get("mixed_precision")
             if opts.get("cp_kind"):
                 o = dataclasses.replace(o, context=dataclasses.replace(o.context, kind=opts["cp_kind"]))
+            if opts.get("shard_group"):
+                o = dataclasses.replace(o, data=dataclasses.replace(o.data, shard_group=opts["shard_group"]))
             o = dataclasses.replace(o, pipeline=dataclasses.replace(
                 pipe, schedule=opts.get("schedule", pipe.schedule), microbatches=opts.get("microbatches", pipe.microbatches),
                 virtual_stages=opts.get("virtual_stages", pipe.virtual_stages)))
@@ -234,10 +237,12 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
     experts = has_axis(mesh, "ep") or (plan is not None and plan.ep_axis is not None)
     e = o.experts
     _refuse_unused(("a pipeline", pipelined, dict(calibration=e.calibration, placements=t.placements, sizes=t.sizes,
-                                                 bucket_bytes=d.bucket_bytes, sequence_parallel=t.sequence_parallel)),
+                                                 bucket_bytes=d.bucket_bytes, sequence_parallel=t.sequence_parallel,
+                                                 shard_group=d.shard_group)),
                    ("expert parallelism", experts, dict(placements=t.placements, sizes=t.sizes,
                                                         bucket_bytes=d.bucket_bytes,
-                                                        sequence_parallel=t.sequence_parallel)),
+                                                        sequence_parallel=t.sequence_parallel,
+                                                        shard_group=d.shard_group)),
                    ("no pipeline", not pipelined, dict(batchnorm=o.pipeline.batchnorm)),
                    ("no context axis", not has_axis(mesh, "cp") and (plan is None or plan.cp_axis is None),
                     dict(cp_kind=o.context.kind)))
@@ -262,6 +267,7 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
     check_agreement(model, mesh, dict(plan=plan, dims=t.dims, hardware=hardware, memory_budget=memory_budget,
                                       sizes=t.sizes, sync_params=d.sync_params, cross_sample=d.cross_sample,
                                       zero_stage=zero_stage, overlap=d.overlap, bucket_bytes=d.bucket_bytes,
+                                      shard_group=d.shard_group,
                                       mixed_precision=mixed_precision,
                                       loss_fn=pipe.loss_fn, schedule=pipe.schedule, microbatches=pipe.microbatches,
                                       virtual_stages=pipe.virtual_stages, batchnorm=pipe.batchnorm, expert_placement=e.placement,

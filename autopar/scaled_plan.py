@@ -43,11 +43,12 @@ class ScaledPlan:
     def parallelize_kwargs(self) -> dict[str, Any]:
         """:attr:`options` as :func:`autopar.parallelize` takes them: the common ones as keywords,
         the pipeline's in ``options=PipelineOptions(...)``."""
-        from autopar.core.options import ContextOptions, PipelineOptions
+        from autopar.core.options import ContextOptions, DataOptions, PipelineOptions
         pipe = {k: self.options[k] for k in ("schedule", "microbatches", "virtual_stages") if k in self.options}
-        flat = {k: v for k, v in self.options.items() if k not in pipe and k != "cp_kind"}
+        flat = {k: v for k, v in self.options.items() if k not in pipe and k not in ("cp_kind", "shard_group")}
         parts = ([PipelineOptions(**pipe)] if pipe else []) + (
-            [ContextOptions(kind=self.options["cp_kind"])] if self.options.get("cp_kind") else [])
+            [ContextOptions(kind=self.options["cp_kind"])] if self.options.get("cp_kind") else []) + (
+            [DataOptions(shard_group=self.options["shard_group"])] if self.options.get("shard_group") else [])
         return {**flat, "options": parts[0] if len(parts) == 1 else parts} if parts else flat
     notes: tuple[str, ...] = ()
 
@@ -158,13 +159,21 @@ def scale_plan(plan: Any, world: int | None = None, *, per_node: int | None = No
         notes.append(f"{m} micro-batches per step: accumulate them in your loop (ScaledPlan.microbatches)")
     if cp > 1:
         options["cp_kind"] = c.cp_kind
+    if c.shard_group and zero >= 2 and pp == 1:
+        # hybrid sharding on fewer ranks: the largest group no bigger than the plan's leaving two or more
+        data = dp * cp
+        g = max((d for d in _divisors(data) if d <= c.shard_group and d < data), default=1)
+        if g > 1:
+            options["shard_group"] = g
+        if g != c.shard_group:
+            notes.append(f"shard groups of {c.shard_group} -> " + (f"{g}" if g > 1 else "the whole data axis"))
     mesh = {k: v for k, v in (("pp", pp), ("dp", dp // ep), ("cp", cp), ("ep", ep), ("tp", tp)) if v > 1} or {"dp": 1}
     return ScaledPlan(saved=saved, world=world, mesh=mesh, micro_batch=c.micro_batch, microbatches=m,
                       options=options, notes=tuple(notes))
 
 
 _DEFAULTS = {"zero_stage": None, "recompute": "none", "mixed_precision": None, "schedule": None,
-             "microbatches": None, "virtual_stages": None, "cp_kind": None}
+             "microbatches": None, "virtual_stages": None, "cp_kind": None, "shard_group": 0}
 
 
 def merge_options(scaled: ScaledPlan, mesh: Any, given: dict[str, Any]) -> tuple[dict[str, int], dict[str, Any]]:

@@ -81,7 +81,8 @@ class Score:
     def as_dict(self) -> dict[str, Any]:
         c = self.config
         return {"degrees": c.degrees(), **({"cp_kind": c.cp_kind} if c.cp > 1 else {}),
-                "zero_stage": c.zero_stage, "micro_batch_size": c.micro_batch,
+                "zero_stage": c.zero_stage, **({"shard_group": c.shard_group} if c.shard_group else {}),
+                "micro_batch_size": c.micro_batch,
                 "microbatches": self.microbatches, "schedule": c.schedule, "virtual_stages": c.virtual,
                 "recompute": c.recompute,
                 "predicted": {"step_time_s": self.step_time_s, "tflops_per_device": self.tflops_per_device,
@@ -108,6 +109,7 @@ class _Part:
     expert_fwd1: float = 0.0          # ... and whole (experts kept whole on tp under ep)
     expert_bwd1: float = 0.0
     a2a_bytes: float = 0.0            # the [E, C, h] token buffers an expert exchange moves
+    padding_flops: float = 0.0        # the experts' work on capacity padding (hardware, not model, FLOPs)
     layer_fwd: float = 0.0            # layers of another block class (before or after the main one):
     layer_saved: float = 0.0          # what full recomputation redoes and frees
     layer_fwd_flops: float = 0.0
@@ -174,6 +176,7 @@ class ModelFacts:
         self.attention_ops = [(q, k, causal) for _, q, k, causal in
                               attention_ops(gm, lambda n: info(n).block_member == first_member)]
         self.experts = math.gcd(*[r.num_experts for r in ginfo.moe_regions]) if ginfo.moe_regions else 0
+        self._regions = {r.fqn: r for r in ginfo.moe_regions}
         self.expert_params = {f for r in ginfo.moe_regions for f in r.expert_params}
         self._captured_fp32 = any(info(n).values[0].dtype == torch.float32 for n in self._param_nodes[:1])
         self.logits = _logits(gm, self.hidden)
@@ -293,6 +296,9 @@ class ModelFacts:
             p.fwd += f
             p.bwd += b
             if rec.moe_role == "expert":
+                # the experts run on [E, C] slots, of which tokens x top_k are routed tokens: the
+                # rest is padding (capacity), hardware work but not model FLOPs
+                p.padding_flops += (ff + fb) * (1 - self._routed_share(rec.moe_region, at))
                 p.expert_fwd += f
                 p.expert_bwd += b
                 f1, b1 = node_seconds(n, at, dev, self.dtype, width=width)
@@ -349,6 +355,15 @@ class ModelFacts:
         self._cache[key] = (parts, strategies)
         return parts, strategies
 
+
+    def _routed_share(self, region: str | None, at: Mapping[str, int]) -> float:
+        """Of an MoE region's expert slots (experts x capacity), the share routed tokens fill
+        (tokens x top_k of them; 1 without a fixed capacity)."""
+        r = self._regions.get(region or "")
+        if r is None or r.capacity is None:
+            return 1.0
+        slots = float(evaluate(r.capacity, at)) * r.num_experts
+        return min(1.0, at["batch"] * at["seq"] * r.top_k / slots) if slots > 0 else 1.0
 
     def _add_loss(self, post: _Part, at: Mapping[str, int], dev, strategies: Mapping[str, Any], pricer,
                   width: float) -> None:
@@ -477,6 +492,11 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     if facts.layers < stages:
         raise ConfigError(f"{facts.layers} layers cannot fill {stages} pipeline stages", where="config",
                           fix="pick pp * virtual stages of at most the layer count")
+    if c.shard_group and (c.pp > 1 or c.ep > 1 or c.zero_stage < 2 or (c.dp * c.cp) % c.shard_group):
+        raise ConfigError(f"hybrid sharding (shard_group={c.shard_group}) needs ZeRO-2/3, no pipeline and no "
+                          f"expert axis, and a group dividing dp x cp = {c.dp * c.cp}", where="config",
+                          got=f"zero {c.zero_stage}, pp {c.pp}, ep {c.ep}",
+                          fix="drop the shard group, or pick ZeRO-3 without pp and ep")
     if c.ep > 1 and (not facts.experts or facts.experts % c.ep or c.dp % c.ep):
         raise ConfigError(f"ep={c.ep} must divide the expert count and dp", where="config")
     # without a pipeline the runtime runs each micro-batch's forward and backward in turn
@@ -544,17 +564,20 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
         dp_comm, exposed = pipeline_data_axis(data_c, cluster, data_axes, bytes_, chunk_bwd, min(c.pp, m))
     else:
         dp_comm, exposed = lone_stage_data_axis(data_c, cluster, data_axes, bytes_, m, fwd[0], bwd[0])
-    optim = optimizer_time(stage_params / (data_c.dp if c.zero_stage >= 1 else 1), optimizer_bytes(facts.dtype, facts.k),
-                           cluster)
+    pieces = (c.shard_group if 0 < c.shard_group < data_c.dp and c.zero_stage >= 2 else data_c.dp) \
+        if c.zero_stage >= 1 else 1
+    optim = optimizer_time(stage_params / pieces, optimizer_bytes(facts.dtype, facts.k), cluster)
     # a hidden collective still slows the compute beside it (its kernels hold SMs and HBM bandwidth)
     contention = dev.comm_contention * max(0.0, dp_comm - exposed)
     step = pipe + exposed + optim + contention
     peak = sum(mem.values())
     fits = budget is None or peak <= budget
     samples = batch / c.micro_batch * c.cp         # the parts are per micro-batch, per cp rank's share
-    model_flops = (pre.flops + post.flops + facts.layers * blk.flops) * samples
-    hw_flops = model_flops + samples * (facts.layers * blk.fwd_flops + pre.layer_fwd_flops
-                                        + post.layer_fwd_flops) * (c.recompute == "full")
+    # model FLOPs count the routed tokens' expert work, hardware FLOPs the capacity padding too
+    padding = (pre.padding_flops + post.padding_flops + facts.layers * blk.padding_flops) * samples
+    model_flops = (pre.flops + post.flops + facts.layers * blk.flops) * samples - padding
+    hw_flops = model_flops + padding + samples * (facts.layers * blk.fwd_flops + pre.layer_fwd_flops
+                                                  + post.layer_fwd_flops) * (c.recompute == "full")
     peak_flops = cluster.device.peak(facts.dtype)
     tput = model_flops / step / devices
     return Score(config=c, step_time_s=step, microbatches=m, model_flops=model_flops, hw_flops=hw_flops,

@@ -2,7 +2,8 @@
 
 :func:`configurations` enumerates dp x cp x tp x pp (tp within a node, cp a power of two leaving
 each rank at least ``CP_MIN_TOKENS`` of every sequence, pp up to the layer count, dp the rest
-dividing the batch) x ep (a sub-axis of dp for mixture-of-experts models) x ZeRO stage x
+dividing the batch) x ep (a sub-axis of dp for mixture-of-experts models) x ZeRO stage (with
+hybrid-sharded groups, :func:`shard_groups`, for ZeRO-2/3 without a pipeline) x
 recomputation x micro-batch x schedule; the context axis's kind is the cheapest for each
 configuration (:func:`autopar.cost.cp_planner.block_costs`). :func:`search` skips a configuration whose
 compute alone already loses, ranks the rest with the pipeline's closed form, re-scores the
@@ -68,6 +69,19 @@ def configurations(facts: ModelFacts, *, devices: int, batch: int, per_node: int
                                 for ep in eps(dp):
                                     yield Config(dp=dp, tp=tp, pp=pp, micro_batch=mb, schedule=sched, virtual=v,
                                                  recompute=rc, zero_stage=z, ep=ep, cp=cp)
+                                    if z >= 2 and pp == 1 and ep == 1:
+                                        for g in shard_groups(dp * cp, per_node // tp):
+                                            yield Config(dp=dp, tp=tp, pp=pp, micro_batch=mb, schedule=sched,
+                                                         virtual=v, recompute=rc, zero_stage=z, ep=ep, cp=cp,
+                                                         shard_group=g)
+
+
+def shard_groups(data: int, in_node: int) -> list[int]:
+    """Hybrid-sharding groups worth scoring on a data axis of ``data`` ranks, ``in_node`` of them
+    on a node: the ranks of one node (gathers on the node's links), and eight nodes' worth (a
+    group 8x larger: 1/8 the pieces' memory for a few inter-node hops), where they divide the
+    axis and leave more than one group."""
+    return [g for g in (in_node, 8 * in_node) if 1 < g < data and data % g == 0]
 
 
 def search(facts: ModelFacts, cluster: Cluster, *, batch: int, budget: float | None = None,
@@ -118,7 +132,7 @@ def search(facts: ModelFacts, cluster: Cluster, *, batch: int, budget: float | N
 
 
 def _layout(c: Config) -> tuple:
-    return (c.dp, c.cp, c.tp, c.pp, c.ep, c.micro_batch, c.schedule, c.virtual)
+    return (c.dp, c.cp, c.tp, c.pp, c.ep, c.micro_batch, c.schedule, c.virtual, c.shard_group)
 
 
 def _rank_key(s: Score) -> tuple:
@@ -204,4 +218,4 @@ def smallest_cluster(facts: ModelFacts, cluster: Cluster, *, batch: int, budget:
     return None
 
 
-__all__ = ["configurations", "search", "leanest", "smallest_cluster"]
+__all__ = ["configurations", "shard_groups", "search", "leanest", "smallest_cluster"]

@@ -123,10 +123,24 @@ def lone_stage_data_axis(c: Config, cluster: Cluster, axes: tuple[tuple[str, int
 
     Every kind runs as one call per bucket (:func:`bucket_count`), each paying the axis's
     latency. What overlaps a micro-batch's compute is hidden up to that compute; the last
-    bucket's collective (the first bucket's gather) is exposed whatever the overlap."""
+    bucket's collective (the first bucket's gather) is exposed whatever the overlap.
+
+    Hybrid sharding (``c.shard_group = g < dp``, ZeRO-2/3): gathers and reduce-scatters run over
+    the ``g`` consecutive data ranks of a shard group, and each bucket's reduced piece (1/g of
+    its gradients) is all-reduced over the ``dp / g`` groups, under the same backward."""
     if c.dp == 1:
         return 0.0, 0.0
     calls = bucket_count(cluster, axes, b)
+    g = c.shard_group if 0 < c.shard_group < c.dp and c.zero_stage >= 2 else 0
+    replica = 0.0
+    if g:
+        from dataclasses import replace as _replace
+        outer = [(n, d) for n, d in axes if n not in ("dp", "tp")]
+        tp = dict(axes).get("tp", 1)
+        axes = (*outer, ("dpr", c.dp // g), ("dp", g), ("tp", tp))
+        rep_axes = (*outer, ("dp", c.dp // g), ("dps", g), ("tp", tp))
+        replica = calls * collective_time("all_reduce", b.grads / g / calls, cluster, rep_axes, "dp")
+        c = _replace(c, dp=g)
 
     def coll(kind: str, nbytes: float, expert: float, n: int = calls) -> float:
         return data_collective(kind, nbytes, expert, c, cluster, axes, n)
@@ -143,12 +157,13 @@ def lone_stage_data_axis(c: Config, cluster: Cluster, axes: tuple[tuple[str, int
         return m * ar, m * overlapped(ar, tail, bwd)
     if z == 1:
         return rs + ag, rs + ag
+    rs_tail = coll("reduce_scatter", b.grads / calls, 0.0, 1) + replica / calls
+    rs += replica
     if z == 2:
-        tail = coll("reduce_scatter", b.grads / calls, 0.0, 1)
-        return m * rs + ag, m * overlapped(rs, tail, bwd) + ag
-    tail_ag, tail_rs = coll("all_gather", b.params / calls, 0.0, 1), coll("reduce_scatter", b.grads / calls, 0.0, 1)
+        return m * rs + ag, m * overlapped(rs, rs_tail, bwd) + ag
+    tail_ag = coll("all_gather", b.params / calls, 0.0, 1)
     total = m * (2 * ag + rs)
-    exposed = m * (overlapped(ag, tail_ag, fwd) + overlapped(ag + rs, tail_ag + tail_rs, bwd))
+    exposed = m * (overlapped(ag, tail_ag, fwd) + overlapped(ag + rs, tail_ag + rs_tail, bwd))
     return total, exposed
 
 
@@ -224,6 +239,8 @@ def device_memory(facts: ModelFacts, c: Config, held: float, acts: float, per_bl
     """
     mixed = facts.dtype in ("bf16", "fp16")
     n, z, k = c.dp, c.zero_stage, facts.k
+    if 0 < c.shard_group < c.dp and z >= 2:      # hybrid sharding: pieces of 1/g, replicated across groups
+        n = c.shard_group
     w = 2.0 if mixed else 4.0
     optim = ((4 + 4 * k) if mixed else 4 * k) * held / (n if z >= 1 else 1)
     pieces = 0.0 if mixed or z < 3 else 4 * held / n          # fp32 ZeRO-3: the pieces beside the whole

@@ -26,6 +26,13 @@ save for backward are replaced by tokens (``saved_tensors_hooks``) and re-gather
 backward unpacks them, prefetching the next bucket in backward order. Checkpointed regions
 (``runtime.recompute``) take whole parameters as tokens the same way.
 The communication is torch's functional collectives followed by ``wait_tensor``.
+
+Hybrid sharding (ZeRO-2/3 with ``DataOptions(shard_group=g)``): the pieces are cut over a group
+of ``g`` data ranks (``n = g`` here) and every one of the ``replicas`` groups holds the same
+pieces. Gathers stay inside the group; a gradient is reduce-scattered inside it and the piece
+then all-reduced with the ranks holding the same piece in the other groups
+(:meth:`DPRuntime.across_replicas`), so the mean still covers the whole data axis. Rows and
+token counts are summed over the whole axis (``data_n``, ``data_group``).
 """
 from __future__ import annotations
 
@@ -152,6 +159,7 @@ class Bucket:
                 if ok:
                     rt.accumulate(fqn, g)
             return (None,) * len(self.fqns)
+        got = rt.across_replicas(got)
         for fqn, piece, ok in zip(self.fqns, self.row_pieces(got), self.trainable):
             if ok:
                 rt.accumulate(fqn, piece)
@@ -180,7 +188,7 @@ class Bucket:
     def finish_grad_scatter(self) -> tuple[torch.Tensor | None, ...]:
         if self._pending is None:
             return (None,) * len(self.fqns)
-        got = _c10d.wait_tensor(self._pending)
+        got = self.rt.across_replicas(_c10d.wait_tensor(self._pending))
         self._pending = None
         dtype = self.rt.param_dtype
         return tuple(p.to(dtype) if ok else None for p, ok in zip(self.row_pieces(got), self.trainable))
@@ -228,7 +236,7 @@ def row_count_issue(rows: int, rt: "DPRuntime") -> torch.Tensor:
     """Start summing the ranks' row counts (for :func:`row_weight`): issued before forward
     runs, it travels while forward computes."""
     counts = torch.tensor([float(rows)], dtype=torch.float64, device=rt.device)
-    return _c10d.all_reduce_(counts, "sum", rt.group_name)
+    return _c10d.all_reduce_(counts, "sum", rt.data_group)
 
 
 def row_weight(rows: int, rt: "DPRuntime", pending: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -238,7 +246,7 @@ def row_weight(rows: int, rt: "DPRuntime", pending: torch.Tensor | None = None) 
     :func:`row_count_issue` started it). None when every rank holds as many rows (known
     without waiting on a CPU group; on GPUs the weight stays a device tensor, 1.0 when even)."""
     counts = _c10d.wait_tensor(pending if pending is not None else row_count_issue(rows, rt))
-    weight = (counts.reciprocal() * (rows * rt.n)).reshape(())
+    weight = (counts.reciprocal() * (rows * rt.data_n)).reshape(())
     if weight.device.type == "cpu" and weight.item() == 1.0:
         return None
     return weight
@@ -249,13 +257,20 @@ class DPRuntime:
 
     def __init__(self, *, stage: int, n: int, rank: int, group_name: str, device: torch.device,
                  master_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype | None = None,
-                 prefetch: bool = True, divisor: int | None = None) -> None:
+                 prefetch: bool = True, divisor: int | None = None, replicas: int = 1,
+                 replica_group: str = "", data_group: str = "") -> None:
         self.id = next(_ids)
         _RUNTIMES[self.id] = self
+        # ``n``, ``rank``, ``group_name``: the ranks sharing the ZeRO pieces (the whole data axis,
+        # or under hybrid sharding one shard group of it); ``replicas`` such groups hold the same
+        # pieces, and ``replica_group`` joins this rank with its counterparts in the others
         self.stage, self.n, self.rank, self.group_name, self.device = stage, n, rank, group_name, device
-        # how many ranks' rows a summed gradient covers: n, or dp x ep for experts reduced over dp
-        # (their owner already summed every ep rank's rows through the exchange)
-        self.divisor = divisor or n
+        self.replicas, self.replica_group = replicas, replica_group
+        # the whole data axis (what rows are counted over): n x replicas ranks
+        self.data_n, self.data_group = n * replicas, data_group or group_name
+        # how many ranks' rows a summed gradient covers: the data axis, or dp x ep for experts
+        # reduced over dp (their owner already summed every ep rank's rows through the exchange)
+        self.divisor = divisor or n * replicas
         self.master_dtype = master_dtype                       # what the optimizer steps
         self.compute_dtype = compute_dtype or master_dtype     # what forward and backward run in
         self.mixed = self.compute_dtype != master_dtype
@@ -270,6 +285,13 @@ class DPRuntime:
         self.shard_params: dict[str, torch.Tensor] = {}       # ZeRO-3: fqn -> this rank's flat shard
         self._live: dict[int, tuple[weakref.ref, int, int]] = {}   # storage -> (whole param, bucket, index)
         self.modes = None        # a data-axis mode other than all-reduce (runtime/data_modes.py), ZeRO-0 only
+
+    def across_replicas(self, piece: torch.Tensor) -> torch.Tensor:
+        """Hybrid sharding: ``piece``, reduced over this rank's shard group, summed over the
+        groups holding the same piece (one all-reduce of 1/n of the bucket); as it is otherwise."""
+        if self.replicas == 1:
+            return piece
+        return _c10d.wait_tensor(_c10d.all_reduce_(piece, "sum", self.replica_group))
 
     def add_bucket(self, fqns: list[str], shapes: list[tuple[int, ...]], trainable: list[bool]) -> Bucket:
         b = Bucket(self, len(self.buckets), fqns, shapes, trainable)

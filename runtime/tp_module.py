@@ -190,9 +190,9 @@ class ParallelModule(nn.Module):
         for pos, at in self._token_losses:
             if at is None:                # a sum-reduced loss
                 if counting is not None:
-                    losses[pos] = token_loss.global_sum(outs[pos], counting[1].n, counting[1].group_name)
+                    losses[pos] = token_loss.global_sum(outs[pos], counting[1].data_n, counting[1].data_group)
             else:
-                losses[pos] = (token_loss.global_mean(outs[pos], outs[at], counting[1].n, counting[1].group_name)
+                losses[pos] = (token_loss.global_mean(outs[pos], outs[at], counting[1].data_n, counting[1].data_group)
                                if counting is not None else token_loss.local_mean(outs[pos], outs[at]))
         counts = [at for _, at in self._token_losses if at is not None]
         if counts:
@@ -217,8 +217,8 @@ class ParallelModule(nn.Module):
         average is the global batch's mean, as one process computes it. Returns (rows, runtime,
         the pending sum of rows) for :func:`~autopar.runtime.dp.row_weight` after forward; None
         without a data axis or gradients."""
-        rt = max(self._dps, key=lambda r: r.n, default=None)
-        if rt is None or rt.n == 1 or not torch.is_grad_enabled():
+        rt = max(self._dps, key=lambda r: r.data_n, default=None)
+        if rt is None or rt.data_n == 1 or not torch.is_grad_enabled():
             return None
         where = self._dims.get("batch")
         if where is not None and where[0] < len(flat) and isinstance(flat[where[0]], torch.Tensor):

@@ -411,3 +411,20 @@ def test_the_closed_form_holds_what_the_event_simulation_holds(node8):
         assert fast.memory["activations"] >= 0.99 * exact.memory["activations"], (batch, sched)
         if batch // (c.dp * c.micro_batch) == c.pp or sched != "interleaved":
             assert fast.memory["activations"] == pytest.approx(exact.memory["activations"], rel=0.01), (batch, sched)
+
+
+def test_model_flops_count_routed_tokens_not_capacity_padding(node8):
+    # E4 (in part): the experts run on experts x capacity slots (capacity factor 1.25: a fifth
+    # of them padding); model FLOPs and MFU count the routed tokens' work, hardware FLOPs all
+    w = load_workload("mixtral-8x7b", batch=1, seq=1024, overrides={"layers": "2"})
+    f = ModelFacts(capture_workload(w), seq=1024, dtype="bf16")
+    (region, *_) = f._regions.values()
+    at = f.sizes(1)
+    slots = float(evaluate(region.capacity, at)) * region.num_experts
+    share = 1024 * region.top_k / slots
+    assert 0.75 < share < 0.85                       # capacity factor 1.25
+    expert = sum(float(evaluate(info(n).flops_fwd, at)) + float(evaluate(info(n).flops_bwd, at))
+                 for n in f.gm.graph.nodes if info(n).moe_role == "expert")
+    s = _score(f, node8, 8, dp=8)
+    assert s.hw_flops - s.model_flops == pytest.approx(8 * expert * (1 - share), rel=1e-9)
+    assert s.mfu == pytest.approx(s.model_flops / s.step_time_s / 8 / node8.device.peak("bf16"), rel=1e-9)

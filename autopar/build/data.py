@@ -51,13 +51,20 @@ def _dense_data_axis(s: BuildState) -> None:
     axes = [a for a in ("dp", "cp") if a in s.names and s.sizes.get(a, 1) > 1]
     if axes:
         group, n, rank = axes_group(s.mesh, s.names, axes)
-        rt = DPRuntime(stage=plan.zero_stage, n=n, rank=rank, group_name=group.group_name, device=s.device,
-                       master_dtype=master, compute_dtype=compute, prefetch=plan.overlap)
+        g = checked_shard_group(s.request.options.data.shard_group, n, plan.zero_stage, mode)
+        if g < n:          # hybrid sharding: pieces over groups of g, replicated across the groups
+            shard, replica = hybrid_groups(s.mesh, s.names, axes, g)
+            rt = DPRuntime(stage=plan.zero_stage, n=g, rank=rank % g, group_name=shard.group_name, device=s.device,
+                           master_dtype=master, compute_dtype=compute, prefetch=plan.overlap, replicas=n // g,
+                           replica_group=replica.group_name, data_group=group.group_name)
+        else:
+            rt = DPRuntime(stage=plan.zero_stage, n=n, rank=rank, group_name=group.group_name, device=s.device,
+                           master_dtype=master, compute_dtype=compute, prefetch=plan.overlap)
         for fqns, shapes, flags in data_rewrite(s.gm, plan, s.cluster(), rid=rt.id, trainable=s.trainable,
-                                                axis="x".join(axes), n=n, scheduled=False):
+                                                axis="x".join(axes), n=rt.n, scheduled=False):
             rt.add_bucket(fqns, shapes, flags)
         s.data_nodes = True
-        sync_batch_norms(s.gm, rt.group_name)     # training statistics over the global batch
+        sync_batch_norms(s.gm, rt.data_group)     # training statistics over the global batch
         attach_mode(rt, mode)
     elif compute != master:   # mixed precision without a data axis: fp32 masters, nothing to reduce
         rt = DPRuntime(stage=0, n=1, rank=0, group_name="", device=s.device, master_dtype=master,
@@ -161,6 +168,45 @@ def data_axes(mine: list, mesh, names: list[str], sizes: Mapping[str, int], zero
                                  device=device, shared=shared, divisor=n * extra, compute_dtype=compute_dtype,
                                  grads=grads))
     return out
+
+
+def checked_shard_group(g: int, n: int, zero_stage: int, mode: DataMode) -> int:
+    """The ZeRO shard group size for a data axis of ``n`` ranks: ``g`` (hybrid sharding), or ``n``
+    when ``g`` is 0 or ``n``. Refused where it would mean nothing or could not be exact."""
+    if g in (0, n):
+        return n
+    where = "DataOptions(shard_group=...)"
+    if n % g or g < 1:
+        raise ConfigError(f"shard_group={g} does not divide the data axis of {n} ranks", where=where,
+                          got=str(g), fix=f"pick a divisor of {n} (0: shard over the whole data axis)")
+    if zero_stage not in (2, 3):
+        raise ConfigError("hybrid sharding splits ZeRO-2/3 pieces over a group; this plan has "
+                          f"ZeRO-{zero_stage}", where=where, got=f"zero_stage={zero_stage}",
+                          fix="pass zero_stage=3 (or 2), or drop shard_group")
+    if mode.kind != "allreduce":
+        raise ConfigError(f"hybrid sharding reduces by all-reduce; the data axis mode is {mode.kind!r}",
+                          where=where, fix="drop shard_group or dp_mode")
+    return g
+
+
+def hybrid_groups(mesh, names: list[str], axes: list[str], g: int) -> tuple[Any, Any]:
+    """This rank's (shard group, replica group) under hybrid sharding: every data-axis row of the
+    mesh (the ranks of ``axes`` at one place on the others, in axis order) is cut into groups of
+    ``g`` consecutive ranks (the shard groups) and ranks at the same place in those groups form
+    the replica groups. Every rank creates every group, in one order."""
+    dims = [names.index(a) for a in axes]
+    rest = [d for d in range(len(names)) if d not in dims]
+    grid = mesh.mesh.permute(*rest, *dims).reshape(-1, math.prod(mesh.size(d) for d in dims))
+    me, shard, replica = dist.get_rank(), None, None
+    for row in grid.tolist():
+        for lo in range(0, len(row), g):
+            grp = dist.new_group(row[lo:lo + g])
+            shard = grp if me in row[lo:lo + g] else shard
+        for at in range(g):
+            members = row[at::g]
+            grp = dist.new_group(members)
+            replica = grp if me in members else replica
+    return shard, replica
 
 
 def axes_group(mesh, names: list[str], axes: list[str]) -> tuple[Any, int, int]:

@@ -539,6 +539,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="expert parallelism of a mixture-of-experts model: ranks dealing the experts "
                          "(default 1); it must divide dp and the expert count")
     sm.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
+    sm.add_argument("--shard-group", type=count("--shard-group", low=0, high=checks.MAX_DEVICES), default=0,
+                    metavar="G", help="hybrid sharding (ZeRO-2/3): data ranks per group of pieces, replicated "
+                                      "across the groups (default 0: the whole data axis)")
     sm.add_argument("--micro-batch-size", type=count("--micro-batch-size"), default=1,
                     help="samples per micro-batch (default 1); micro-batches = batch / (dp x this)")
     sm.add_argument("--schedule", choices=["1f1b", "interleaved", "gpipe", "zb"], default="1f1b")

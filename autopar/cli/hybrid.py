@@ -125,7 +125,8 @@ def plan_text(args: argparse.Namespace, name: str, cluster, out: PlanOutcome) ->
         k = o.config
         cp = f"{k.cp}{(k.cp_kind or '?')[0]}" if k.cp > 1 else "1"       # r(ing), a(llgather), a(lltoall)
         cp = {"ring": f"{k.cp}r", "allgather": f"{k.cp}g", "alltoall": f"{k.cp}u"}.get(k.cp_kind, cp)
-        lines.append(f"  {k.dp:>4} {cp:>3} {k.tp:>3} {k.pp:>3} {k.ep:>3} {k.zero_stage:>4} {k.micro_batch:>3} "
+        zero = f"{k.zero_stage}/{k.shard_group}" if k.shard_group else str(k.zero_stage)    # hybrid: stage/group
+        lines.append(f"  {k.dp:>4} {cp:>3} {k.tp:>3} {k.pp:>3} {k.ep:>3} {zero:>4} {k.micro_batch:>3} "
                      f"{k.schedule if k.pp > 1 else '-':>11} {k.virtual:>2} {k.recompute:>9} {seconds(o.step_time_s):>9} "
                      f"{o.peak_memory_bytes / 1e9:>6.2f} GB  {o.reason}")
     if not out.others:
@@ -425,7 +426,7 @@ def simulate_command(args: argparse.Namespace) -> int:
                           fix="add --cp N (N >= 2), or drop --cp-kind")
     c = Config(dp=dp, tp=tp, pp=pp, micro_batch=args.micro_batch_size, schedule=args.schedule,
                virtual=args.virtual_stages, recompute=args.recompute, zero_stage=args.zero, cp=cp,
-               cp_kind=args.cp_kind, ep=ep)
+               cp_kind=args.cp_kind, ep=ep, shard_group=args.shard_group)
     t0 = time.perf_counter()
     score = simulate(facts, cluster, c, batch=args.batch, budget=_budget(args, cluster))
     data = {"model": w.name, "cluster": cluster.name, "devices": cluster.world_size, "batch": args.batch,
@@ -503,7 +504,8 @@ def saved_plan_of(args: argparse.Namespace, cluster, best) -> SavedPlan:
 def config_line(c, microbatches: int) -> str:
     """One configuration as ``autopar plan`` and ``autopar train`` print it."""
     cp = f" cp={c.cp} ({c.cp_kind})" if getattr(c, "cp", 1) > 1 else ""
-    return (f"dp={c.dp}{cp} tp={c.tp} pp={c.pp}" + (f" ep={c.ep}" if c.ep > 1 else "") + f" ZeRO-{c.zero_stage}, "
+    hybrid = f" (shard groups of {c.shard_group})" if getattr(c, "shard_group", 0) else ""
+    return (f"dp={c.dp}{cp} tp={c.tp} pp={c.pp}" + (f" ep={c.ep}" if c.ep > 1 else "") + f" ZeRO-{c.zero_stage}{hybrid}, "
             f"micro-batch {c.micro_batch} x {microbatches}, "
             + (f"{c.schedule} schedule" + (f" (v={c.virtual})" if c.virtual > 1 else "") if c.pp > 1 else "no pipeline")
             + f", recompute {c.recompute}")

@@ -82,10 +82,10 @@ def scale_down(c, ranks: int) -> tuple:
     if zero != c.zero_stage:
         notes.append(f"ZeRO-{c.zero_stage} -> ZeRO-0 (no data axis to shard over)")
     pipelined = degree["pp"] > 1
-    if c.pp > 1 and not pipelined:
-        notes.append(f"the {c.schedule} schedule goes with the pipeline")
+    notes += [f"the {c.schedule} schedule goes with the pipeline"] if c.pp > 1 and not pipelined else []
+    notes += [f"shard groups of {c.shard_group} -> the whole data axis"] if c.shard_group else []
     scaled = dataclasses.replace(c, dp=degree["dp"], tp=degree["tp"], pp=degree["pp"], ep=ep, zero_stage=zero,
-                                 cp=degree["cp"], cp_kind=c.cp_kind if degree["cp"] > 1 else None,
+                                 cp=degree["cp"], cp_kind=c.cp_kind if degree["cp"] > 1 else None, shard_group=0,
                                  schedule=c.schedule if pipelined else "gpipe", virtual=c.virtual if pipelined else 1)
     return scaled, notes
 

@@ -67,13 +67,18 @@ class DataOptions:
     ``sync_params`` makes every rank take rank 0's weights first. ``cross_sample="local"`` accepts
     that an op pairing samples of the batch with each other (a contrastive loss's similarity
     matrix) pairs only the rows of each piece of a split batch (data rank, expert rank,
-    micro-batch); without it such a model is refused when the batch is split."""
+    micro-batch); without it such a model is refused when the batch is split. ``shard_group=g``
+    (hybrid sharding, ZeRO-2/3) cuts the ZeRO pieces over groups of ``g`` consecutive data ranks
+    (within a node, say) and replicates them across the groups: gathers stay inside a group and
+    a gradient's reduction adds one all-reduce of a piece across them; 0 (default): the whole
+    data axis."""
 
     overlap: bool = True
     bucket_bytes: int = 0
     dp_mode: Any = None
     sync_params: bool = True
     cross_sample: str | None = None
+    shard_group: int = 0
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -83,6 +88,9 @@ class DataOptions:
                "a byte count >= 0")
         _check(name, "sync_params", self.sync_params, isinstance(self.sync_params, bool), "True or False")
         _check(name, "cross_sample", self.cross_sample, self.cross_sample in (None, "local"), "None or 'local'")
+        _check(name, "shard_group", self.shard_group,
+               isinstance(self.shard_group, int) and not isinstance(self.shard_group, bool) and self.shard_group >= 0,
+               "a rank count >= 0 (0: the whole data axis)")
 
 
 @dataclass(frozen=True, kw_only=True)

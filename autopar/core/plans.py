@@ -291,6 +291,7 @@ class Config:
     ep: int = 1
     cp: int = 1                       # context parallelism: ranks splitting each sequence
     cp_kind: str | None = None        # ring | allgather | alltoall (None: the simulator's cheapest)
+    shard_group: int = 0              # hybrid sharding (ZeRO-2/3): data ranks per piece group (0: all)
 
     def degrees(self) -> dict[str, int]:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep, **({"cp": self.cp} if self.cp > 1 else {})}

@@ -112,7 +112,7 @@ class SavedPlan:
         hints = typing.get_type_hints(Config)
         kw = {}
         for f in fields(Config):
-            if f.name in _CONTEXT_FIELDS and f.name not in raw:      # no context axis: the defaults
+            if f.name in _OPTIONAL_FIELDS and f.name not in raw:     # no context axis, no hybrid sharding
                 continue
             if f.name == "cp_kind":
                 kw[f.name] = _checked(raw, f.name, "str", where, prefix="config.")
@@ -156,14 +156,18 @@ class SavedPlan:
 
 
 _CONTEXT_FIELDS = ("cp", "cp_kind")      # written only for a plan with a context axis
+_OPTIONAL_FIELDS = (*_CONTEXT_FIELDS, "shard_group")     # ... and the shard group where hybrid sharding is on
 
 
 def _config_dict(c: Any) -> dict:
-    """The Config as the file keeps it: the context axis's fields only where it has one."""
+    """The Config as the file keeps it: the context axis's fields only where it has one, the
+    shard group only under hybrid sharding (older files read as before)."""
     out = asdict(c)
     if out.get("cp", 1) == 1:
         for k in _CONTEXT_FIELDS:
             out.pop(k, None)
+    if not out.get("shard_group"):
+        out.pop("shard_group", None)
     return out
 
 
