@@ -28,7 +28,13 @@ The configurations and their sources:
 - **DeepSeek-V3** (DeepSeek-AI, "DeepSeek-V3 Technical Report", arXiv:2412.19437, 2024,
   section 3.2): PP16 EP64 TP1 with ZeRO-1 data parallelism on 2,048 H800 GPUs (simulated on
   the H100 profile: same compute, the H800's NVLink is slower), sequence 4096, batch 15,360
-  sequences (the report's final batch). No per-GPU throughput is published.
+  sequences (the report's final batch). No per-GPU throughput is published; the report's
+  figures (2.788M H800 GPU hours for 14.8T tokens) give 14.8e12 / 2.788e6 / 3600 = 1,475
+  tokens per GPU-second, so a step of 15,360 x 4,096 tokens on 2,048 GPUs takes about
+  62.9M / (2,048 x 1,475) = 20.8 s (20.1 s from the pre-training share alone, 2.664M GPU
+  hours) with FP8 and DualPipe; autopar runs neither, so bf16 is simulated.
+  Both MoE rows are priced dropless (each routed token computed and sent once), as Megatron-Core
+  and DeepSeek route; the zoo and ``hf:`` captures hold fixed-capacity buffers.
 - **Gemma 2 27B** (Gemma Team, arXiv:2408.00118, 2024: trained with ZeRO-3-like sharding
   and model parallelism, on TPUs): ZeRO-3 with TP2 on 256 H100 (ours), sequence 8192,
   batch 1024. No GPU throughput is published.
@@ -76,6 +82,7 @@ class Row:
     # settings the publication states but its system met in less memory than this model's
     # runtime holds: the fitting completion may change them (the as-published one keeps them)
     relaxed: tuple = ()
+    routing: str = "capacity"           # MoE layers: dropless where the publication's system routes so
 
 
 def rows() -> list[Row]:
@@ -84,9 +91,10 @@ def rows() -> list[Row]:
             {"tp": 8, "pp": 16, "recompute": "none"}, published=430, relaxed=("recompute",)),
         Row("Llama 3 405B, 16K GPUs", "llama3-405b", "h100", 2048, 8192, 2048, "bf16",
             {"tp": 8, "pp": 16, "recompute": "none"}, published=400, relaxed=("recompute",)),
-        Row("Mixtral 8x22B", "mixtral-8x22b", "h100", 16, 4096, 256, "bf16", {"tp": 4, "pp": 4, "ep": 8}),
+        Row("Mixtral 8x22B", "mixtral-8x22b", "h100", 16, 4096, 256, "bf16", {"tp": 4, "pp": 4, "ep": 8},
+            routing="dropless"),
         Row("DeepSeek-V3", "hf:deepseek-v3", "h100", 256, 4096, 15360, "bf16",
-            {"tp": 1, "pp": 16, "ep": 64, "zero_stage": 1}),
+            {"tp": 1, "pp": 16, "ep": 64, "zero_stage": 1}, routing="dropless"),
         Row("Gemma 2 27B", "hf:gemma2-27b", "h100", 32, 8192, 1024, "bf16", {"tp": 2, "pp": 1, "zero_stage": 3}),
     ]
     for r in csv.DictReader(open(ANCHORS)):
@@ -160,6 +168,7 @@ def terms(score) -> str:
     exchanges inside it, bubble), the data axis's exposed part, contention, the optimizer."""
     p = score.parts
     cp = f", cp {1e3 * p['cp_comm_per_block_s']:.2f} ms" if "cp_comm_per_block_s" in p else ""
+    cp += f", ep all-to-all {1e3 * p['ep_comm_per_block_s']:.2f} ms" if "ep_comm_per_block_s" in p else ""
     return (f"             terms: pipeline {p['pipeline_s']:.2f} s (bubble {score.bubble_fraction:.3f}; per block "
             f"and micro-batch: compute {1e3 * (p['block_fwd_s'] + p['block_bwd_s']):.1f} ms, tp "
             f"{1e3 * p['tp_comm_per_block_s']:.2f} ms{cp}; p2p {1e3 * p['p2p_s']:.2f} ms), data axis exposed "
@@ -179,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         w = load_workload(row.model, batch=1, seq=row.seq, overrides=row.overrides)
         cap = capture_for_planning(w)
-        facts = ModelFacts(cap.gm, seq=row.seq, dtype=row.dtype, layers=cap.block_copies)
+        facts = ModelFacts(cap.gm, seq=row.seq, dtype=row.dtype, layers=cap.block_copies, moe_routing=row.routing)
         cluster = Cluster.from_spec(f"{row.nodes}x8", hardware=row.hardware)
         fitting, fastest, errors = published_layout(facts, cluster, row)
         if row.published is None or fastest is None:

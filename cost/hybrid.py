@@ -125,10 +125,18 @@ class ModelFacts:
     """What the simulator reads from one captured, analysed graph (module docstring)."""
 
     def __init__(self, gm: fx.GraphModule, *, seq: int, dtype: str = "bf16", optimizer_floats: int = 2,
-                 attention: str = "flash", layers: int | None = None) -> None:
+                 attention: str = "flash", layers: int | None = None, moe_routing: str = "capacity") -> None:
         if attention not in ("flash", "materialized"):
             raise ConfigError(f"unknown attention kernel model {attention!r}", expected="flash or materialized")
+        if moe_routing not in ("capacity", "dropless"):
+            raise ConfigError(f"unknown MoE routing {moe_routing!r}", expected="capacity or dropless",
+                              fix="capacity: experts on fixed-capacity buffers as captured; dropless: every "
+                                  "routed token and nothing else (runtime/ep.py DroplessMoE)")
         self.attention = attention
+        # ``capacity``: the experts run on [E, C] slots and the exchange moves those buffers, as the
+        # graph captured them; ``dropless``: the runtime's dropless layer (runtime/ep.py) computes and
+        # sends each routed (token, expert) pair and nothing else
+        self.moe_routing = moe_routing
         ginfo = graph_info(gm)
         if not ginfo.block_classes:
             raise ConfigError("the model has no repeated block to pipeline", where="planner",
@@ -293,21 +301,26 @@ class ModelFacts:
             f, b = node_seconds(n, at, dev, self.dtype, strategy=s, n=tp, width=width, extra_bytes=extra,
                                 attention=self.attention)
             saved = float(evaluate(rec.saved_bytes, at)) * work * width + score_saved
+            # the experts run on [E, C] slots, of which tokens x top_k are routed tokens: the rest
+            # is padding (capacity), hardware work but not model FLOPs; dropless, the routed
+            # pairs alone are computed, held and sent
+            share = self._routed_share(rec.moe_region, at) if rec.moe_role == "expert" else 1.0
+            routed = share if self.moe_routing == "dropless" else 1.0
+            f, b, ff, fb, saved = f * routed, b * routed, ff * routed, fb * routed, saved * routed
             p.fwd += f
             p.bwd += b
             if rec.moe_role == "expert":
-                # the experts run on [E, C] slots, of which tokens x top_k are routed tokens: the
-                # rest is padding (capacity), hardware work but not model FLOPs
-                p.padding_flops += (ff + fb) * (1 - self._routed_share(rec.moe_region, at))
+                if routed == 1.0:
+                    p.padding_flops += (ff + fb) * (1 - share)
                 p.expert_fwd += f
                 p.expert_bwd += b
                 f1, b1 = node_seconds(n, at, dev, self.dtype, width=width)
-                p.expert_fwd1 += f1
-                p.expert_bwd1 += b1
+                p.expert_fwd1 += f1 * routed
+                p.expert_bwd1 += b1 * routed
                 buf = n.args[0] if n.target is torch.ops.aten.bmm.default else None
                 if buf is not None and info(buf).moe_role != "expert" and buf not in buffers:
-                    buffers.add(buf)          # the dispatch buffer entering the experts
-                    p.a2a_bytes += float(evaluate(info(buf).values[0].nbytes, at)) * width
+                    buffers.add(buf)          # the dispatch buffer entering the experts (dropless: its routed rows)
+                    p.a2a_bytes += float(evaluate(info(buf).values[0].nbytes, at)) * width * routed
             p.saved += saved
             p.flops += ff + fb
             p.fwd_flops += ff
@@ -506,8 +519,11 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     axes = mesh_axes(c, cluster)
     parts, strategies = facts.parts(c.tp, c.micro_batch, cluster, axes, exact=not fast, seq=facts.seq // c.cp)
     pre, blk, post = parts["pre"], parts["block"], parts["post"]
+    ep_comm = 0.0
     if c.ep > 1:
+        tp_only = blk.comm_fwd + blk.comm_bwd
         blk = _with_experts(blk, c, cluster)
+        ep_comm = blk.comm_fwd + blk.comm_bwd - tp_only
     if c.cp > 1:
         from autopar.cost.cp_planner import block_costs
         kind, cp_fwd, cp_bwd, _ = block_costs(facts, c, cluster, axes, c.cp_kind)
@@ -587,7 +603,9 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
                  parts={"pipeline_s": pipe, "dp_comm_s": dp_comm, "dp_exposed_s": exposed, "optimizer_s": optim,
                         "contention_s": contention,
                         **({"cp_comm_per_block_s": cp_fwd + cp_bwd} if c.cp > 1 else {}),
-                        "tp_comm_per_block_s": blk.comm_fwd + blk.comm_bwd, "block_fwd_s": blk.fwd,
+                        **({"ep_comm_per_block_s": ep_comm} if c.ep > 1 else {}),
+                        "tp_comm_per_block_s": blk.comm_fwd + blk.comm_bwd - ep_comm
+                        - (cp_fwd + cp_bwd if c.cp > 1 else 0.0), "block_fwd_s": blk.fwd,
                         "block_bwd_s": blk.bwd, "stage_fwd_s": fwd, "stage_bwd_s": bwd, "p2p_s": p2p,
                         "stage_layers": list(counts), "device_memory_bytes": mems})
 

@@ -30,6 +30,7 @@ from autopar.cost.hybrid import Config, ModelFacts, simulate
 from autopar.cost.step_terms import stage_layers
 from autopar.cost.op_cost import efficiencies, local_bytes, node_seconds
 from autopar.cost.pp_sim import ZB_SPLIT_OVERHEAD
+from autopar.core.errors import ConfigError
 from autopar.core.meta import evaluate, info
 from autopar.cli.workload import capture_workload, load_workload
 
@@ -428,3 +429,23 @@ def test_model_flops_count_routed_tokens_not_capacity_padding(node8):
     s = _score(f, node8, 8, dp=8)
     assert s.hw_flops - s.model_flops == pytest.approx(8 * expert * (1 - share), rel=1e-9)
     assert s.mfu == pytest.approx(s.model_flops / s.step_time_s / 8 / node8.device.peak("bf16"), rel=1e-9)
+
+
+def test_dropless_routing_computes_and_sends_only_routed_tokens(node8):
+    # E4: the runtime's dropless layer (runtime/ep.py) sends each routed (token, expert) pair
+    # once; priced so, the experts' time and the exchange shrink by the routed share and the
+    # model FLOPs equal the capacity pricing's routed count
+    w = load_workload("mixtral-8x7b", batch=1, seq=1024, overrides={"layers": "2"})
+    gm = capture_workload(w)
+    cap, drop = (ModelFacts(gm, seq=1024, dtype="bf16", moe_routing=r) for r in ("capacity", "dropless"))
+    axes = (("pp", 1), ("dp", 8), ("tp", 1))
+    bc, bd = cap.parts(1, 1, node8, axes)[0]["block"], drop.parts(1, 1, node8, axes)[0]["block"]
+    (region, *_) = cap._regions.values()
+    share = 1024 * region.top_k / (float(evaluate(region.capacity, cap.sizes(1))) * region.num_experts)
+    assert bd.a2a_bytes == pytest.approx(share * bc.a2a_bytes, rel=1e-9)
+    assert bd.expert_fwd == pytest.approx(share * bc.expert_fwd, rel=1e-9) and bd.padding_flops == 0
+    sc, sd = (simulate(f, node8, Config(dp=8, tp=1, pp=1, micro_batch=1, ep=4), batch=8) for f in (cap, drop))
+    assert sd.model_flops == pytest.approx(sc.model_flops, rel=1e-9) and sd.hw_flops < sc.hw_flops
+    assert sd.step_time_s < sc.step_time_s
+    with pytest.raises(ConfigError, match="routing"):
+        ModelFacts(gm, seq=1024, moe_routing="tokens")

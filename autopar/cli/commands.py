@@ -483,6 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "the same default as simulate")
     pl.add_argument("--memory-budget", type=checks.gigabytes("--memory-budget"), metavar="GB",
                     help="bytes per device in decimal GB (default: the device's memory)")
+    pl.add_argument("--moe-routing", choices=["capacity", "dropless"], default="capacity", help=_ROUTING_HELP)
     pl.add_argument("--zero", choices=["auto", "0", "1", "2", "3"], default="auto",
                     help="ZeRO stage (default auto; --pp N plans without ZeRO)")
     pl.add_argument("--tp", default="auto", help="tensor-parallel degree, exactly (it must divide the devices), "
@@ -549,6 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
     sm.add_argument("--attention", choices=["flash", "materialized"], default="flash",
                     help="price attention as a flash kernel, or with the [s, s] scores written out")
+    sm.add_argument("--moe-routing", choices=["capacity", "dropless"], default="capacity", help=_ROUTING_HELP)
     sm.add_argument("--timeline", metavar="OUT.svg", help="draw the simulated pipeline schedule to this SVG file")
     sm.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     sm.add_argument("-q", "--quiet", action="store_true", help="accepted for symmetry with plan (prints no progress)")
@@ -562,6 +564,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("calibrate", help="measure this machine and write a hardware profile "
                    "(autopar calibrate --help)")
     return p
+
+
+_ROUTING_HELP = ("mixture-of-experts layers: capacity (default, as captured: experts on fixed-capacity buffers, "
+                 "padding computed and sent) or dropless (each routed token computed and sent once, as the "
+                 "runtime's dropless layer runs a transformers model's experts)")
 
 
 def _run_quietly(args: argparse.Namespace) -> int:

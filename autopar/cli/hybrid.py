@@ -25,7 +25,8 @@ def _hybrid_facts(args: argparse.Namespace, planned):
     from autopar.cost.dp_planner import optimizer_floats
     dtype = "fp32" if args.dtype == "fp32" else args.dtype
     return ModelFacts(planned.gm, seq=args.seq, dtype=dtype, optimizer_floats=optimizer_floats(args.optimizer),
-                      attention=getattr(args, "attention", "flash"), layers=planned.block_copies)
+                      attention=getattr(args, "attention", "flash"), layers=planned.block_copies,
+                      moe_routing=getattr(args, "moe_routing", "capacity"))
 
 
 def _budget(args: argparse.Namespace, cluster) -> float:
