@@ -9,8 +9,13 @@ Measures, on the machine it runs on:
   wave quantization, :func:`autopar.cost.compute.gemm_efficiency`);
 - memory bandwidth from a large device-to-device copy (counted as read + write);
 - per-kernel overhead from a stream of tiny in-place adds;
+- zero-bubble's split backward against one whole backward on a two-layer block
+  (``zb_split_overhead``), and on a GPU the bytes the process holds beside its tensors
+  (``reserve_bytes``: CUDA context and library workspaces);
 - collective latency and bandwidth of all_reduce, all_gather, reduce_scatter and all_to_all at
-  world size 2: gloo on CPU always, NCCL when at least 2 CUDA devices exist. Ranks are
+  group size 2, and (a full run) at 4 and on a GPU machine 8 where it has the devices: gloo on
+  CPU always, NCCL when at least 2 CUDA devices exist; two sizes separate the fixed cost per
+  call from the cost per ring step. Ranks are
   started from a forkserver with torch preloaded and meet on 127.0.0.1 at a free port.
   Per collective, ``time = a + b * bytes`` is fitted by least squares (relative error) and
   inverted through :func:`autopar.cost.comm.ring_coefficients` into a per-step latency alpha
@@ -87,8 +92,8 @@ def measure_matmul(device: torch.device, dtype: str, sizes: Sequence[int],
 
 def measure_attention(device: torch.device, dtype: str, shape: Sequence[int], repeats: int) -> float | None:
     """FLOP/s of causal ``scaled_dot_product_attention`` forward plus backward on ``[b, heads,
-    s, d]`` tensors, counted as the flop pass counts it (forward 4·b·heads·s²·d, backward twice
-    that: the whole square, the count the planners price); None if it does not run."""
+    s, d]`` tensors, counted as the flop pass counts it (forward 4·b·heads·d per query-key pair
+    at or below the diagonal, s(s+1)/2 of them; backward twice that); None if it does not run."""
     b, h, n, d = shape
     try:
         q, k, v = (torch.randn(b, h, n, d, device=device).to(_DTYPES[dtype]).requires_grad_() for _ in range(3))
@@ -101,7 +106,7 @@ def measure_attention(device: torch.device, dtype: str, shape: Sequence[int], re
     except (RuntimeError, TypeError) as exc:
         _log(f"attention {dtype}: skipped ({str(exc).splitlines()[0][:80]})")
         return None
-    rate = 3 * 4.0 * b * h * n * n * d / seconds
+    rate = 3 * 4.0 * b * h * (n * (n + 1) / 2) * d / seconds
     _log(f"attention {dtype} [{b}, {h}, {n}, {d}] forward + backward: {rate / 1e9:.1f} GFLOP/s")
     return rate
 
@@ -122,6 +127,49 @@ def measure_kernel_overhead(device: torch.device, count: int) -> float:
     overhead = best_time(lambda: x.add_(1.0), device, warmup=10, repeats=3, inner=count)
     _log(f"kernel overhead: {overhead * 1e6:.2f} us")
     return overhead
+
+
+def measure_split_backward(device: torch.device, width: int, rows: int, repeats: int) -> float:
+    """Zero-bubble's split backward over one whole backward (``zb_split_overhead``), on a block of
+    two linear layers around a GELU (``rows x width`` activations): the whole backward is one
+    ``autograd.grad`` for the input and the weights; the split one, as torch's zero-bubble
+    schedules run it, takes the input's gradient first (keeping the graph) and the weights'
+    after. Clamped to [0, 1]."""
+    x = torch.randn(rows, width, device=device, requires_grad=True)
+    w1 = torch.randn(4 * width, width, device=device, requires_grad=True)
+    w2 = torch.randn(width, 4 * width, device=device, requires_grad=True)
+    grad = torch.randn(rows, width, device=device)
+
+    def forward() -> torch.Tensor:
+        return torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(x, w1)), w2)
+
+    def whole() -> None:
+        torch.autograd.grad(forward(), (x, w1, w2), grad)
+
+    def split() -> None:
+        out = forward()
+        torch.autograd.grad(out, (x,), grad, retain_graph=True)
+        torch.autograd.grad(out, (w1, w2), grad)
+    fwd = best_time(forward, device, warmup=1, repeats=repeats)
+    one, two = (best_time(f, device, warmup=1, repeats=repeats) - fwd for f in (whole, split))
+    overhead = min(1.0, max(0.0, two / max(one, 1e-12) - 1))
+    _log(f"split backward (zero-bubble) over a whole one: +{100 * overhead:.1f} %")
+    return overhead
+
+
+def measure_reserve(device: torch.device) -> float | None:
+    """Bytes a GPU process holds beside its tensors once CUDA, cuBLAS and a matmul ran: the
+    device's used memory (``mem_get_info``) less what the caching allocator reserved; None on
+    a CPU."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(1024, 1024, device=device)
+    torch.mm(a, a)
+    _sync(device)
+    free, total = torch.cuda.mem_get_info(device)
+    reserve = float(total - free - torch.cuda.memory_reserved(device))
+    _log(f"process reserve (context, workspaces): {reserve / 1e9:.2f} GB")
+    return max(0.0, reserve)
 
 
 # --- collectives ------------------------------------------------------------------------------
@@ -234,14 +282,39 @@ def link_fit(kind: str, world: int, points: Sequence[Sequence[float]]) -> dict[s
             "seconds_per_byte": slope, "points": [list(p) for p in points]}
 
 
-def _link_profile(backend: str, world: int, points: dict[str, list[list[float]]]) -> LinkProfile:
-    fits = {kind: link_fit(kind, world, pts) for kind, pts in points.items()}
-    for kind, fit in fits.items():
-        _log(f"{backend} {kind}: alpha {fit['alpha_s'] * 1e6:.1f} us/step, "
-             f"bus bandwidth {fit['bandwidth'] / 1e9:.2f} GB/s")
-    main = fits["all_reduce"]  # the all-reduce busbw is the link figure, as in comm.py
-    return LinkProfile(backend=backend, world_size=world, alpha_s=main["alpha_s"],
-                       bandwidth=main["bandwidth"], collectives=fits)
+def _link_profile(backend: str, timed: dict[int, dict[str, list[list[float]]]]) -> LinkProfile:
+    """The link figures from timings at group size 2 and any larger sizes: bandwidth from the
+    size-2 all-reduce's bus bandwidth (as :mod:`autopar.cost.comm` uses it); with a second
+    size, the all-reduce's intercept ``base + 2(n-1) alpha`` at both sizes separates the fixed
+    cost per call from the cost per ring step (``split_latency``)."""
+    by_size = {n: {kind: link_fit(kind, n, pts) for kind, pts in points.items()} for n, points in timed.items()}
+    for n, fits in by_size.items():
+        for kind, fit in fits.items():
+            _log(f"{backend} {kind} at {n}: alpha {fit['alpha_s'] * 1e6:.1f} us/step, "
+                 f"bus bandwidth {fit['bandwidth'] / 1e9:.2f} GB/s")
+    main = by_size[2]["all_reduce"]  # the all-reduce busbw is the link figure, as in comm.py
+    base, alpha = split_latency({n: fits["all_reduce"]["intercept_s"] for n, fits in by_size.items()})
+    if len(by_size) > 1:
+        _log(f"{backend}: {base * 1e6:.1f} us per call + {alpha * 1e6:.1f} us per ring step")
+    return LinkProfile(backend=backend, world_size=2, alpha_s=alpha, bandwidth=main["bandwidth"],
+                       collectives=by_size[2], base_latency_s=base,
+                       by_group_size={str(n): fits for n, fits in by_size.items() if n != 2})
+
+
+def split_latency(intercepts: dict[int, float]) -> tuple[float, float]:
+    """``(base, alpha)`` from all-reduce intercepts at group sizes ``n`` (``base + 2(n-1)
+    alpha``), least squares over the sizes, both clamped at 0; one size: ``(0, intercept /
+    steps)``."""
+    if len(intercepts) == 1:
+        (n, t), = intercepts.items()
+        return 0.0, t / ring_coefficients("all_reduce", n)[0]
+    xs = {n: ring_coefficients("all_reduce", n)[0] for n in intercepts}
+    mx = sum(xs.values()) / len(xs)
+    my = sum(intercepts.values()) / len(xs)
+    sxx = sum((x - mx) ** 2 for x in xs.values())
+    alpha = max(0.0, sum((xs[n] - mx) * (t - my) for n, t in intercepts.items()) / sxx)
+    base = max(0.0, my - alpha * mx)
+    return base, alpha
 
 
 # --- device spec from measurements ------------------------------------------------------------
@@ -291,15 +364,29 @@ def _datasheet_for(device_name: str) -> DeviceSpec | None:
 
 
 def build_device_spec(device: torch.device, flops: dict[str, float], bandwidth: float,
-                      overhead: float, attention: dict[str, float] | None = None) -> DeviceSpec:
+                      overhead: float, attention: dict[str, float] | None = None, *,
+                      split: float | None = None, reserve: float | None = None) -> DeviceSpec:
     """A DeviceSpec from measurements.
 
     On a GPU with a built-in datasheet profile (:data:`_SHEETS`) the datasheet peaks stay and the measured rates
     become efficiencies (clamped to 1). Elsewhere the best measured rate *is* the peak and
     the efficiencies are 1: the figures are achievable rates, not datasheet ones. The
     attention rate (``attention``, FLOP/s by dtype) becomes ``attention_efficiency`` against
-    the same peak, and a GPU's SM count is read from the runtime.
+    the same peak, and a GPU's SM count is read from the runtime. ``split`` (zero-bubble's
+    split-backward overhead) and ``reserve`` (a GPU process's bytes beside its tensors) replace
+    the profile's estimates where measured; the communicator buffers, allocator slack and
+    contention stay the built-in estimates (their sources say so).
     """
+    runtime: dict[str, Any] = {}
+    measured_note = "measured by autopar calibrate on this machine"
+    if split is not None:
+        runtime["zb_split_overhead"] = split
+    if reserve is not None:
+        runtime["reserve_bytes"] = reserve
+    runtime_sources = {k: f"{measured_note}" + (": split vs whole backward of a two-layer MLP block"
+                                                if k == "zb_split_overhead" else
+                                                ": used device memory less the allocator's reserve after a matmul")
+                       for k in runtime}
     measured = "measured by autopar calibrate on this machine"
     sm_count = 0
     if device.type == "cuda":
@@ -328,7 +415,7 @@ def build_device_spec(device: torch.device, flops: dict[str, float], bandwidth: 
                           memory_bytes=memory, memory_bandwidth=sheet.memory_bandwidth,
                           matmul_efficiency=eff, memory_efficiency=mem_eff,
                           kernel_overhead_s=overhead, sm_count=sm_count or sheet.sm_count,
-                          attention_efficiency=att, sources=sources)
+                          attention_efficiency=att, sources={**sources, **runtime_sources}, **runtime)
     for key in flops:
         sources[f"peak_flops.{key}"] = f"{measured}: best {key} matmul rate (so efficiency 1)"
     sources["memory_bandwidth"] = f"{measured}: copy bandwidth (so efficiency 1)"
@@ -337,9 +424,14 @@ def build_device_spec(device: torch.device, flops: dict[str, float], bandwidth: 
     att = min(1.0, attention[key] / flops[key]) if key in attention else 0.0
     if att:
         sources["attention_efficiency"] = f"{measured}: causal {key} attention forward + backward / best {key} matmul"
+    if device.type != "cuda":        # a CPU host: no context or communicator buffers counted, no SM contention
+        runtime = {"reserve_bytes": 0.0, "comm_buffer_bytes": 0.0, "fragmentation": 0.0, "comm_contention": 0.0,
+                   **runtime}
+        runtime_sources = {**{k: "none counted on a CPU host" for k in runtime}, **runtime_sources}
     return DeviceSpec(name=f"{name} (calibrated)", peak_flops=flops, memory_bytes=memory,
                       memory_bandwidth=bandwidth, matmul_efficiency=1.0, memory_efficiency=1.0,
-                      kernel_overhead_s=overhead, sm_count=sm_count, attention_efficiency=att, sources=sources)
+                      kernel_overhead_s=overhead, sm_count=sm_count, attention_efficiency=att,
+                      sources={**sources, **runtime_sources}, **runtime)
 
 
 # --- entry points -----------------------------------------------------------------------------
@@ -349,13 +441,15 @@ def _plan(device: torch.device, quick: bool) -> dict[str, Any]:
     if quick:
         return {"matmul_sizes": [1024, 4096] if gpu else [256, 512], "repeats": 3,
                 "attention_shape": [2, 16, 1024, 128] if gpu else [1, 4, 128, 32],
+                "split_block": [1024, 4096] if gpu else [128, 256],
                 "memory_bytes": (256 if gpu else 32) * 2**20, "overhead_count": 200,
-                "message_sizes": [2**12, 2**16, 2**20, 2**22], "comm_repeats": 3}
+                "message_sizes": [2**12, 2**16, 2**20, 2**22], "comm_repeats": 3, "group_sizes": [2]}
     return {"matmul_sizes": [2048, 4096, 8192] if gpu else [512, 1024, 2048], "repeats": 10,
             "attention_shape": [4, 16, 4096, 128] if gpu else [1, 8, 512, 64],
+            "split_block": [4096, 8192] if gpu else [256, 1024],
             "memory_bytes": (1024 if gpu else 256) * 2**20, "overhead_count": 2000,
             "message_sizes": [2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24, 2**26],
-            "comm_repeats": 5}
+            "comm_repeats": 5, "group_sizes": [2, 4, 8] if gpu else [2, 4]}
 
 
 def _measure_links(device: torch.device, plan: dict[str, Any],
@@ -369,14 +463,18 @@ def _measure_links(device: torch.device, plan: dict[str, Any],
                      f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
         _log(notes[-1])
     for backend in backends:
-        _log(f"{backend}: timing {', '.join(KINDS)} at world size 2 ...")
-        try:
-            points = measure_collectives(backend, plan["message_sizes"], plan["comm_repeats"])
-        except RuntimeError as exc:
-            notes.append(f"{backend} skipped: {exc}")
-            _log(notes[-1])
-            continue
-        links[backend] = _link_profile(backend, 2, points)
+        sizes = [n for n in plan["group_sizes"]
+                 if backend == "gloo" or n <= torch.cuda.device_count()]
+        timed: dict[int, dict[str, list[list[float]]]] = {}
+        for n in sizes:
+            _log(f"{backend}: timing {', '.join(KINDS)} at group size {n} ...")
+            try:
+                timed[n] = measure_collectives(backend, plan["message_sizes"], plan["comm_repeats"], world=n)
+            except RuntimeError as exc:
+                notes.append(f"{backend} at group size {n} skipped: {exc}")
+                _log(notes[-1])
+        if 2 in timed:
+            links[backend] = _link_profile(backend, timed)
     return links
 
 
@@ -434,13 +532,17 @@ def calibrate(device: str = "auto", *, out: str | None = None, quick: bool = Fal
             attention[canonical_dtype(dtype)] = rate
     bandwidth = measure_memory(target, plan["memory_bytes"], plan["repeats"])
     overhead = measure_kernel_overhead(target, plan["overhead_count"])
+    width, rows = plan["split_block"]
+    split = measure_split_backward(target, width, rows, plan["repeats"])
+    reserve = measure_reserve(target)
     notes: list[str] = [odd] if odd else []
     if odd:
         _log("NOTE: " + odd)
     links = _measure_links(target, plan, notes)
-    spec = build_device_spec(target, flops, bandwidth, overhead, attention)
+    spec = build_device_spec(target, flops, bandwidth, overhead, attention, split=split, reserve=reserve)
     measurements = {"matmul_flops_per_s": matmul, "attention_flops_per_s": attention, "copy_bandwidth": bandwidth,
-                    "kernel_overhead_s": overhead, "plan": plan, "quick": quick,
+                    "kernel_overhead_s": overhead, "split_backward_overhead": split, "reserve_bytes": reserve,
+                    "plan": plan, "quick": quick,
                     "torch": torch.__version__, "host": socket.gethostname(),
                     "seconds": round(time.perf_counter() - started, 3)}
     profile = HardwareProfile(device=spec, links=links, measurements=measurements, notes=notes)

@@ -248,9 +248,10 @@ def _profile_links(profile: HardwareProfile) -> tuple[DeviceSpec, NodeLinks]:
     measured = profile.links.get("nccl") or profile.links.get("gloo")
     if measured is None:
         return profile.device, _CPU_HOST
-    source = (f"measured by autopar calibrate ({measured.backend}, world size "
-              f"{measured.world_size}); used for intra- and inter-node links alike")
-    link = Link(bandwidth=measured.bandwidth, base_latency_s=0.0,
+    sizes = sorted({measured.world_size, *map(int, measured.by_group_size)})
+    source = (f"measured by autopar calibrate ({measured.backend}, group sizes "
+              f"{', '.join(map(str, sizes))}); used for intra- and inter-node links alike")
+    link = Link(bandwidth=measured.bandwidth, base_latency_s=measured.base_latency_s,
                 hop_latency_s=measured.alpha_s, source=source)
     return profile.device, NodeLinks(intra=link, inter=link, intra_peak_bandwidth=link.bandwidth,
                                      devices_per_node=1)

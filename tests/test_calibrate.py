@@ -64,6 +64,11 @@ def test_quick_run_writes_a_loadable_profile(quick_profile: tuple[Path, dict]) -
     rate = profile["measurements"]["attention_flops_per_s"]["fp32"]
     assert device.attention_efficiency == pytest.approx(min(1.0, rate / device.peak("fp32")))
     assert "attention" in device.sources["attention_efficiency"] and device.sm_count == 0
+    # the zero-bubble split overhead is measured (a CPU host has no reserve counted)
+    split = profile["measurements"]["split_backward_overhead"]
+    assert 0 <= split <= 1 and device.zb_split_overhead == pytest.approx(split)
+    assert "measured" in device.sources["zb_split_overhead"]
+    assert device.reserve_bytes == 0 and profile["measurements"]["reserve_bytes"] is None
 
 
 def test_quick_run_measures_gloo_collectives(quick_profile: tuple[Path, dict]) -> None:
@@ -114,3 +119,22 @@ def test_dtype_rates_too_far_apart_are_said():
     note = implausible_rates({"fp32": 2e9, "bf16": 400e9}, quick=True)
     assert note and "200x faster than fp32" in note and "rerun without --quick" in note
     assert implausible_rates({"fp32": 1e9, "bf16": PLAUSIBLE_RATIO * 1e9 * 1.01}, quick=False)
+
+
+def test_two_group_sizes_separate_the_call_cost_from_the_ring_steps() -> None:
+    # all-reduce intercepts base + 2(n-1) alpha at n = 2, 4 and 8
+    base, alpha = 30e-6, 5e-6
+    got = cal.split_latency({n: base + 2 * (n - 1) * alpha for n in (2, 4, 8)})
+    assert got == pytest.approx((base, alpha))
+    assert cal.split_latency({2: 40e-6}) == pytest.approx((0.0, 20e-6))     # one size: all to the steps
+    assert cal.split_latency({2: 40e-6, 4: 30e-6}) == (pytest.approx(35e-6), 0.0)   # noise: clamped
+
+
+def test_a_profile_with_a_base_latency_prices_it_per_call(tmp_path: Path) -> None:
+    from autopar.cost.hardware import HardwareProfile, LinkProfile
+    link = LinkProfile(backend="gloo", world_size=2, alpha_s=5e-6, bandwidth=1e9, base_latency_s=30e-6,
+                       by_group_size={"4": {}})
+    path = HardwareProfile(device=load_hardware("cpu"), links={"gloo": link}).save(tmp_path / "p.json")
+    cluster = Cluster.from_spec("1x4", hardware=str(path))
+    assert cluster.intra.base_latency_s == 30e-6 and "group sizes 2, 4" in cluster.intra.source
+    assert comm.collective_time("all_reduce", 0, cluster, [("dp", 4)], "dp") == pytest.approx(30e-6 + 6 * 5e-6)
