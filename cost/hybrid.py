@@ -292,14 +292,20 @@ class ModelFacts:
             extra = (0.0, 0.0)
             score_saved = 0.0
             sdpa = _is_sdpa(n)
+            square = 1.0
             if self.attention == "materialized" and sdpa:
+                # the two GEMMs compute every query-key pair, masked or not: the whole square
+                if _causal(n):
+                    sq = float(evaluate(info(n.args[0]).values[0].shape[-2], at))
+                    square = 2 * sq / (sq + 1)
+                    ff, fb = ff * square, fb * square
                 scores = _score_bytes(n, at, self.dtype) * work
                 extra = (SCORE_PASSES_FWD * scores, SCORE_PASSES_BWD * scores)
                 # held for backward: the probabilities and the dropout output in the compute
                 # dtype and the 1-byte dropout mask (Korthikanti et al. 2022, section 4.1)
                 score_saved = 2 * scores + scores / (2 if self.dtype in ("bf16", "fp16") else 4)
             f, b = node_seconds(n, at, dev, self.dtype, strategy=s, n=tp, width=width, extra_bytes=extra,
-                                attention=self.attention)
+                                attention=self.attention, flops_scale=square)
             saved = float(evaluate(rec.saved_bytes, at)) * work * width + score_saved
             # the experts run on [E, C] slots, of which tokens x top_k are routed tokens: the rest
             # is padding (capacity), hardware work but not model FLOPs; dropless, the routed

@@ -39,15 +39,17 @@ _GEMMS = {aten.mm.default: "mm", aten.matmul.default: "mm", aten.addmm.default: 
 
 def node_seconds(node: fx.Node, at: Mapping[str, int], device: DeviceSpec, dtype: str, *,
                  strategy: Any = None, n: int = 1, width: float = 1.0,
-                 extra_bytes: tuple[float, float] = (0.0, 0.0), attention: str = "flash") -> tuple[float, float]:
+                 extra_bytes: tuple[float, float] = (0.0, 0.0), attention: str = "flash",
+                 flops_scale: float = 1.0) -> tuple[float, float]:
     """(forward, backward) seconds of ``node`` at sizes ``at`` under ``strategy`` (a tensor-axis
     :class:`~autopar.passes.sharding.Strategy` over ``n`` ranks, or None: unsplit). ``width``
     scales the recorded bytes (0.5 for a graph captured in fp32 and run in 16 bits);
     ``extra_bytes`` adds (forward, backward) traffic the graph does not record, already local.
     ``attention="materialized"`` prices an attention node as its two batched GEMMs (scores
-    written out) instead of a fused kernel."""
+    written out) instead of a fused kernel; ``flops_scale`` multiplies the recorded FLOPs (the
+    whole square such GEMMs compute under a causal mask the flop pass counts at half)."""
     rec = info(node)
-    work = strategy.work if strategy is not None else 1.0
+    work = (strategy.work if strategy is not None else 1.0) * flops_scale
     ff = float(evaluate(rec.flops_fwd, at)) * work
     fb = float(evaluate(rec.flops_bwd, at)) * work if rec.requires_grad else 0.0
     bf = local_bytes(node, at, strategy, n) * width

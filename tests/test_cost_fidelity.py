@@ -449,3 +449,14 @@ def test_dropless_routing_computes_and_sends_only_routed_tokens(node8):
     assert sd.step_time_s < sc.step_time_s
     with pytest.raises(ConfigError, match="routing"):
         ModelFacts(gm, seq=1024, moe_routing="tokens")
+
+
+def test_materialized_attention_computes_the_whole_square(node8):
+    # the two GEMMs of written-out attention compute every pair, masked or not
+    seq, heads, hidden = 1024, 8, 512
+    flash = _facts(seq=seq, heads=heads, hidden=hidden)
+    mat = _facts(seq=seq, heads=heads, hidden=hidden, attention="materialized")
+    axes = (("pp", 1), ("dp", 8), ("tp", 1))
+    bf, bm = flash.parts(1, 1, node8, axes)[0]["block"], mat.parts(1, 1, node8, axes)[0]["block"]
+    assert bm.attn_fwd_flops == pytest.approx(2 * heads * seq * seq * 2 * (hidden // heads), rel=1e-12)
+    assert bm.attn_fwd_flops == pytest.approx(bf.attn_fwd_flops * 2 * seq / (seq + 1), rel=1e-12)
