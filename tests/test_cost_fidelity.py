@@ -383,7 +383,7 @@ def test_the_loss_on_the_logits_is_timed_and_held(node8):
     loss_fwd = pb.fwd - head(big)
     assert loss_fwd == pytest.approx((6 + 12) * seq * 16384 / bw + dev.kernel_overhead_s * 2, rel=1e-6)
     # a model that returns its own loss has it in the graph already: nothing is added
-    from autopar.cost.hybrid import _logits
+    from autopar.cost.model_facts import logits_node as _logits
     from tests.conftest import analysed
 
     class WithLoss(torch.nn.Module):
