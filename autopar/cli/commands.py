@@ -537,19 +537,16 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--cp-kind", choices=["ring", "allgather", "alltoall"],
                     help="how attention crosses the cp ranks (default: the cheapest)")
     sm.add_argument("--ep", type=count("--ep", high=checks.MAX_DEVICES), default=1,
-                    help="expert parallelism of a mixture-of-experts model: ranks dealing the experts "
-                         "(default 1); it must divide dp and the expert count")
+                    help="expert parallelism: ranks dealing a MoE model's experts (default 1; divides dp and experts)")
     sm.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
     sm.add_argument("--shard-group", type=count("--shard-group", low=0, high=checks.MAX_DEVICES), default=0,
-                    metavar="G", help="hybrid sharding (ZeRO-2/3): data ranks per group of pieces, replicated "
-                                      "across the groups (default 0: the whole data axis)")
+                    metavar="G", help="hybrid sharding (ZeRO-2/3): data ranks per group of replicated pieces (0: all)")
     sm.add_argument("--micro-batch-size", type=count("--micro-batch-size"), default=1,
                     help="samples per micro-batch (default 1); micro-batches = batch / (dp x this)")
     sm.add_argument("--schedule", choices=["1f1b", "interleaved", "gpipe", "zb"], default="1f1b")
     sm.add_argument("--virtual-stages", type=count("--virtual-stages"), default=1)
     sm.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
-    sm.add_argument("--attention", choices=["flash", "materialized"], default="flash",
-                    help="price attention as a flash kernel, or with the [s, s] scores written out")
+    sm.add_argument("--attention", choices=["flash", "materialized"], default="flash", help="flash, or scores written out")
     sm.add_argument("--moe-routing", choices=["capacity", "dropless"], default="capacity", help=_ROUTING_HELP)
     sm.add_argument("--timeline", metavar="OUT.svg", help="draw the simulated pipeline schedule to this SVG file")
     sm.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
@@ -566,9 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_ROUTING_HELP = ("mixture-of-experts layers: capacity (default, as captured: experts on fixed-capacity buffers, "
-                 "padding computed and sent) or dropless (each routed token computed and sent once, as the "
-                 "runtime's dropless layer runs a transformers model's experts)")
+_ROUTING_HELP = "MoE layers as captured (capacity buffers, padding computed and sent) or dropless (routed tokens only)"
 
 
 def _run_quietly(args: argparse.Namespace) -> int:
