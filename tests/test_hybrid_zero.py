@@ -3,7 +3,8 @@
 
 - A ``transformers`` Llama in float64, three SGD-momentum steps with its own loss on each
   rank's rows: every parameter equals one process's on the whole batch; the pieces are halves
-  (cut over 2 ranks, not 4) and each rank's pieces equal its replica's.
+  (cut over 2 ranks, not 4) and each rank's pieces equal its replica's; the same over a data
+  axis of two mesh axes (dp 2 x cp 2, each sequence split in two).
 - A checkpoint saved under hybrid sharding loads under plain ZeRO-3 and continues exactly.
 - The bytes a rank holds (pieces, gradients, AdamW state) are what the simulator predicts for
   the same layout (cost/hybrid.py, ``Config(shard_group=2)``), within 10 %.
@@ -55,6 +56,19 @@ def _cases(rank: int, world: int, root: str) -> dict:
     out["groups"] = (rt.n, rt.replicas, rt.data_n)
     out["pieces"] = {f: t.detach().clone() for f, t in rt.shard_params.items()}
     out["state"] = {k: v.detach().clone() for k, v in every_rank_state_dict(pm).items()}
+    # the data axis over two mesh axes (dp x cp, each sequence split in two): groups of 2 of its 4 ranks
+    long = hf_tiny.batch(rows=ROWS // 2, seq=2 * SEQ)
+    mesh = {"dp": 2, "cp": 2}
+    mine = autopar.data.shard(long, mesh)
+    pm4 = autopar.parallelize(hf_tiny.build("llama", torch.float64), mesh, example_kwargs=mine, zero_stage=3,
+                              options=hybrid)
+    opt4 = autopar.optimizer(pm4, torch.optim.SGD, lr=0.1, momentum=0.9)
+    for _ in range(STEPS):
+        pm4(**mine).loss.backward()
+        opt4.step()
+        opt4.zero_grad()
+    out["cp_groups"] = (pm4.dp_runtime.n, pm4.dp_runtime.replicas)
+    out["cp_state"] = {k: v.detach().clone() for k, v in every_rank_state_dict(pm4).items()}
     # the checkpoint of step 2, loaded under plain ZeRO-3 over all 4 ranks: step 3 lands the same
     pm2 = autopar.parallelize(hf_tiny.build("llama", torch.float64, seed=7), {"dp": world}, example_kwargs=part,
                               zero_stage=3)
@@ -87,10 +101,10 @@ def world4(tmp_path_factory):
     return run_ranks(_cases, 4, str(tmp_path_factory.mktemp("hybrid") / "ckpt"), timeout_s=600)
 
 
-def _reference(steps: int) -> dict:
+def _reference(steps: int, rows: int = ROWS, seq: int = SEQ) -> dict:
     model = hf_tiny.build("llama", torch.float64)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    data = hf_tiny.batch(rows=ROWS, seq=SEQ)
+    data = hf_tiny.batch(rows=rows, seq=seq)
     for _ in range(steps):
         model(**data, use_cache=False).loss.backward()
         opt.step()
@@ -111,6 +125,12 @@ def test_hybrid_zero3_trains_as_one_process(world4):
     for r in world4:
         held = sum(t.numel() for t in r["pieces"].values())
         assert whole / 2 <= held < whole / 2 + 64 * len(r["pieces"])        # halves (padded), not quarters
+    # over dp x cp: the same, each group two of the four ranks
+    want = _reference(STEPS, ROWS // 2, 2 * SEQ)
+    for r in world4:
+        assert r["cp_groups"] == (2, 2)
+        err = max((r["cp_state"][k] - v).abs().max().item() for k, v in want.items() if v.is_floating_point())
+        assert err <= PARAM_TOL, ("dp x cp", err)
     # ranks 0 and 2 (and 1 and 3) hold the same pieces: the groups are {0, 1} and {2, 3}
     for a, b in ((0, 2), (1, 3)):
         assert all(torch.equal(world4[a]["pieces"][f], world4[b]["pieces"][f]) for f in world4[a]["pieces"])
