@@ -125,7 +125,8 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     if sched == "interleaved" and (c.virtual < 2 or m % c.pp):
         raise ConfigError("interleaved needs virtual >= 2 and micro-batches a multiple of pp", where="config")
     axes = mesh_axes(c, cluster)
-    parts, strategies = facts.parts(c.tp, c.micro_batch, cluster, axes, exact=not fast, seq=facts.seq // c.cp)
+    parts, strategies = facts.parts(c.tp, c.micro_batch, cluster, axes, exact=not fast, seq=facts.seq // c.cp,
+                                    expert_axis=c.ep > 1 and c.pp == 1)
     pre, blk, post = parts["pre"], parts["block"], parts["post"]
     ep_comm = 0.0
     if c.ep > 1:
@@ -165,8 +166,8 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     numel = facts.param_numel(c.tp, strategies)
     per_block = numel["block"]
     expert_block = 0.0
-    if c.ep > 1:   # experts kept whole on tp, 1/ep of them per rank; the dense rest as before
-        expert_block = numel["expert_whole"] / c.ep
+    if c.ep > 1:   # 1/ep of the experts per rank, as the layout splits them on tp (whole inside a pipeline)
+        expert_block = (numel["expert_whole"] if c.pp > 1 else numel["expert"]) / c.ep
         per_block = numel["block"] - numel["expert"] + expert_block
     held = [sum(counts[s] * per_block + (numel["pre"] if s == 0 else 0.0)
                 + (numel["post"] if s == stages - 1 else 0.0) for s in range(d, stages, c.pp))
@@ -261,14 +262,17 @@ def _with_reserve(mem: dict[str, float], c: Config, dev) -> dict[str, float]:
 
 
 def _with_experts(blk: BlockPart, c: Config, cluster: Cluster) -> BlockPart:
-    """One block under expert parallelism: the experts stay whole on the tensor axis (the
-    runtime keeps them so), and each MoE layer exchanges its token buffer four times per
-    micro-batch (dispatch and combine, forward and backward) over the ep axis."""
+    """One block under expert parallelism: each MoE layer exchanges its token buffer four times
+    per micro-batch (dispatch and combine, forward and backward) over the ep axis. Without a
+    pipeline the experts are as the tensor layout beside an expert axis splits them (expert
+    tensor parallelism for fixed-capacity layers: ``ModelFacts.parts(expert_axis=True)``); inside
+    a pipeline the runtime keeps them whole on the tensor axis."""
     from dataclasses import replace
     axes = (("pp", c.pp), ("dp", c.dp // c.ep), ("ep", c.ep), ("tp", c.tp))
     a2a = collective_time("all_to_all", blk.a2a_bytes, cluster, axes, "ep") if blk.a2a_bytes else 0.0
-    return replace(blk, fwd=blk.fwd - blk.expert_fwd + blk.expert_fwd1, bwd=blk.bwd - blk.expert_bwd + blk.expert_bwd1,
-                   comm_fwd=blk.comm_fwd + 2 * a2a, comm_bwd=blk.comm_bwd + 2 * a2a)
+    if c.pp > 1:
+        blk = replace(blk, fwd=blk.fwd - blk.expert_fwd + blk.expert_fwd1, bwd=blk.bwd - blk.expert_bwd + blk.expert_bwd1)
+    return replace(blk, comm_fwd=blk.comm_fwd + 2 * a2a, comm_bwd=blk.comm_bwd + 2 * a2a)
 
 
 def _with_context(blk: BlockPart, cp: int, comm_fwd: float, comm_bwd: float) -> BlockPart:

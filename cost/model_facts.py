@@ -189,14 +189,20 @@ class ModelFacts:
         return "pre"
 
     def parts(self, tp: int, micro_batch: int, cluster: Cluster, axes: tuple[tuple[str, int], ...],
-              *, exact: bool = True, seq: int | None = None) -> tuple[dict[str, BlockPart], Mapping[str, Any]]:
+              *, exact: bool = True, seq: int | None = None,
+              expert_axis: bool = False) -> tuple[dict[str, BlockPart], Mapping[str, Any]]:
         """Per micro-batch: seconds, FLOPs and saved bytes of the part before, one block, after.
         The tensor layout is the solver's at this micro-batch size; ``exact=False`` prices the
         micro-batch-1 layout instead (one solve per degree: the search ranks with it and
         re-scores its finalists exactly). ``seq``: the tokens of each sequence a rank holds (a
-        context axis's share; default the whole sequence)."""
+        context axis's share; default the whole sequence). ``expert_axis``: the layout the build
+        solves beside an expert axis (:func:`autopar.passes.moe.expert_tensor_pin`: token
+        buffers whole, fixed-capacity experts split only off their expert dim, dropless ones
+        whole)."""
         seq = seq or self.seq
-        key = (tp, micro_batch, cluster.name, exact or tp == 1 or micro_batch == 1) + ((seq,) if seq != self.seq else ())
+        pin = expert_axis and tp > 1 and bool(self.experts)
+        key = (tp, micro_batch, cluster.name, exact or tp == 1 or micro_batch == 1) + ((seq,) if seq != self.seq else ()) \
+            + (("experts",) if pin else ())
         if key in self._cache:
             return self._cache[key]
         layout_mb = micro_batch if exact else 1
@@ -208,11 +214,12 @@ class ModelFacts:
         if tp > 1:
             # the solver's layout changes with the token count (a collective's latency weighs
             # less against more tokens): solved at this micro-batch size
-            skey = (tp, layout_mb, cluster.name, seq)
+            skey = (tp, layout_mb, cluster.name, seq, pin)
             if skey not in self._solved:
                 t0 = time.perf_counter()
+                from autopar.passes.moe import expert_tensor_pin
                 cfg = SolverConfig(n=tp, cluster=cluster, mesh_axes=axes, axis="tp", sizes=self.sizes(layout_mb, seq),
-                                   dtype=self.dtype)
+                                   dtype=self.dtype, pinned=expert_tensor_pin if pin else None)
                 self._solved[skey] = solve(self.gm, cfg).strategies
                 log.info("tensor layout at tp=%d, micro-batch %d solved in %.2fs", tp, layout_mb,
                          time.perf_counter() - t0)

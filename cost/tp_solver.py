@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 
@@ -54,7 +54,9 @@ class SolverConfig:
     optimizer: str = "adamw"
     memory_budget: float | None = None   # bytes of parameter+gradient+optimizer state per rank
     mem_weight: float = 0.0              # seconds charged per byte of that state
-    pinned: Callable[[fx.Node], bool] | None = None   # nodes that must stay replicated on this axis
+    # nodes that must stay replicated on this axis (True), or may only take the strategies a
+    # returned predicate accepts (the experts' weights and matmuls under expert parallelism)
+    pinned: Callable[[fx.Node], Any] | None = None
     forced: dict[str, str] = field(default_factory=dict)  # placeholder name -> the placement the user forced
     # sequence parallelism: None lets the cost choose; False keeps every activation whole along
     # its sequence dim; True leaves no activation that has a sequence dim whole on every rank
@@ -114,8 +116,10 @@ class Pricer:
                 opts = [s for s in opts if str(s.outputs[0].value) == self.cfg.forced[node.name]]
             if self.cfg.sequence is not None and node.op != "placeholder":
                 opts = sequence_filter(node, opts, self.cfg.sequence)
-            pinned = node in self.written or (self.cfg.pinned is not None and self.cfg.pinned(node))
-            self._strategies[node] = opts[:1] if pinned else opts
+            pinned = True if node in self.written else self.cfg.pinned(node) if self.cfg.pinned is not None else False
+            if callable(pinned):
+                opts = [s for s in opts if pinned(s)] or opts[:1]
+            self._strategies[node] = opts[:1] if pinned is True else opts
         return self._strategies[node]
 
     def compute(self, node: fx.Node, s: Strategy) -> tuple[float, float]:

@@ -26,6 +26,7 @@ on every token, masked by the routing weights) are all non-router parameters the
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import sympy
 import torch
@@ -33,6 +34,7 @@ import torch.fx as fx
 
 from autopar.passes.flops import is_view_like
 from autopar.core.meta import MoERegion, graph_info, info, within
+from autopar.core.placement import Shard
 
 aten = torch.ops.aten
 
@@ -240,3 +242,34 @@ def _param_of(node: fx.Node) -> fx.Node | None:
     while node.op == "call_function" and is_view_like(node) and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node if info(node).kind == "param" else None
+
+
+def expert_side(node: fx.Node) -> bool:
+    """Expert-side nodes of an MoE region (dispatch, experts, combine) and the expert weights."""
+    rec = info(node)
+    if rec.moe_role in ("dispatch", "expert", "combine"):
+        return True
+    return rec.kind == "param" and any(rec.target_fqn in r.expert_params
+                                       for r in graph_info(node.graph.owning_module).moe_regions)
+
+
+def expert_tensor_pin(node: fx.Node) -> Any:
+    """What the tensor axis may do with an MoE region under expert parallelism: the token
+    buffers' dispatch and combine stay whole (every tensor rank sends the same tokens over the
+    expert axis); the experts' matmuls and weights may be split over the tensor axis on any dim
+    but the expert dim (dim 0, which the expert axis deals): expert tensor parallelism, each
+    tensor rank computing its slice of every owned expert for the tokens. Fixed-capacity layers
+    only: a dropless layer's experts are run one by one on the rows each receives, whole."""
+    rec = info(node)
+    if not expert_side(node):
+        return False
+    regions = graph_info(node.graph.owning_module).moe_regions
+    region = next((r for r in regions if r.fqn == rec.moe_region or rec.target_fqn in r.expert_params), None)
+    if rec.moe_role in ("dispatch", "combine") or region is None or region.capacity is None:
+        return True       # a dropless layer's experts run alone on the owner (runtime/ep.py): kept whole
+    return _keeps_expert_dim
+
+
+def _keeps_expert_dim(strategy: Any) -> bool:
+    return not any(isinstance(p, Shard) and p.dim == 0
+                   for spec in (*strategy.inputs, *strategy.outputs) for p in (spec.value, spec.grad))

@@ -460,3 +460,19 @@ def test_materialized_attention_computes_the_whole_square(node8):
     bf, bm = flash.parts(1, 1, node8, axes)[0]["block"], mat.parts(1, 1, node8, axes)[0]["block"]
     assert bm.attn_fwd_flops == pytest.approx(2 * heads * seq * seq * 2 * (hidden // heads), rel=1e-12)
     assert bm.attn_fwd_flops == pytest.approx(bf.attn_fwd_flops * 2 * seq / (seq + 1), rel=1e-12)
+
+
+def test_expert_tensor_parallelism_splits_the_experts_work_beside_an_expert_axis(node8):
+    # MoE layouts: beside an expert axis (no pipeline) the build lets the tensor axis split the
+    # fixed-capacity experts off their expert dim (passes/moe.expert_tensor_pin): each tensor
+    # rank computes and holds 1/tp of its experts, not the whole experts for the whole batch
+    w = load_workload("moe", batch=1, seq=1024, overrides={"layers": "2", "hidden": "512", "experts": "8"})
+    f = ModelFacts(capture_workload(w), seq=1024, dtype="bf16")
+    axes = (("pp", 1), ("dp", 2), ("tp", 4))
+    blk = f.parts(4, 1, node8, axes, expert_axis=True)[0]["block"]
+    assert blk.expert_fwd < 0.5 * blk.expert_fwd1          # split over the 4 tensor ranks
+    s = simulate(f, node8, Config(dp=2, tp=4, pp=1, micro_batch=1, ep=2), batch=8)
+    numel = f.param_numel(4, f.parts(4, 1, node8, axes, expert_axis=True)[1])
+    assert numel["expert"] < 0.5 * numel["expert_whole"]
+    whole_pp = simulate(f, node8, Config(dp=2, tp=2, pp=2, micro_batch=1, ep=2), batch=8)   # inside a pipeline: whole
+    assert s.memory["params"] < whole_pp.memory["params"]

@@ -14,6 +14,7 @@ model's scale — each rank holding only its own experts.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -189,7 +190,15 @@ def _results(request, key) -> list[dict]:
 
 @pytest.mark.parametrize("mesh,world", MESHES)
 def test_ep_meshes(request, mesh, world):
-    _check(_results(request, ("mesh", str(mesh))), MOE["experts"], mesh["ep"])
+    res = _results(request, ("mesh", str(mesh)))
+    _check(res, MOE["experts"], mesh["ep"])
+    if mesh.get("tp", 1) > 1:
+        # expert tensor parallelism: each tensor rank holds its slice of its experts' ffn dim
+        whole = {k: list(p.shape) for k, p in _build(MOE).named_parameters()}
+        for r in res:
+            for k, shape in r["expert_shapes"].items():
+                assert shape[0] == MOE["experts"] // mesh["ep"], (k, shape)
+                assert math.prod(shape) * mesh["ep"] * mesh["tp"] == math.prod(whole[k]), (k, shape, whole[k])
 
 
 @pytest.mark.parametrize("example", range(len(GENERATED)), ids=lambda i: str(GENERATED[i]))

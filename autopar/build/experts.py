@@ -87,15 +87,6 @@ def _expert_plan(s: BuildState, placed: Mapping[str, Placement]) -> Plan:
                 predicted=predicted, shapes=shapes, fingerprint=Plan.fingerprint_of(shapes))
 
 
-def expert_side(node: fx.Node) -> bool:
-    """Expert-side nodes of an MoE region (dispatch, experts, combine) and the expert weights."""
-    rec = info(node)
-    if rec.moe_role in ("dispatch", "expert", "combine"):
-        return True
-    return rec.kind == "param" and any(rec.target_fqn in r.expert_params
-                                       for r in graph_info(node.graph.owning_module).moe_regions)
-
-
 def exchange_experts(gm: fx.GraphModule, tensors: dict[str, torch.Tensor], plans: list, perms: Mapping[str, Any], *,
                      group: Any, n: int, rank: int) -> tuple[dict, dict[str, tuple[str, tuple[int, ...]]]]:
     """Rewrite the MoE layers ``plans`` split for the expert exchange over ``group`` (experts in
@@ -189,5 +180,5 @@ def set_capacity(model: nn.Module, gm: fx.GraphModule, factor: float) -> None:
         mod.capacity_factor = float(factor)
 
 
-__all__ = ["capacity_step", "experts_step", "expert_side", "exchange_experts", "checked_moe_plans", "planned_placements",
+__all__ = ["capacity_step", "experts_step", "exchange_experts", "checked_moe_plans", "planned_placements",
            "calibrated_loads", "set_capacity"]

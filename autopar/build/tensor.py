@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch.distributed as dist
 
 from autopar.build.checks import check_fits, check_runtime_dtypes
-from autopar.build.experts import expert_side
+from autopar.passes.moe import expert_side, expert_tensor_pin
 from autopar.build.prepare import capture_model, planned_graph
 from autopar.build.state import BuildState
 from autopar.core.errors import UnsupportedError
@@ -84,7 +84,10 @@ def _warn_tp_across_nodes(s: BuildState) -> None:
 def _tensor_axis_alone(s: BuildState) -> None:
     """With a pipeline or experts: the tensor axis's plan on the whole graph, experts pinned whole."""
     r = s.request
-    pinned = expert_side if (s.ep > 1 or not r.pipelined) else None
+    # beside an expert axis the fixed-capacity experts may be split off their expert dim (expert
+    # tensor parallelism); inside a pipeline, and with no expert axis, the experts' side stays whole
+    pinned = expert_tensor_pin if s.ep > 1 and not r.pipelined else expert_side if (s.ep > 1 or not r.pipelined) \
+        else None
     if s.tp > 1:
         given = None if r.plan is None else _tensor_part(r.plan, s.tp)
         s.gm, tp_plan = planned_graph(r.model, {"tp": s.tp}, s.capture_args, example_kwargs=s.capture_kwargs,
