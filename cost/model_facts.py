@@ -217,9 +217,11 @@ class ModelFacts:
             skey = (tp, layout_mb, cluster.name, seq, pin)
             if skey not in self._solved:
                 t0 = time.perf_counter()
-                from autopar.passes.moe import expert_tensor_pin
+                from autopar.passes.moe import expert_side, expert_tensor_pin
+                # the runtime's dropless layer runs its experts whole, a fixed-capacity one may split them
+                rule = (expert_side if self.moe_routing == "dropless" else expert_tensor_pin) if pin else None
                 cfg = SolverConfig(n=tp, cluster=cluster, mesh_axes=axes, axis="tp", sizes=self.sizes(layout_mb, seq),
-                                   dtype=self.dtype, pinned=expert_tensor_pin if pin else None)
+                                   dtype=self.dtype, pinned=rule)
                 self._solved[skey] = solve(self.gm, cfg).strategies
                 log.info("tensor layout at tp=%d, micro-batch %d solved in %.2fs", tp, layout_mb,
                          time.perf_counter() - t0)
