@@ -240,3 +240,41 @@ def test_autopar_train_moe_matches_its_single_process_run(capsys):
                  "--set", "layers=1", "--set", "hidden=32", "--set", "vocab=64", "--set", "capacity_factor=0.5"])
     out = capsys.readouterr().out
     assert code == 0 and "above 1e-5" not in out, out
+
+
+def _train64(rank: int, world: int) -> dict:
+    """{"ep": 2, "tp": 2} in float64 with SGD-momentum: the experts split over both axes."""
+    mesh, tp, shares = {"ep": 2, "tp": 2}, 2, 2
+    model = _build(MOE).double()
+    ref = copy.deepcopy(model)
+    torch.manual_seed(1)
+    args, _ = models.example_inputs(model, 2 * shares, 8, device="cpu")
+    target = torch.randint(0, MOE["vocab"], (2 * shares, 8))
+    share = rank // tp
+    local, local_t = tuple(a.chunk(shares)[share] for a in args), target.chunk(shares)[share]
+    budget = 0.75 * 16 * sum(p.numel() for p in model.parameters())
+    pm = autopar.parallelize(model, mesh, local, memory_budget=budget)
+    opt = autopar.optimizer(pm, torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        _loss(pm(*local), local_t).backward()
+        opt.step()
+        opt.zero_grad()
+        for s in range(shares):
+            (_loss(ref(*tuple(a.chunk(shares)[s] for a in args)), target.chunk(shares)[s]) / shares).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return {"param_err": _compare(pm, dict(ref.named_parameters()), tp, rank, 1.0, params=True),
+            "expert_shapes": {k: list(p.shape) for k, p in pm.named_parameters() if k in pm.expert_params}}
+
+
+def test_expert_tensor_parallelism_trains_as_one_process_in_float64():
+    # within 1e-8 (measured 2.4e-9), as with the experts whole: the zoo model computes its
+    # RMSNorm and rotary tables in float32, where the tensor axis's sums round differently
+    # (ep alone is within 1.4e-17)
+    whole = {k: list(p.shape) for k, p in _build(MOE).named_parameters()}
+    for r in run_ranks(_train64, 4, timeout_s=600):
+        assert r["param_err"] <= 1e-8, r["param_err"]
+        assert r["expert_shapes"], "no expert was split"
+        for k, shape in r["expert_shapes"].items():          # a quarter of every expert weight per rank
+            assert math.prod(shape) * 4 == math.prod(whole[k]), (k, shape)
