@@ -205,8 +205,9 @@ def plan_experts(gm: fx.GraphModule, *, cluster: Cluster, dp: int, tp: int, size
                  zero_stage: int = 0, budget: float | None = None,
                  imbalance: float = 1.0, dtype: str = "fp32") -> list[ExpertChoice]:
     """Every way the runtime can split the experts of a dp x tp plan: ep over a divisor of dp
-    (and of the expert count) with the experts whole on the tensor axis, or tp inside the
-    experts without ep; fastest that fits first.
+    (and of the expert count) with the experts whole on the tensor axis or, for fixed-capacity
+    layers, split over it too (expert tensor parallelism), or tp inside the experts without ep;
+    fastest that fits first.
 
     Expert compute per device does not shrink with ep (a rank runs E/ep experts on the rows of
     ep ranks); it shrinks with tp inside the experts. ep costs all-to-alls and saves expert
@@ -236,9 +237,10 @@ def plan_experts(gm: fx.GraphModule, *, cluster: Cluster, dp: int, tp: int, size
     out = []
     for ep in [d for d in range(1, dp + 1) if dp % d == 0 and experts % d == 0]:
         axes = (("dp", dp // ep), ("ep", ep), ("tp", tp))
-        # ep together with tp inside the experts is priced by nothing here: the runtime keeps
-        # experts whole on the tensor axis when there is an expert axis, so only what runs is offered
-        for inside in ([False, True] if tp > 1 and ep == 1 else [False]):
+        # ep together with tp inside the experts (expert tensor parallelism) runs for fixed-capacity
+        # layers (passes/moe.expert_tensor_pin); a dropless layer's experts stay whole beside ep
+        etp = all(r.capacity is not None for r in regions)
+        for inside in ([False, True] if tp > 1 and (ep == 1 or etp) else [False]):
             a2a = 4 * len(regions) * collective_time("all_to_all", buf, cluster, axes, "ep") if ep > 1 else 0.0
             tpc = 2 * len(regions) * collective_time("all_reduce", buf, cluster, axes, "tp") if inside else 0.0
             share = ep * (tp if inside else 1)

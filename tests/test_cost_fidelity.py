@@ -476,3 +476,16 @@ def test_expert_tensor_parallelism_splits_the_experts_work_beside_an_expert_axis
     assert numel["expert"] < 0.5 * numel["expert_whole"]
     whole_pp = simulate(f, node8, Config(dp=2, tp=2, pp=2, micro_batch=1, ep=2), batch=8)   # inside a pipeline: whole
     assert s.memory["params"] < whole_pp.memory["params"]
+
+
+def test_the_expert_table_offers_expert_tensor_parallelism_beside_ep(node8):
+    # autopar plan --pp 1's expert choices (cost/ep_planner.py): with ep, tp inside the experts
+    # is offered where the runtime runs it (fixed-capacity layers), and it divides their compute
+    from autopar.cost.ep_planner import plan_experts
+    w = load_workload("moe", batch=1, seq=256, overrides={"layers": "2", "hidden": "256", "experts": "8"})
+    gm = capture_workload(w)
+    choices = plan_experts(gm, cluster=node8, dp=4, tp=2, sizes={"batch": 2, "seq": 256})
+    by = {(c.ep, c.tp_inside): c for c in choices}
+    assert (2, True) in by and (4, True) in by
+    assert by[(2, True)].compute_s == pytest.approx(by[(2, False)].compute_s / 2)
+    assert by[(2, True)].state_bytes == pytest.approx(by[(2, False)].state_bytes / 2)
