@@ -36,6 +36,7 @@ from autopar.cost.model_facts import BlockPart, ModelFacts
 from autopar.cost.step_terms import (DataBytes, device_memory, lone_stage_data_axis, optimizer_bytes, optimizer_time,
                                      pipeline_data_axis, stage_layers)
 from autopar.core.errors import ConfigError
+from autopar.core.options import DISPATCH_CHUNKS
 from autopar.core.plans import RECOMPUTE, Config
 
 log = logging.getLogger("autopar.hybrid")
@@ -131,7 +132,7 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     ep_comm = 0.0
     if c.ep > 1:
         tp_only = blk.comm_fwd + blk.comm_bwd
-        blk = _with_experts(blk, c, cluster)
+        blk = _with_experts(blk, c, cluster, facts.moe_routing)
         ep_comm = blk.comm_fwd + blk.comm_bwd - tp_only
     if c.cp > 1:
         from autopar.cost.cp_planner import block_costs
@@ -261,18 +262,54 @@ def _with_reserve(mem: dict[str, float], c: Config, dev) -> dict[str, float]:
     return {**mem, "reserve": dev.reserve_bytes + groups * dev.comm_buffer_bytes + dev.fragmentation * held}
 
 
-def _with_experts(blk: BlockPart, c: Config, cluster: Cluster) -> BlockPart:
-    """One block under expert parallelism: each MoE layer exchanges its token buffer four times
-    per micro-batch (dispatch and combine, forward and backward) over the ep axis. Without a
+def _with_experts(blk: BlockPart, c: Config, cluster: Cluster, routing: str = "capacity") -> BlockPart:
+    """One block under expert parallelism: each MoE layer exchanges its tokens four times per
+    micro-batch (dispatch and combine, forward and backward) over the ep axis. Without a
     pipeline the experts are as the tensor layout beside an expert axis splits them (expert
     tensor parallelism for fixed-capacity layers: ``ModelFacts.parts(expert_axis=True)``); inside
-    a pipeline the runtime keeps them whole on the tensor axis."""
+    a pipeline the runtime keeps them whole on the tensor axis.
+
+    A fixed-capacity layer's exchanges are graph nodes around its experts: exposed. A dropless
+    layer's run in :data:`DISPATCH_CHUNKS` token chunks that overlap the experts' compute
+    (:class:`autopar.runtime.ep.DroplessMoE`; :func:`overlapped_exchange`), and what is hidden
+    still costs ``comm_contention`` of its time."""
     from dataclasses import replace
     axes = (("pp", c.pp), ("dp", c.dp // c.ep), ("ep", c.ep), ("tp", c.tp))
-    a2a = collective_time("all_to_all", blk.a2a_bytes, cluster, axes, "ep") if blk.a2a_bytes else 0.0
     if c.pp > 1:
-        blk = replace(blk, fwd=blk.fwd - blk.expert_fwd + blk.expert_fwd1, bwd=blk.bwd - blk.expert_bwd + blk.expert_bwd1)
-    return replace(blk, comm_fwd=blk.comm_fwd + 2 * a2a, comm_bwd=blk.comm_bwd + 2 * a2a)
+        blk = replace(blk, fwd=blk.fwd - blk.expert_fwd + blk.expert_fwd1, bwd=blk.bwd - blk.expert_bwd + blk.expert_bwd1,
+                      expert_fwd=blk.expert_fwd1, expert_bwd=blk.expert_bwd1)
+    if not blk.a2a_bytes:
+        return blk
+    if routing != "dropless":
+        a2a = collective_time("all_to_all", blk.a2a_bytes, cluster, axes, "ep")
+        return replace(blk, comm_fwd=blk.comm_fwd + 2 * a2a, comm_bwd=blk.comm_bwd + 2 * a2a)
+    k = DISPATCH_CHUNKS
+    piece = collective_time("all_to_all", blk.a2a_bytes / k, cluster, axes, "ep")
+    counts = collective_time("all_to_all", 8.0 * c.ep * k, cluster, axes, "ep")   # the layer's row counts
+    contention = cluster.device.comm_contention
+
+    def exposed(work: float) -> float:
+        shown = overlapped_exchange(piece, work, k)
+        return counts + shown + contention * max(0.0, 2 * k * piece - shown)
+    return replace(blk, comm_fwd=blk.comm_fwd + exposed(blk.expert_fwd), comm_bwd=blk.comm_bwd + exposed(blk.expert_bwd))
+
+
+def overlapped_exchange(piece_s: float, work_s: float, chunks: int) -> float:
+    """Seconds a chunked dispatch-experts-combine adds to the experts' own ``work_s``: every
+    chunk's dispatch (``piece_s`` each) is issued first, in order on the link; a chunk's experts
+    start when its rows are in and the previous chunk's are done; its combine follows its
+    experts and the link's earlier exchanges (collectives on one communicator run in issue
+    order). One chunk: both exchanges exposed."""
+    x = work_s / chunks
+    link = computed = 0.0
+    arrived = []
+    for _ in range(chunks):
+        link += piece_s
+        arrived.append(link)
+    for i in range(chunks):
+        computed = max(computed, arrived[i]) + x
+        link = max(link, computed) + piece_s
+    return link - work_s
 
 
 def _with_context(blk: BlockPart, cp: int, comm_fwd: float, comm_bwd: float) -> BlockPart:

@@ -16,7 +16,9 @@ one graph node, ``autopar_ep_moe(x, ids, weights, params, lid)`` (:class:`Drople
 exchanged first so the all-to-all can use variable split sizes; the owner runs each of its
 experts on the rows it received, the outputs travel back the same way, and the token's
 output is the routing-weighted sum of its choices. The all-to-all's backward is the reverse
-all-to-all, so the gradients of the tokens, the weights and the experts are exact.
+all-to-all, so the gradients of the tokens, the weights and the experts are exact. The tokens
+go in chunks whose exchanges are started asynchronously, so one chunk's all-to-all travels
+while another's experts compute, in forward and in backward.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from autopar.core.options import DISPATCH_CHUNKS
 
 _RUNTIMES: dict[int, "EPRuntime"] = {}
 _IDS = itertools.count()
@@ -39,6 +43,7 @@ class EPRuntime:
     rank: int
     group: dist.ProcessGroup | None
     perm: tuple[int, ...]            # expert ids in owner order
+    chunks: int = DISPATCH_CHUNKS    # dropless layers: token chunks whose exchanges overlap (DroplessMoE)
     id: int = -1
 
     def __post_init__(self) -> None:
@@ -114,23 +119,60 @@ def autopar_ep_combine(y: torch.Tensor, rid: int) -> torch.Tensor:
     return _Combine.apply(y, rid)
 
 
-class _AllToAllV(torch.autograd.Function):
-    """Rows ``x`` split by ``send`` counts go out, rows split by ``recv`` counts come in."""
+class _Pending:
+    """One all-to-all in flight: started by :class:`_Start`, waited on by :class:`_Wait` (and
+    the other way round in backward, so both directions overlap alike)."""
+
+    def __init__(self, send: list[int], recv: list[int], group) -> None:
+        self.send, self.recv, self.group = send, recv, group
+        self.work = None
+        self.out: torch.Tensor | None = None
+
+    def start(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        self.out = x.new_empty((sum(recv), *x.shape[1:]))
+        self.work = dist.all_to_all_single(self.out, x.contiguous(), output_split_sizes=recv,
+                                           input_split_sizes=send, group=self.group, async_op=True)
+        self._keep = x          # alive until the exchange is done
+        return self.out
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        out, self.work, self.out, self._keep = self.out, None, None, None
+        return out
+
+
+class _Start(torch.autograd.Function):
+    """Forward: start sending ``x``'s rows (``send`` counts out, ``recv`` in); returns the receive
+    buffer, not to be read before :class:`_Wait`. Backward: wait for the gradient's exchange
+    that the matching :class:`_Wait`'s backward started (the gradient handed in is the one
+    already on its way)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        return _all_to_all_v(x, send, recv, group)
+    def forward(ctx, x: torch.Tensor, box: "_Pending") -> torch.Tensor:
+        ctx.box = box
+        return box.start(x, box.send, box.recv)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_to_all_v(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+        return ctx.box.wait(), None
 
 
-def _all_to_all_v(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
-    return out
+class _Wait(torch.autograd.Function):
+    """Forward: wait for the exchange :class:`_Start` began. Backward: start the gradient's
+    exchange back (receive and send counts swapped) and return at once; :class:`_Start`'s
+    backward, run by autograd after what else is ready, waits for it."""
+
+    @staticmethod
+    def forward(ctx, buf: torch.Tensor, box: "_Pending") -> torch.Tensor:
+        ctx.box = box
+        return box.wait().view_as(buf)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        box = ctx.box
+        box.start(grad, box.recv, box.send)
+        return grad, None
 
 
 _LAYERS: dict[int, "DroplessMoE"] = {}
@@ -143,14 +185,24 @@ class DroplessMoE:
     ``expert(slot, rows, params)`` runs this rank's ``slot``-th expert (``rt.owned()[slot]``)
     on ``rows`` with this rank's expert parameters ``params`` (the graph's order); it must
     give a gradient (zeros) to its parameters even for zero rows. ``out_dtype``: the dtype
-    of the layer's output in the single-device graph."""
+    of the layer's output in the single-device graph.
+
+    ``chunks``: the tokens go in this many consecutive chunks, each with its own exchanges, so
+    that one chunk's all-to-all travels while another chunk's experts compute: every chunk's
+    rows are sent first, then each chunk's experts run as soon as its rows are in and its
+    outputs start back at once. Backward overlaps alike (autograd runs the later chunk's nodes
+    first: its gradients' exchange is started while the other chunk's experts run backward).
+    Each row meets the same expert whatever its chunk, so the result is the one-chunk result."""
 
     rt: EPRuntime
     expert: Callable[[int, torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
     out_dtype: torch.dtype
+    chunks: int | None = None        # None: the axis's (EPRuntime.chunks)
     id: int = -1
 
     def __post_init__(self) -> None:
+        if self.chunks is None:
+            self.chunks = self.rt.chunks
         self.id = next(_IDS)
         _LAYERS[self.id] = self
         pos = [0] * self.rt.experts
@@ -161,25 +213,44 @@ class DroplessMoE:
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  params: Sequence[torch.Tensor]) -> torch.Tensor:
         rt, h = self.rt, x.shape[-1]
-        per = rt.experts // rt.n
+        per, n = rt.experts // rt.n, rt.n
         flat_x = x.reshape(-1, h)
         tokens = flat_x.shape[0]
         ids2 = ids.reshape(tokens, -1)
+        w2 = weights.reshape(tokens, -1)
         k = ids2.shape[1]
         if self._pos.device != ids.device:
             self._pos = self._pos.to(ids.device)
-        pos = self._pos[ids2.reshape(-1)]                          # pair (t, j) -> owner-order place
-        order = torch.sort(pos, stable=True).indices               # by owner rank, then by its expert
-        pos = pos[order]
-        send = torch.bincount(pos // per, minlength=rt.n)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=rt.group)
-        send_l, recv_l = send.tolist(), recv.tolist()
-        rows = _AllToAllV.apply(flat_x[order // k], send_l, recv_l, rt.group)
-        slots = _all_to_all_v(pos % per, send_l, recv_l, rt.group)
-        out = _AllToAllV.apply(self._run_experts(rows, slots, per, params), recv_l, send_l, rt.group)
-        pair_out = out[torch.argsort(order)]                       # back to (t, j) order
-        y = (pair_out.view(tokens, k, -1) * weights.reshape(tokens, k).unsqueeze(-1)).sum(dim=1)
+        chunks = max(1, min(self.chunks, tokens))
+        bounds = [(tokens * c // chunks, tokens * (c + 1) // chunks) for c in range(chunks)]
+        orders, counts = [], []
+        for a, b in bounds:
+            pos = self._pos[ids2[a:b].reshape(-1)]                     # pair (t, j) -> owner-order place
+            orders.append(torch.sort(pos, stable=True).indices)        # by owner rank, then by its expert
+            counts.append(torch.bincount(pos, minlength=rt.experts))
+        # rows per (destination rank, chunk, its expert): one exchange of counts for the layer
+        send_t = torch.stack(counts).view(chunks, n, per).transpose(0, 1).contiguous()
+        recv_t = torch.empty_like(send_t)
+        dist.all_to_all_single(recv_t, send_t, group=rt.group)
+        send_l, recv_l = send_t.sum(-1).tolist(), recv_t.sum(-1).tolist()      # [rank][chunk]
+        slot_ids = torch.arange(per, device=ids.device).repeat(n)
+        boxes, bufs = [], []
+        for c, (a, b) in enumerate(bounds):
+            box = _Pending([s[c] for s in send_l], [r[c] for r in recv_l], rt.group)
+            bufs.append(_Start.apply(flat_x[a:b][orders[c] // k], box))
+            boxes.append(box)
+        back = []
+        for c in range(chunks):
+            rows = _Wait.apply(bufs[c], boxes[c])                      # by source rank, then by expert slot
+            slots = torch.repeat_interleave(slot_ids, recv_t[:, c, :].reshape(-1))
+            box = _Pending(boxes[c].recv, boxes[c].send, rt.group)
+            back.append((_Start.apply(self._run_experts(rows, slots, per, params), box), box))
+        ys = []
+        for c, (a, b) in enumerate(bounds):
+            out = _Wait.apply(*back[c])
+            pair_out = out[torch.argsort(orders[c])]                   # back to (t, j) order
+            ys.append((pair_out.view(b - a, k, -1) * w2[a:b].unsqueeze(-1)).sum(dim=1))
+        y = ys[0] if chunks == 1 else torch.cat(ys)
         return y.to(self.out_dtype).reshape(*x.shape[:-1], y.shape[-1])
 
     def _run_experts(self, rows: torch.Tensor, slots: torch.Tensor, per: int,

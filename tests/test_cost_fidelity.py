@@ -489,3 +489,39 @@ def test_the_expert_table_offers_expert_tensor_parallelism_beside_ep(node8):
     assert (2, True) in by and (4, True) in by
     assert by[(2, True)].compute_s == pytest.approx(by[(2, False)].compute_s / 2)
     assert by[(2, True)].state_bytes == pytest.approx(by[(2, False)].state_bytes / 2)
+
+
+def test_a_dropless_exchange_overlaps_its_experts_in_chunks(node8):
+    # E4: the runtime's dropless layer (runtime/ep.DroplessMoE) sends its tokens in two chunks
+    # whose exchanges travel while the other chunk's experts compute; priced by the same order
+    # (every dispatch first, each combine after its chunk's experts, one link)
+    from autopar.core.options import DISPATCH_CHUNKS, ExpertOptions
+    from autopar.cost.hybrid import overlapped_exchange
+    from autopar.runtime.ep import EPRuntime
+    assert DISPATCH_CHUNKS == 2 == ExpertOptions().dispatch_chunks
+    assert EPRuntime.__dataclass_fields__["chunks"].default == DISPATCH_CHUNKS
+    assert overlapped_exchange(1.0, 4.0, 1) == pytest.approx(2.0)       # one chunk: both exposed
+    assert overlapped_exchange(1.0, 4.0, 2) == pytest.approx(2.0)       # half of each hidden
+    assert overlapped_exchange(1.0, 8.0, 2) == pytest.approx(2.0)       # pieces of 1 at either end
+    assert overlapped_exchange(0.5, 4.0, 2) == pytest.approx(1.0)
+    assert overlapped_exchange(4.0, 1.0, 2) == pytest.approx(15.0)      # link-bound: the link's 16 s less the work
+    w = load_workload("mixtral-8x7b", batch=1, seq=1024, overrides={"layers": "2"})
+    gm = capture_workload(w)
+    cap, drop = (ModelFacts(gm, seq=1024, dtype="bf16", moe_routing=r) for r in ("capacity", "dropless"))
+    axes = (("pp", 1), ("dp", 8), ("tp", 1))
+    bd = drop.parts(1, 1, node8, axes)[0]["block"]
+    c = Config(dp=8, tp=1, pp=1, micro_batch=1, ep=4)
+    s = simulate(drop, node8, c, batch=8)
+    from autopar.cost.comm import collective_time
+    ep_axes = (("pp", 1), ("dp", 2), ("ep", 4), ("tp", 1))
+    whole = collective_time("all_to_all", bd.a2a_bytes, node8, ep_axes, "ep")
+    assert s.parts["ep_comm_per_block_s"] < 4 * whole                  # not all four exchanges exposed
+    piece = collective_time("all_to_all", bd.a2a_bytes / 2, node8, ep_axes, "ep")
+    counts = collective_time("all_to_all", 8.0 * 4 * 2, node8, ep_axes, "ep")
+    want = sum(counts + overlapped_exchange(piece, x, 2) + node8.device.comm_contention
+               * (4 * piece - overlapped_exchange(piece, x, 2)) for x in (bd.expert_fwd, bd.expert_bwd))
+    assert s.parts["ep_comm_per_block_s"] == pytest.approx(want, rel=1e-9)
+    sc = simulate(cap, node8, c, batch=8)                              # capacity layers: exposed
+    bc = cap.parts(1, 1, node8, axes)[0]["block"]
+    assert sc.parts["ep_comm_per_block_s"] == pytest.approx(
+        4 * collective_time("all_to_all", bc.a2a_bytes, node8, ep_axes, "ep"), rel=1e-9)

@@ -247,7 +247,62 @@ def _cases(rank: int, world: int, cases: list[tuple]) -> dict:
 
 def _world2_cases(rank: int, world: int, cases: list[tuple], root: str) -> dict:
     return {**_cases(rank, world, cases), "library_call": _library_call(rank, world),
-            "loop_checkpoint": _loop_checkpoint(rank, world, root)}
+            "loop_checkpoint": _loop_checkpoint(rank, world, root), "chunks": _dispatch_chunks(rank, world)}
+
+
+def _dispatch_chunks(rank: int, world: int) -> dict:
+    """DeepSeek-V3 (float64, two layers) on ep=2 with its dropless exchange in 1, 2 and 3 token
+    chunks: the loss and every gradient against one chunk's, and, at each call of a layer's
+    experts, how many exchanges were in flight (forward), and when each expert output's
+    gradient arrived (backward)."""
+    from autopar.runtime import ep as ep_rt
+
+    cfg = _config("deepseek_v3", "batched_mm")
+    cfg.num_hidden_layers = 2
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, VOCAB, (4, 8), generator=gen).chunk(world)[rank]
+    target = torch.randint(0, VOCAB, (4, 8), generator=gen).chunk(world)[rank]
+    flight = [0]
+    events: list[tuple[str, int]] = []
+    start, wait, run = ep_rt._Pending.start, ep_rt._Pending.wait, ep_rt.DroplessMoE._run_experts
+
+    def counted_start(self, *a):
+        flight[0] += 1
+        return start(self, *a)
+
+    def counted_wait(self):
+        flight[0] -= self.work is not None
+        return wait(self)
+
+    def logged_run(self, *a):
+        events.append(("experts", flight[0]))
+        out = run(self, *a)
+        out.register_hook(lambda g: events.append(("experts_bwd", flight[0])))
+        return out
+
+    grads, log = {}, {}
+    ep_rt._Pending.start, ep_rt._Pending.wait, ep_rt.DroplessMoE._run_experts = counted_start, counted_wait, logged_run
+    try:
+        for chunks in (1, 2, 3):
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.normal_(0.0, 0.2)
+            pm = autopar.parallelize(Logits(model.to(torch.float64)), {"ep": world}, (ids,), dims={},
+                                     options=autopar.ExpertOptions(dispatch_chunks=chunks))
+            events.clear()
+            loss = _loss(pm(ids), target)
+            loss.backward()
+            grads[chunks] = (loss.detach(), {f: p.grad.clone() for f, p in pm.named_parameters()})
+            log[chunks] = list(events)
+    finally:
+        ep_rt._Pending.start, ep_rt._Pending.wait, ep_rt.DroplessMoE._run_experts = start, wait, run
+    base_loss, base = grads[1]
+    err = {c: max([abs((l - base_loss).item())] + [((g[f] - base[f]).abs().max() / base[f].abs().max()
+                                                    .clamp_min(1e-30)).item() for f in base])
+           for c, (l, g) in grads.items()}
+    return {"err": err, "events": log}
 
 
 def _loop_checkpoint(rank: int, world: int, root: str) -> float:
@@ -368,6 +423,24 @@ def test_ep2_called_with_keywords_and_labels_matches_single_process(world2):
         got = r["library_call"]
         assert got["output"] == "MoeCausalLMOutputWithPast" and got["split"] >= 1, got
         assert got["loss_err"] <= TOL[torch.float32] and got["param_err"] <= TOL[torch.float32], got
+
+
+def test_dropless_exchange_overlaps_experts_and_computes_the_same(world2):
+    """Two chunks: while the first chunk's experts run, the second chunk's rows are still on
+    their way (and the first chunk's outputs travel while the second's experts run); in
+    backward each layer's later chunk's gradient exchange is started before the earlier
+    chunk's expert gradient arrives. One chunk (no overlap) has nothing in flight then. The
+    loss and every gradient equal the one-chunk run's in float64."""
+    for r in world2:
+        got = r["chunks"]
+        assert got["err"][2] <= 1e-13 and got["err"][3] <= 1e-13, got["err"]
+        one = got["events"][1]
+        assert [e for e in one if e[0] == "experts"] and all(f == 0 for _, f in one), one
+        for chunks in (2, 3):
+            fwd = [f for kind, f in got["events"][chunks] if kind == "experts"]
+            bwd = [f for kind, f in got["events"][chunks] if kind == "experts_bwd"]
+            assert len(fwd) == len(bwd) == 2 * chunks, got["events"][chunks]      # two layers
+            assert all(f >= 1 for f in fwd + bwd), got["events"][chunks]
 
 
 @pytest.mark.parametrize("name,mesh,dtype,skewed,symbolic", SYMBOLIC, ids=lambda v: str(v))

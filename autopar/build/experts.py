@@ -24,6 +24,7 @@ from autopar.build.prepare import capture_model
 from autopar.build.state import BuildState
 from autopar.core.errors import ConfigError, PlanFileError
 from autopar.core.meta import MoERegion, graph_info, info
+from autopar.core.options import DISPATCH_CHUNKS
 from autopar.core.plans import Plan
 from autopar.cost.ep_planner import Placement, contiguous, expert_loads, place_experts
 from autopar.runtime.agreement import collective_device
@@ -63,7 +64,8 @@ def experts_step(s: BuildState) -> None:
         log.warning("no MoE layer's experts can be split: the ep axis runs as data parallelism (mesh %s)",
                     {"dp": s.sizes.get("dp", 1) * n_ep, **({"tp": s.tp} if s.tp > 1 else {})})
     s.expert_runtimes, s.experts = exchange_experts(s.gm, s.tensors, plans, {f: p.perm for f, p in placed.items()},
-                                                    group=group, n=n_ep, rank=rank)
+                                                    group=group, n=n_ep, rank=rank,
+                                                    chunks=r.options.experts.dispatch_chunks)
     s.expert_placements = placed
     if not r.pipelined:
         s.plan = _expert_plan(s, placed)
@@ -88,15 +90,17 @@ def _expert_plan(s: BuildState, placed: Mapping[str, Placement]) -> Plan:
 
 
 def exchange_experts(gm: fx.GraphModule, tensors: dict[str, torch.Tensor], plans: list, perms: Mapping[str, Any], *,
-                     group: Any, n: int, rank: int) -> tuple[dict, dict[str, tuple[str, tuple[int, ...]]]]:
+                     group: Any, n: int, rank: int, chunks: int = DISPATCH_CHUNKS) -> tuple[dict, dict[str, tuple[str, tuple[int, ...]]]]:
     """Rewrite the MoE layers ``plans`` split for the expert exchange over ``group`` (experts in
     the owner order ``perms[layer]``), keep this rank's experts' rows in ``tensors``, and
     return the exchange runtimes by layer and, per expert parameter, how it is stored
-    (``rows`` of a stacked tensor, or ``whole`` owned modules) with the experts this rank owns."""
+    (``rows`` of a stacked tensor, or ``whole`` owned modules) with the experts this rank owns.
+    ``chunks``: how many token chunks a dropless layer's exchanges overlap in
+    (:class:`autopar.runtime.ep.DroplessMoE`)."""
     from autopar.passes.ep_rewrite import ep_rewrite
     from autopar.runtime.ep import EPRuntime
 
-    rts = {f: EPRuntime(n=n, rank=rank, group=group, perm=tuple(perm)) for f, perm in perms.items()}
+    rts = {f: EPRuntime(n=n, rank=rank, group=group, perm=tuple(perm), chunks=chunks) for f, perm in perms.items()}
     stored = ep_rewrite(gm, plans, rts)
     region_of = {f: q.region.fqn for q in plans if q.kind != "dense" for f in q.region.expert_params}
     for fqn, how in stored.items():

@@ -28,6 +28,11 @@ def _check(cls_name: str, field: str, value: Any, ok: bool, expected: str) -> No
                           got=repr(value), fix=f"pass {expected}")
 
 
+# a dropless MoE layer's token chunks whose exchanges overlap its experts (runtime/ep.py, priced
+# by cost/hybrid.py): two hide all but about half a chunk's exchange at either end
+DISPATCH_CHUNKS = 2
+
+
 def _count(value: Any) -> bool:
     return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
 
@@ -127,11 +132,14 @@ class ExpertOptions:
 
     ``calibration`` (example inputs) measures each expert's load so ``placement="balanced"`` can
     even it out (``"contiguous"``: experts in order); ``capacity_factor`` overrides the MoE
-    layers' own."""
+    layers' own. ``dispatch_chunks``: a dropless layer's tokens go in this many chunks, so one
+    chunk's all-to-all travels while another chunk's experts compute (1: no overlap; the
+    result is the same)."""
 
     calibration: Any = None
     placement: str = "balanced"
     capacity_factor: float | None = None
+    dispatch_chunks: int = DISPATCH_CHUNKS
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -141,6 +149,8 @@ class ExpertOptions:
                self.capacity_factor is None or (isinstance(self.capacity_factor, (int, float))
                                                 and not isinstance(self.capacity_factor, bool)),
                "a number or None")
+        _check(name, "dispatch_chunks", self.dispatch_chunks, _count(self.dispatch_chunks) and
+               self.dispatch_chunks is not None, "an int >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)
