@@ -32,7 +32,9 @@ The configurations and their sources:
   figures (2.788M H800 GPU hours for 14.8T tokens) give 14.8e12 / 2.788e6 / 3600 = 1,475
   tokens per GPU-second, so a step of 15,360 x 4,096 tokens on 2,048 GPUs takes about
   62.9M / (2,048 x 1,475) = 20.8 s (20.1 s from the pre-training share alone, 2.664M GPU
-  hours) with FP8 and DualPipe; autopar runs neither, so bf16 is simulated.
+  hours) with FP8 and DualPipe; autopar runs neither, so bf16 is simulated. Its routing sends
+  a token's experts to at most 4 nodes (section 2.1.2, node-limited routing), so the two-hop
+  exchange sends a token across at most 4 times (``moe_node_limit=4``).
   Both MoE rows are priced dropless (each routed token computed and sent once), as Megatron-Core
   and DeepSeek route; the zoo and ``hf:`` captures hold fixed-capacity buffers.
 - **Gemma 2 27B** (Gemma Team, arXiv:2408.00118, 2024: trained with ZeRO-3-like sharding
@@ -83,6 +85,7 @@ class Row:
     # runtime holds: the fitting completion may change them (the as-published one keeps them)
     relaxed: tuple = ()
     routing: str = "capacity"           # MoE layers: dropless where the publication's system routes so
+    node_limit: int | None = None       # MoE routing: a token's experts on at most this many nodes
 
 
 def rows() -> list[Row]:
@@ -94,7 +97,7 @@ def rows() -> list[Row]:
         Row("Mixtral 8x22B", "mixtral-8x22b", "h100", 16, 4096, 256, "bf16", {"tp": 4, "pp": 4, "ep": 8},
             routing="dropless"),
         Row("DeepSeek-V3", "hf:deepseek-v3", "h100", 256, 4096, 15360, "bf16",
-            {"tp": 1, "pp": 16, "ep": 64, "zero_stage": 1}, routing="dropless"),
+            {"tp": 1, "pp": 16, "ep": 64, "zero_stage": 1}, routing="dropless", node_limit=4),
         Row("Gemma 2 27B", "hf:gemma2-27b", "h100", 32, 8192, 1024, "bf16", {"tp": 2, "pp": 1, "zero_stage": 3}),
     ]
     for r in csv.DictReader(open(ANCHORS)):
@@ -188,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         w = load_workload(row.model, batch=1, seq=row.seq, overrides=row.overrides)
         cap = capture_for_planning(w)
-        facts = ModelFacts(cap.gm, seq=row.seq, dtype=row.dtype, layers=cap.block_copies, moe_routing=row.routing)
+        facts = ModelFacts(cap.gm, seq=row.seq, dtype=row.dtype, layers=cap.block_copies, moe_routing=row.routing,
+                           moe_node_limit=row.node_limit)
         cluster = Cluster.from_spec(f"{row.nodes}x8", hardware=row.hardware)
         fitting, fastest, errors = published_layout(facts, cluster, row)
         if row.published is None or fastest is None:

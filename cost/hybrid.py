@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autopar.cost.cluster import Cluster
-from autopar.cost.comm import collective_time
+from autopar.cost.comm import collective_time, flat_time
 from autopar.cost.model_facts import BlockPart, ModelFacts
 from autopar.cost.step_terms import (DataBytes, device_memory, lone_stage_data_axis, optimizer_bytes, optimizer_time,
                                      pipeline_data_axis, stage_layers)
@@ -132,7 +132,7 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     ep_comm = 0.0
     if c.ep > 1:
         tp_only = blk.comm_fwd + blk.comm_bwd
-        blk = _with_experts(blk, c, cluster, facts.moe_routing)
+        blk = _with_experts(blk, c, cluster, facts.moe_routing, facts.moe_node_limit)
         ep_comm = blk.comm_fwd + blk.comm_bwd - tp_only
     if c.cp > 1:
         from autopar.cost.cp_planner import block_costs
@@ -262,7 +262,8 @@ def _with_reserve(mem: dict[str, float], c: Config, dev) -> dict[str, float]:
     return {**mem, "reserve": dev.reserve_bytes + groups * dev.comm_buffer_bytes + dev.fragmentation * held}
 
 
-def _with_experts(blk: BlockPart, c: Config, cluster: Cluster, routing: str = "capacity") -> BlockPart:
+def _with_experts(blk: BlockPart, c: Config, cluster: Cluster, routing: str = "capacity",
+                  node_limit: int | None = None) -> BlockPart:
     """One block under expert parallelism: each MoE layer exchanges its tokens four times per
     micro-batch (dispatch and combine, forward and backward) over the ep axis. Without a
     pipeline the experts are as the tensor layout beside an expert axis splits them (expert
@@ -272,7 +273,11 @@ def _with_experts(blk: BlockPart, c: Config, cluster: Cluster, routing: str = "c
     A fixed-capacity layer's exchanges are graph nodes around its experts: exposed. A dropless
     layer's run in :data:`DISPATCH_CHUNKS` token chunks that overlap the experts' compute
     (:class:`autopar.runtime.ep.DroplessMoE`; :func:`overlapped_exchange`), and what is hidden
-    still costs ``comm_contention`` of its time."""
+    still costs ``comm_contention`` of its time. Where the ep axis spans nodes with several of
+    its ranks on each, the runtime takes two hops (``ExpertOptions.dispatch="auto"``): a token
+    crosses once to each node its experts are on (:func:`nodes_reached`, ``node_limit`` the
+    model's routing limit) on the rail of ranks at its place, overlapped so; on the node its
+    pairs go to their owners and back synchronously (exposed)."""
     from dataclasses import replace
     axes = (("pp", c.pp), ("dp", c.dp // c.ep), ("ep", c.ep), ("tp", c.tp))
     if c.pp > 1:
@@ -284,14 +289,33 @@ def _with_experts(blk: BlockPart, c: Config, cluster: Cluster, routing: str = "c
         a2a = collective_time("all_to_all", blk.a2a_bytes, cluster, axes, "ep")
         return replace(blk, comm_fwd=blk.comm_fwd + 2 * a2a, comm_bwd=blk.comm_bwd + 2 * a2a)
     k = DISPATCH_CHUNKS
-    piece = collective_time("all_to_all", blk.a2a_bytes / k, cluster, axes, "ep")
-    counts = collective_time("all_to_all", 8.0 * c.ep * k, cluster, axes, "ep")   # the layer's row counts
+    links = cluster.axis_links(axes, "ep")
+    g, m = links.members_per_node, links.nodes_spanned
     contention = cluster.device.comm_contention
+    if links.regular and 1 < g < c.ep and m > 1 and blk.top_k:
+        reached = nodes_reached(blk.top_k, m, node_limit)
+        piece = flat_time("all_to_all", blk.a2a_bytes / blk.top_k * reached / k, m, cluster.inter)
+        # per chunk: row counts, expert places and routing weights on the rail (latency: their
+        # top_k x 12 bytes a row are under 1 % of a 7,168-wide bf16 row), then the node's counts
+        meta = k * (3 * flat_time("all_to_all", 8.0 * m, m, cluster.inter)
+                    + flat_time("all_to_all", 8.0 * g, g, cluster.intra))
+        on_node = 2 * k * flat_time("all_to_all", blk.a2a_bytes / k, g, cluster.intra)
+    else:
+        piece = collective_time("all_to_all", blk.a2a_bytes / k, cluster, axes, "ep")
+        meta = collective_time("all_to_all", 8.0 * c.ep * k, cluster, axes, "ep")   # the layer's row counts
+        on_node = 0.0
 
     def exposed(work: float) -> float:
-        shown = overlapped_exchange(piece, work, k)
-        return counts + shown + contention * max(0.0, 2 * k * piece - shown)
+        shown = overlapped_exchange(piece, work + on_node, k)
+        return meta + on_node + shown + contention * max(0.0, 2 * k * piece - shown)
     return replace(blk, comm_fwd=blk.comm_fwd + exposed(blk.expert_fwd), comm_bwd=blk.comm_bwd + exposed(blk.expert_bwd))
+
+
+def nodes_reached(top_k: int, nodes: int, limit: int | None = None) -> float:
+    """Expected nodes a token's ``top_k`` experts lie on, experts spread evenly over the nodes
+    it may reach (``limit`` of them, or all ``nodes``): L (1 - (1 - 1/L)^k)."""
+    reach = min(nodes, limit) if limit else nodes
+    return reach * (1.0 - (1.0 - 1.0 / reach) ** top_k)
 
 
 def overlapped_exchange(piece_s: float, work_s: float, chunks: int) -> float:

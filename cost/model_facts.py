@@ -55,6 +55,7 @@ class BlockPart:
     expert_fwd1: float = 0.0          # ... and whole (experts kept whole on tp under ep)
     expert_bwd1: float = 0.0
     a2a_bytes: float = 0.0            # the [E, C, h] token buffers an expert exchange moves
+    top_k: int = 0                    # experts per token of the MoE layer (dropless: pairs = tokens x top_k)
     padding_flops: float = 0.0        # the experts' work on capacity padding (hardware, not model, FLOPs)
     layer_fwd: float = 0.0            # layers of another block class (before or after the main one):
     layer_saved: float = 0.0          # what full recomputation redoes and frees
@@ -71,7 +72,8 @@ class ModelFacts:
     """What the simulator reads from one captured, analysed graph (module docstring)."""
 
     def __init__(self, gm: fx.GraphModule, *, seq: int, dtype: str = "bf16", optimizer_floats: int = 2,
-                 attention: str = "flash", layers: int | None = None, moe_routing: str = "capacity") -> None:
+                 attention: str = "flash", layers: int | None = None, moe_routing: str = "capacity",
+                 moe_node_limit: int | None = None) -> None:
         if attention not in ("flash", "materialized"):
             raise ConfigError(f"unknown attention kernel model {attention!r}", expected="flash or materialized")
         if moe_routing not in ("capacity", "dropless"):
@@ -83,6 +85,13 @@ class ModelFacts:
         # graph captured them; ``dropless``: the runtime's dropless layer (runtime/ep.py) computes and
         # sends each routed (token, expert) pair and nothing else
         self.moe_routing = moe_routing
+        # the model's routing sends a token's experts to at most this many nodes (DeepSeek-V3's
+        # group-limited routing with one group per node: 4); None: anywhere. Read by the two-hop
+        # exchange's pricing (cost/hybrid.py), which sends a token once per node it reaches
+        if moe_node_limit is not None and not (isinstance(moe_node_limit, int) and moe_node_limit >= 1):
+            raise ConfigError(f"moe_node_limit must be a node count >= 1, got {moe_node_limit!r}",
+                              where="moe_node_limit", fix="e.g. 4 (DeepSeek-V3), or None for unrestricted routing")
+        self.moe_node_limit = moe_node_limit
         ginfo = graph_info(gm)
         if not ginfo.block_classes:
             raise ConfigError("the model has no repeated block to pipeline", where="planner",
@@ -282,6 +291,7 @@ class ModelFacts:
                 if buf is not None and info(buf).moe_role != "expert" and buf not in buffers:
                     buffers.add(buf)          # the dispatch buffer entering the experts (dropless: its routed rows)
                     p.a2a_bytes += float(evaluate(info(buf).values[0].nbytes, at)) * width * routed
+                    p.top_k = self._regions[rec.moe_region].top_k
             p.saved += saved
             p.flops += ff + fb
             p.fwd_flops += ff
@@ -324,7 +334,7 @@ class ModelFacts:
             self._add_loss(parts["post"], at, dev, strategies, pricer, width)
         blk = parts["block"]
         for name in blk.__dataclass_fields__:
-            if name != "attn_more":
+            if name not in ("attn_more", "top_k"):
                 setattr(blk, name, getattr(blk, name) / self.captured_layers)
         self._cache[key] = (parts, strategies)
         return parts, strategies

@@ -44,6 +44,9 @@ class EPRuntime:
     group: dist.ProcessGroup | None
     perm: tuple[int, ...]            # expert ids in owner order
     chunks: int = DISPATCH_CHUNKS    # dropless layers: token chunks whose exchanges overlap (DroplessMoE)
+    node_ranks: int = 0              # two-hop dropless exchange: ep ranks per node (0: one hop)
+    intra: dist.ProcessGroup | None = None    # ... this rank's node's ep ranks (node_ranks of them)
+    rail: dist.ProcessGroup | None = None     # ... the ep ranks at this rank's place on every node
     id: int = -1
 
     def __post_init__(self) -> None:
@@ -175,6 +178,12 @@ class _Wait(torch.autograd.Function):
         return grad, None
 
 
+def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """Rows out by ``send`` counts, in by ``recv`` counts, waited at once (differentiable)."""
+    box = _Pending(send, recv, group)
+    return _Wait.apply(_Start.apply(x, box), box)
+
+
 _LAYERS: dict[int, "DroplessMoE"] = {}
 
 
@@ -223,6 +232,9 @@ class DroplessMoE:
             self._pos = self._pos.to(ids.device)
         chunks = max(1, min(self.chunks, tokens))
         bounds = [(tokens * c // chunks, tokens * (c + 1) // chunks) for c in range(chunks)]
+        if rt.node_ranks > 1 and rt.n > rt.node_ranks:
+            y = self._two_hop(flat_x, ids2, w2, params, bounds)
+            return y.to(self.out_dtype).reshape(*x.shape[:-1], y.shape[-1])
         orders, counts = [], []
         for a, b in bounds:
             pos = self._pos[ids2[a:b].reshape(-1)]                     # pair (t, j) -> owner-order place
@@ -252,6 +264,70 @@ class DroplessMoE:
             ys.append((pair_out.view(b - a, k, -1) * w2[a:b].unsqueeze(-1)).sum(dim=1))
         y = ys[0] if chunks == 1 else torch.cat(ys)
         return y.to(self.out_dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+    def _two_hop(self, flat_x: torch.Tensor, ids2: torch.Tensor, w2: torch.Tensor, params: Sequence[torch.Tensor],
+                 bounds: list[tuple[int, int]]) -> torch.Tensor:
+        """The exchange in two hops (module docstring of :class:`DroplessMoE`, ``node_ranks``):
+        a token crosses to each node holding one of its experts once, to the rank at this rank's
+        place there (the *relay*, over ``rail``); the relay hands it to the experts' owners on its
+        node (over ``intra``), sums their outputs weighted by the routing weights, and sends one
+        row per token back. The rows' exchanges over ``rail`` overlap the chunks as in one hop."""
+        rt = self.rt
+        g, k, per = rt.node_ranks, ids2.shape[1], rt.experts // rt.n
+        m = rt.n // g
+        sent, started = [], []
+        for a, b in bounds:
+            tc = b - a
+            pos = self._pos[ids2[a:b]]                                 # [tc, k] owner-order places
+            node = pos // (per * g)
+            key = (node * tc + torch.arange(tc, device=pos.device).unsqueeze(1)).reshape(-1)
+            rows_key, row_of_pair = torch.unique(key, sorted=True, return_inverse=True)   # by node, then token
+            token = rows_key % tc
+            nrows = rows_key.numel()
+            slot = torch.arange(k, device=pos.device).repeat(tc)
+            meta_pos = pos.new_full((nrows, k), -1).index_put((row_of_pair, slot), pos.reshape(-1))
+            meta_w = w2.new_zeros((nrows, k)).index_put((row_of_pair, slot), w2[a:b].reshape(-1))
+            send = torch.bincount(rows_key // tc, minlength=m)
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv, send, group=rt.rail)
+            send_l, recv_l = send.tolist(), recv.tolist()
+            box = _Pending(send_l, recv_l, rt.rail)
+            got_pos = pos.new_empty((sum(recv_l), k))
+            dist.all_to_all_single(got_pos, meta_pos, recv_l, send_l, group=rt.rail)
+            got_w = _exchange(meta_w, send_l, recv_l, rt.rail)
+            started.append((_Start.apply(flat_x[a:b][token], box), box, got_pos, got_w))
+            sent.append((token, tc))
+        back = []
+        for buf, box, got_pos, got_w in started:
+            rows = _Wait.apply(buf, box)                               # [R, h] from every node, for this node
+            partial = self._on_node(rows, got_pos, got_w, params, per, g)
+            out_box = _Pending(box.recv, box.send, rt.rail)
+            back.append((_Start.apply(partial, out_box), out_box))
+        ys = []
+        for (token, tc), (buf, box) in zip(sent, back):
+            partial = _Wait.apply(buf, box)                            # one row per (token, node)
+            ys.append(partial.new_zeros((tc, partial.shape[-1])).index_add(0, token, partial))
+        return ys[0] if len(ys) == 1 else torch.cat(ys)
+
+    def _on_node(self, rows: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, params: Sequence[torch.Tensor],
+                 per: int, g: int) -> torch.Tensor:
+        """The relay's part: each received row's pairs on this node to their owners and back,
+        summed with their weights into one row per received row."""
+        rt = self.rt
+        r, j = (pos >= 0).nonzero(as_tuple=True)
+        ppos = pos[r, j]
+        order = torch.sort(ppos, stable=True).indices                  # by owner on the node, then its expert
+        r, j, ppos = r[order], j[order], ppos[order]
+        local = ppos % (per * g)                                       # place among this node's experts
+        send_t = torch.bincount(local, minlength=per * g).view(g, per)
+        recv_t = torch.empty_like(send_t)
+        dist.all_to_all_single(recv_t, send_t, group=rt.intra)
+        send_l, recv_l = send_t.sum(-1).tolist(), recv_t.sum(-1).tolist()
+        got = _exchange(rows[r], send_l, recv_l, rt.intra)             # by source relay, then expert slot
+        slots = torch.repeat_interleave(torch.arange(per, device=pos.device).repeat(g), recv_t.reshape(-1))
+        out = _exchange(self._run_experts(got, slots, per, params), recv_l, send_l, rt.intra)
+        contrib = out * w[r, j].unsqueeze(-1)
+        return contrib.new_zeros((rows.shape[0], contrib.shape[-1])).index_add(0, r, contrib)
 
     def _run_experts(self, rows: torch.Tensor, slots: torch.Tensor, per: int,
                      params: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -525,3 +525,37 @@ def test_a_dropless_exchange_overlaps_its_experts_in_chunks(node8):
     bc = cap.parts(1, 1, node8, axes)[0]["block"]
     assert sc.parts["ep_comm_per_block_s"] == pytest.approx(
         4 * collective_time("all_to_all", bc.a2a_bytes, node8, ep_axes, "ep"), rel=1e-9)
+
+
+def test_an_expert_axis_across_nodes_is_priced_in_two_hops():
+    # E4: across nodes the runtime's dropless layer takes two hops (ExpertOptions.dispatch="auto",
+    # runtime/ep.DroplessMoE._two_hop): a token crosses once to each node its experts are on,
+    # then its pairs go to their owners inside the node; a routing limited to fewer nodes
+    # (DeepSeek-V3's) sends fewer rows across
+    from autopar.cost.comm import flat_time
+    from autopar.cost.hybrid import nodes_reached, overlapped_exchange
+    assert nodes_reached(2, 2, 1) == pytest.approx(1.0)                 # both experts on one node
+    assert nodes_reached(8, 8) == pytest.approx(8 * (1 - (7 / 8) ** 8))
+    assert nodes_reached(8, 8, 4) == pytest.approx(4 * (1 - 0.75 ** 8))
+    w = load_workload("mixtral-8x7b", batch=1, seq=1024, overrides={"layers": "2", "experts": "16"})
+    gm = capture_workload(w)
+    free, limited = (ModelFacts(gm, seq=1024, dtype="bf16", moe_routing="dropless", moe_node_limit=lim)
+                     for lim in (None, 1))
+    two = Cluster.from_spec("2x8", hardware=A100)
+    c = Config(dp=16, tp=1, pp=1, micro_batch=1, ep=16)
+    sf, sl = (simulate(f, two, c, batch=16) for f in (free, limited))
+    assert sl.parts["ep_comm_per_block_s"] < sf.parts["ep_comm_per_block_s"]
+    blk = free.parts(1, 1, two, (("pp", 1), ("dp", 1), ("ep", 16), ("tp", 1)))[0]["block"]
+    assert blk.top_k == 2
+    piece = flat_time("all_to_all", blk.a2a_bytes / 2 * nodes_reached(2, 2) / 2, 2, two.inter)
+    meta = 2 * (3 * flat_time("all_to_all", 16.0, 2, two.inter) + flat_time("all_to_all", 64.0, 8, two.intra))
+    on_node = 4 * flat_time("all_to_all", blk.a2a_bytes / 2, 8, two.intra)
+    want = 0.0
+    for x in (blk.expert_fwd, blk.expert_bwd):
+        shown = overlapped_exchange(piece, x + on_node, 2)
+        want += meta + on_node + shown + two.device.comm_contention * (4 * piece - shown)
+    assert sf.parts["ep_comm_per_block_s"] == pytest.approx(want, rel=1e-9)
+    one_node = simulate(free, Cluster.from_spec("1x16", hardware=A100), c, batch=16)   # one node: one hop
+    assert one_node.parts["ep_comm_per_block_s"] != pytest.approx(want, rel=1e-3)
+    with pytest.raises(ConfigError, match="node"):
+        ModelFacts(gm, seq=1024, moe_routing="dropless", moe_node_limit=0)

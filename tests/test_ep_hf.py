@@ -250,6 +250,77 @@ def _world2_cases(rank: int, world: int, cases: list[tuple], root: str) -> dict:
             "loop_checkpoint": _loop_checkpoint(rank, world, root), "chunks": _dispatch_chunks(rank, world)}
 
 
+def _world4_cases(rank: int, world: int, cases: list[tuple]) -> dict:
+    return {**_cases(rank, world, cases), "two_hop": _two_hop(rank, world)}
+
+
+def _two_hop(rank: int, world: int) -> dict:
+    """DeepSeek-V3 (float64, 8 experts, top-2 of 2 groups) on ep=4 over two nodes of two ranks
+    (torchrun's GROUP_RANK, as a two-node launch sets it): trained two SGD-momentum steps with
+    the exchange in two hops and in one, each against one process; and the rows each sends to
+    the other node's ranks in forward."""
+    from autopar.runtime import ep as ep_rt
+    from autopar.runtime import nodes
+
+    cfg = _config("deepseek_v3", "batched_mm")
+    cfg.n_routed_experts, cfg.num_hidden_layers = 8, 2
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, VOCAB, (8, 8), generator=gen)
+    target = torch.randint(0, VOCAB, (8, 8), generator=gen)
+    local, local_t = ids.chunk(world)[rank], target.chunk(world)[rank]
+    node_of = [r // 2 for r in range(world)]
+    crossed, forward = [0], [False]
+    start = ep_rt._Pending.start
+
+    def counting(self, x, send, recv):
+        if forward[0] and x.dim() == 2 and x.shape[-1] == cfg.hidden_size:
+            ranks = torch.distributed.get_process_group_ranks(self.group)
+            crossed[0] += sum(c for r, c in zip(ranks, send) if node_of[r] != node_of[rank])
+        return start(self, x, send, recv)
+
+    os_env = __import__("os").environ
+    os_env["GROUP_RANK"] = str(node_of[rank])
+    nodes._cache.clear()
+    out = {}
+    ep_rt._Pending.start = counting
+    try:
+        for how in ("two_hop", "direct"):
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.normal_(0.0, 0.2)
+            model = Logits(model.to(torch.float64))
+            ref = copy.deepcopy(model)
+            pm = autopar.parallelize(model, {"ep": world}, (local,), dims={},
+                                     options=autopar.ExpertOptions(dispatch=how))
+            opt = autopar.optimizer(pm, torch.optim.SGD, lr=0.05, momentum=0.9)
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+            crossed[0], loss_err = 0, 0.0
+            for step in range(STEPS):
+                forward[0] = step == 0
+                loss = _loss(pm(local), local_t)
+                forward[0] = False
+                rows = crossed[0] if step == 0 else rows
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                mean = loss.detach().clone()
+                torch.distributed.all_reduce(mean)
+                want = _loss(ref(ids), target)
+                want.backward()
+                ref_opt.step()
+                ref_opt.zero_grad()
+                loss_err = max(loss_err, abs(mean.item() / world - want.item()) / abs(want.item()))
+            out[how] = {"loss_err": loss_err, "param_err": _param_err(pm, ref, 1, rank), "rows": rows,
+                        "node_ranks": {f: rt.node_ranks for f, rt in pm.ep_runtimes.items()}}
+    finally:
+        ep_rt._Pending.start = start
+        del os_env["GROUP_RANK"]
+        nodes._cache.clear()
+    return out
+
+
 def _dispatch_chunks(rank: int, world: int) -> dict:
     """DeepSeek-V3 (float64, two layers) on ep=2 with its dropless exchange in 1, 2 and 3 token
     chunks: the loss and every gradient against one chunk's, and, at each call of a layer's
@@ -379,7 +450,7 @@ def world2(tmp_path_factory) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def world4() -> list[dict]:
-    return run_ranks(_cases, 4, FOUR, timeout_s=600)
+    return run_ranks(_world4_cases, 4, FOUR, timeout_s=600)
 
 
 def _check(results: list[dict], name: str, mesh: dict, dtype: torch.dtype, skewed: bool = False,
@@ -441,6 +512,22 @@ def test_dropless_exchange_overlaps_experts_and_computes_the_same(world2):
             bwd = [f for kind, f in got["events"][chunks] if kind == "experts_bwd"]
             assert len(fwd) == len(bwd) == 2 * chunks, got["events"][chunks]      # two layers
             assert all(f >= 1 for f in fwd + bwd), got["events"][chunks]
+
+
+def test_two_hop_exchange_trains_as_one_process_and_crosses_nodes_less(world4):
+    """ep=4 over two nodes of two ranks: the two-hop exchange (the default there) sends a token
+    once to each other node holding its experts, and trains as one process in float64; one
+    hop sends each (token, expert) pair. DeepSeek-V3's routing here picks both experts of a
+    token in one of two groups of four, i.e. on one node, so two hops cross exactly half the
+    rows (dispatch and combine, counted in forward)."""
+    for r in world4:
+        got = r["two_hop"]
+        assert set(got["two_hop"]["node_ranks"].values()) == {2}, got
+        assert set(got["direct"]["node_ranks"].values()) == {0}, got
+        for how in ("two_hop", "direct"):
+            assert got[how]["loss_err"] <= TOL[torch.float64] and got[how]["param_err"] <= TOL[torch.float64], got
+    two, one = sum(r["two_hop"]["two_hop"]["rows"] for r in world4), sum(r["two_hop"]["direct"]["rows"] for r in world4)
+    assert 0 < two and 2 * two == one, (two, one)
 
 
 @pytest.mark.parametrize("name,mesh,dtype,skewed,symbolic", SYMBOLIC, ids=lambda v: str(v))

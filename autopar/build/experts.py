@@ -63,9 +63,10 @@ def experts_step(s: BuildState) -> None:
     if not regions and not r.pipelined:
         log.warning("no MoE layer's experts can be split: the ep axis runs as data parallelism (mesh %s)",
                     {"dp": s.sizes.get("dp", 1) * n_ep, **({"tp": s.tp} if s.tp > 1 else {})})
+    hops = two_hop_groups(s, r.options.experts.dispatch) if any(p.kind == "dropless" for p in plans) else None
     s.expert_runtimes, s.experts = exchange_experts(s.gm, s.tensors, plans, {f: p.perm for f, p in placed.items()},
                                                     group=group, n=n_ep, rank=rank,
-                                                    chunks=r.options.experts.dispatch_chunks)
+                                                    chunks=r.options.experts.dispatch_chunks, hops=hops)
     s.expert_placements = placed
     if not r.pipelined:
         s.plan = _expert_plan(s, placed)
@@ -89,18 +90,63 @@ def _expert_plan(s: BuildState, placed: Mapping[str, Placement]) -> Plan:
                 predicted=predicted, shapes=shapes, fingerprint=Plan.fingerprint_of(shapes))
 
 
+def two_hop_groups(s: BuildState, dispatch: str) -> tuple[int, Any, Any] | None:
+    """``(ep ranks per node, this rank's node group, its rail group)`` for a two-hop dropless
+    exchange (:class:`autopar.runtime.ep.DroplessMoE`), or None for one hop: ``dispatch="auto"``
+    takes two hops when each expert group is cut into blocks of consecutive ranks, one block
+    per node, of more than one rank and more than one block. Every rank decides alike (the
+    nodes are agreed) and creates every group in one order."""
+    from autopar.build.data import hybrid_groups
+    from autopar.runtime.nodes import node_of_ranks
+
+    if dispatch == "direct":
+        return None
+    d = s.names.index("ep")
+    n = s.mesh.size(d)
+    g = node_blocks(s.mesh.mesh.movedim(d, -1).reshape(-1, n).tolist(), node_of_ranks())
+    if not 1 < g < n:
+        if dispatch == "two_hop":
+            raise ConfigError("dispatch='two_hop' needs an expert axis over several nodes with several of its "
+                              "ranks on each, in blocks of consecutive ranks", where="ExpertOptions.dispatch",
+                              got=f"ep={n}, {g or 'uneven'} ep ranks per node",
+                              fix="use dispatch='auto' or 'direct', or order the mesh so ep runs inside and across nodes")
+        return None
+    intra, rail = hybrid_groups(s.mesh, s.names, ["ep"], g)
+    return g, intra, rail
+
+
+def node_blocks(rows: Sequence[Sequence[int]], nodes: Sequence[int]) -> int:
+    """The ranks per node of every row of ranks (each row cut into runs of one node each, every
+    run the same length and no node in two runs of a row); 0 when they are not so."""
+    sizes = set()
+    for row in rows:
+        runs: list[list[int]] = []
+        for r in row:
+            if runs and nodes[runs[-1][-1]] == nodes[r]:
+                runs[-1].append(r)
+            else:
+                runs.append([r])
+        if len({nodes[run[0]] for run in runs}) != len(runs):
+            return 0
+        sizes |= {len(run) for run in runs}
+    return sizes.pop() if len(sizes) == 1 else 0
+
+
 def exchange_experts(gm: fx.GraphModule, tensors: dict[str, torch.Tensor], plans: list, perms: Mapping[str, Any], *,
-                     group: Any, n: int, rank: int, chunks: int = DISPATCH_CHUNKS) -> tuple[dict, dict[str, tuple[str, tuple[int, ...]]]]:
+                     group: Any, n: int, rank: int, chunks: int = DISPATCH_CHUNKS,
+                     hops: tuple[int, Any, Any] | None = None) -> tuple[dict, dict[str, tuple[str, tuple[int, ...]]]]:
     """Rewrite the MoE layers ``plans`` split for the expert exchange over ``group`` (experts in
     the owner order ``perms[layer]``), keep this rank's experts' rows in ``tensors``, and
     return the exchange runtimes by layer and, per expert parameter, how it is stored
     (``rows`` of a stacked tensor, or ``whole`` owned modules) with the experts this rank owns.
-    ``chunks``: how many token chunks a dropless layer's exchanges overlap in
-    (:class:`autopar.runtime.ep.DroplessMoE`)."""
+    ``chunks``: how many token chunks a dropless layer's exchanges overlap in, ``hops``: the
+    two-hop exchange's groups (:func:`two_hop_groups`; :class:`autopar.runtime.ep.DroplessMoE`)."""
     from autopar.passes.ep_rewrite import ep_rewrite
     from autopar.runtime.ep import EPRuntime
 
-    rts = {f: EPRuntime(n=n, rank=rank, group=group, perm=tuple(perm), chunks=chunks) for f, perm in perms.items()}
+    g, intra, rail = hops or (0, None, None)
+    rts = {f: EPRuntime(n=n, rank=rank, group=group, perm=tuple(perm), chunks=chunks, node_ranks=g, intra=intra,
+                        rail=rail) for f, perm in perms.items()}
     stored = ep_rewrite(gm, plans, rts)
     region_of = {f: q.region.fqn for q in plans if q.kind != "dense" for f in q.region.expert_params}
     for fqn, how in stored.items():

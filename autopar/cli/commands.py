@@ -9,7 +9,7 @@ import time
 
 from autopar.cli import checks
 from autopar.cli.checks import count, parse_mesh
-from autopar.cli.hybrid import plan_command, positive_int, say, simulate_command, emit_plan
+from autopar.cli.hybrid import emit_plan, moe_arguments, plan_command, positive_int, say, simulate_command
 from autopar.core.errors import AutoparError, ConfigError, DoesNotFitError, UnsupportedError
 
 
@@ -483,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "the same default as simulate")
     pl.add_argument("--memory-budget", type=checks.gigabytes("--memory-budget"), metavar="GB",
                     help="bytes per device in decimal GB (default: the device's memory)")
-    pl.add_argument("--moe-routing", choices=["capacity", "dropless"], default="capacity", help=_ROUTING_HELP)
+    moe_arguments(pl)
     pl.add_argument("--zero", choices=["auto", "0", "1", "2", "3"], default="auto",
                     help="ZeRO stage (default auto; --pp N plans without ZeRO)")
     pl.add_argument("--tp", default="auto", help="tensor-parallel degree, exactly (it must divide the devices), "
@@ -547,7 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--virtual-stages", type=count("--virtual-stages"), default=1)
     sm.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
     sm.add_argument("--attention", choices=["flash", "materialized"], default="flash", help="flash, or scores written out")
-    sm.add_argument("--moe-routing", choices=["capacity", "dropless"], default="capacity", help=_ROUTING_HELP)
+    moe_arguments(sm)
     sm.add_argument("--timeline", metavar="OUT.svg", help="draw the simulated pipeline schedule to this SVG file")
     sm.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     sm.add_argument("-q", "--quiet", action="store_true", help="accepted for symmetry with plan (prints no progress)")
@@ -561,9 +561,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("calibrate", help="measure this machine and write a hardware profile "
                    "(autopar calibrate --help)")
     return p
-
-
-_ROUTING_HELP = "MoE layers as captured (capacity buffers, padding computed and sent) or dropless (routed tokens only)"
 
 
 def _run_quietly(args: argparse.Namespace) -> int:

@@ -26,7 +26,18 @@ def _hybrid_facts(args: argparse.Namespace, planned):
     dtype = "fp32" if args.dtype == "fp32" else args.dtype
     return ModelFacts(planned.gm, seq=args.seq, dtype=dtype, optimizer_floats=optimizer_floats(args.optimizer),
                       attention=getattr(args, "attention", "flash"), layers=planned.block_copies,
-                      moe_routing=getattr(args, "moe_routing", "capacity"))
+                      moe_routing=getattr(args, "moe_routing", "capacity"),
+                      moe_node_limit=getattr(args, "moe_node_limit", None))
+
+
+def moe_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the model's mixture-of-experts layers route (plan and simulate)."""
+    parser.add_argument("--moe-routing", choices=["capacity", "dropless"], default="capacity",
+                        help="MoE layers as captured (capacity buffers, padding computed and sent) or dropless "
+                             "(routed tokens only)")
+    parser.add_argument("--moe-node-limit", type=lambda t: positive_int(t, "--moe-node-limit"), default=None, metavar="M",
+                        help="the model's routing puts a token's experts on at most M nodes (DeepSeek-V3: 4); "
+                             "the two-hop exchange sends a token once to each node it reaches")
 
 
 def _budget(args: argparse.Namespace, cluster) -> float:

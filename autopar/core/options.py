@@ -134,12 +134,18 @@ class ExpertOptions:
     even it out (``"contiguous"``: experts in order); ``capacity_factor`` overrides the MoE
     layers' own. ``dispatch_chunks``: a dropless layer's tokens go in this many chunks, so one
     chunk's all-to-all travels while another chunk's experts compute (1: no overlap; the
-    result is the same)."""
+    result is the same). ``dispatch``: how a dropless layer's tokens reach experts on other
+    nodes: ``"two_hop"`` sends a token once to each node holding one of its experts, where
+    the rank at the sender's place hands it on inside the node and sums the experts' outputs
+    (fewer bytes on the inter-node links when a token's experts share nodes, as node-limited
+    routing makes them); ``"direct"`` sends one copy per (token, expert) pair; ``"auto"``
+    (default): two hops when the expert axis spans nodes with several of its ranks on each."""
 
     calibration: Any = None
     placement: str = "balanced"
     capacity_factor: float | None = None
     dispatch_chunks: int = DISPATCH_CHUNKS
+    dispatch: str = "auto"
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -151,6 +157,8 @@ class ExpertOptions:
                "a number or None")
         _check(name, "dispatch_chunks", self.dispatch_chunks, _count(self.dispatch_chunks) and
                self.dispatch_chunks is not None, "an int >= 1")
+        _check(name, "dispatch", self.dispatch, self.dispatch in ("auto", "direct", "two_hop"),
+               "'auto', 'direct' or 'two_hop'")
 
 
 @dataclass(frozen=True, kw_only=True)
