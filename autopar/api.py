@@ -21,7 +21,7 @@ from autopar.core.dp_mode import DataMode, check_composes, data_mode
 from autopar.core.errors import ConfigError, InputMismatchError, OptimizerError
 from autopar.core.meta import graph_info
 from autopar.passes.meta import paused_gc
-from autopar.core.plans import Plan
+from autopar.core.plans import Plan, recompute_layers
 from autopar.core.mesh import dense_axes, has_axis
 from autopar.core.options import AxisOptions, collect
 from autopar.build.prepare import (as_args, capture_model, plan_of, solve_tensor_axis,
@@ -150,8 +150,10 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
     :func:`autopar.optimizer`: a torch optimizer built on ``model.parameters()`` raises an
     :class:`~autopar.core.errors.OptimizerError` at its first ``step()``.
 
-    ``recompute``: ``"none"``, ``"selective"`` (attention cores re-run in backward) or
-    ``"full"`` (every layer re-run in backward; forward keeps only each layer's inputs).
+    ``recompute``: ``"none"``, ``"selective"`` (attention cores re-run in backward),
+    ``"full"`` (every layer re-run in backward; forward keeps only each layer's inputs) or
+    ``"layers:K"`` (the first K layers of every pipeline stage, of the model without a pipeline,
+    re-run so; the others keep their activations).
     ``compile=True`` runs each rank's rewritten graph (each pipeline stage's) through
     ``torch.compile`` with inductor (``"aot_eager"`` or ``"eager"`` name another backend): the
     tensor axis's collectives stay in the compiled graph, the data axis's run eagerly between
@@ -247,6 +249,7 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
                    ("no context axis", not has_axis(mesh, "cp") and (plan is None or plan.cp_axis is None),
                     dict(cp_kind=o.context.kind)))
     _check_mixed_precision(mixed_precision, plan)
+    recompute_layers(recompute)            # an unknown mode stops here, before any collective
     backend = backend_of(compile)
     check_compile(backend, recompute)
     mode = _data_mode(d.dp_mode, plan)

@@ -60,7 +60,7 @@ logging.getLogger("autopar").setLevel(logging.ERROR)
 
 from autopar.cost.cluster import Cluster  # noqa: E402
 from autopar.cost.hybrid import RECOMPUTE, Config, ModelFacts, simulate  # noqa: E402
-from autopar.cost.plan_search import search  # noqa: E402
+from autopar.cost.plan_search import fewest_recomputed, search  # noqa: E402
 from autopar.core.errors import ConfigError  # noqa: E402
 from autopar.cli.workload import capture_for_planning, load_workload  # noqa: E402
 
@@ -120,7 +120,7 @@ def published_layout(facts: ModelFacts, cluster: Cluster, row: Row):
     lay = {k: v for k, v in stated.items() if k not in row.relaxed}
     tp, pp = lay["tp"], lay["pp"]
     dp = cluster.world_size // (tp * pp)
-    fits, fastest, errors = [], None, set()
+    fits, fastest, errors, kept_fits = [], None, set(), True
     for mb in (1, 2, 4, 8):
         for sched, v in (("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb", 1)):
             if pp == 1 and sched != "1f1b":
@@ -136,6 +136,11 @@ def published_layout(facts: ModelFacts, cluster: Cluster, row: Row):
                         continue
                     if s.fits:
                         fits.append(s)
+                    if rc == "none":
+                        kept_fits = s.fits
+                    elif rc == "full" and s.fits and not kept_fits:   # the fewest layers per stage that fit
+                        part, _ = fewest_recomputed(facts, cluster, s, batch=row.batch, budget=BUDGET)
+                        fits += [part] if part is not None else []
                     as_stated = all(getattr(c, k) == v for k, v in stated.items())
                     if as_stated and (fastest is None or s.step_time_s < fastest.step_time_s):
                         fastest = s

@@ -27,6 +27,7 @@ Hardware FLOP/s count recomputation; model FLOP/s and MFU do not.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -37,7 +38,7 @@ from autopar.cost.step_terms import (DataBytes, device_memory, lone_stage_data_a
                                      pipeline_data_axis, stage_layers)
 from autopar.core.errors import ConfigError
 from autopar.core.options import DISPATCH_CHUNKS
-from autopar.core.plans import RECOMPUTE, Config
+from autopar.core.plans import RECOMPUTE, Config, recompute_layers
 
 log = logging.getLogger("autopar.hybrid")
 
@@ -100,8 +101,7 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     from autopar.cost.pp_sim import StageCosts
     from autopar.cost.pp_steady import run as run_schedule
 
-    if c.recompute not in RECOMPUTE:
-        raise ConfigError(f"unknown recompute {c.recompute!r}", expected=", ".join(RECOMPUTE))
+    first_k = recompute_layers(c.recompute)        # validates; K of "layers:K"
     devices = c.dp * c.cp * c.tp * c.pp
     if c.cp > 1 and (facts.seq % (2 * c.cp) or not facts.attention_ops):
         raise ConfigError(f"cp={c.cp} needs attention and a sequence of a multiple of {2 * c.cp} tokens",
@@ -140,20 +140,26 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
         blk = _with_context(blk, c.cp, cp_fwd, cp_bwd)
         from dataclasses import replace as _replace
         c = _replace(c, cp_kind=kind)
-    re_blk = {"none": 0.0, "selective": blk.score_fwd, "full": blk.fwd + blk.comm_fwd}[c.recompute]
     dev = cluster.device
     split = 1.0 + dev.zb_split_overhead if sched == "zb" else 1.0     # torch's split backward, both planners
-    blk_f, blk_b = blk.fwd + blk.comm_fwd, (blk.bwd + blk.comm_bwd) * split + re_blk
-    full = c.recompute == "full"          # every layer, of the main block class or another one
-    pre_f, pre_b = pre.fwd + pre.comm_fwd, (pre.bwd + pre.comm_bwd) * split + full * pre.layer_fwd
-    post_f, post_b = post.fwd + post.comm_fwd, (post.bwd + post.comm_bwd) * split + full * post.layer_fwd
-    counts = stage_layers(facts.layers, stages, blk_f + blk_b, pre_f + pre_b, post_f + post_b)
+    blk_f = blk.fwd + blk.comm_fwd
+    blk_b = (blk.bwd + blk.comm_bwd) * split + (blk.score_fwd if c.recompute == "selective" else 0.0)
+    pre_f, pre_b = pre.fwd + pre.comm_fwd, (pre.bwd + pre.comm_bwd) * split
+    post_f, post_b = post.fwd + post.comm_fwd, (post.bwd + post.comm_bwd) * split
+    full = c.recompute == "full"
+    counts = stage_layers(facts.layers, stages, blk_f + blk_b + full * blk_f, pre_f + pre_b + full * pre.layer_fwd,
+                          post_f + post_b + full * post.layer_fwd)
+    redo = recomputed(counts, pre.layers, post.layers,
+                      math.inf if full else first_k or 0)   # (before, blocks, after) per stage
+
+    def again(p: BlockPart, k: int) -> float:    # the part's k recomputed layers of another class
+        return p.layer_fwd * k / p.layers if k else 0.0
     fwd = [counts[s] * blk_f + (pre_f if s == 0 else 0.0) + (post_f if s == stages - 1 else 0.0)
            for s in range(stages)]
-    bwd = [counts[s] * blk_b + (pre_b if s == 0 else 0.0) + (post_b if s == stages - 1 else 0.0)
-           for s in range(stages)]
+    bwd = [counts[s] * blk_b + redo[s][1] * blk_f + (pre_b + again(pre, redo[s][0]) if s == 0 else 0.0)
+           + (post_b + again(post, redo[s][2]) if s == stages - 1 else 0.0) for s in range(stages)]
     share = facts.boundary_share(c.tp, strategies)
-    acts = _stage_activations(facts, c, counts, blk, pre, post, share)
+    acts = _stage_activations(facts, c, counts, redo, blk, pre, post, share)
     act_bytes = _boundary_bytes(facts, c) * share
     p2p = collective_time("send_recv", act_bytes, cluster, axes, "pp") if c.pp > 1 else 0.0
     if fast:
@@ -174,7 +180,7 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
                 + (numel["post"] if s == stages - 1 else 0.0) for s in range(d, stages, c.pp))
             for d in range(c.pp)]
     experts = [sum(counts[s] for s in range(d, stages, c.pp)) * expert_block for d in range(c.pp)]
-    working = blk.saved if c.recompute == "full" else 0.0     # one block's, while it is recomputed
+    working = blk.saved if any(sum(r) for r in redo) else 0.0     # one block's, while it is recomputed
     data_c, data_axes = _data_view(c)
     mems = [_with_reserve(device_memory(facts, data_c, held[d], result.peak_activation_bytes[d] + working,
                                         per_block, numel), c, dev)
@@ -202,8 +208,10 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     # model FLOPs count the routed tokens' expert work, hardware FLOPs the capacity padding too
     padding = (pre.padding_flops + post.padding_flops + facts.layers * blk.padding_flops) * samples
     model_flops = (pre.flops + post.flops + facts.layers * blk.flops) * samples - padding
-    hw_flops = model_flops + padding + samples * (facts.layers * blk.fwd_flops + pre.layer_fwd_flops
-                                                  + post.layer_fwd_flops) * (c.recompute == "full")
+    hw_flops = model_flops + padding + samples * (sum(r[1] for r in redo) * blk.fwd_flops
+                                                  + sum(pre.layer_fwd_flops * r[0] / max(1, pre.layers)
+                                                        + post.layer_fwd_flops * r[2] / max(1, post.layers)
+                                                        for r in redo))
     peak_flops = cluster.device.peak(facts.dtype)
     tput = model_flops / step / devices
     return Score(config=c, step_time_s=step, microbatches=m, model_flops=model_flops, hw_flops=hw_flops,
@@ -232,8 +240,8 @@ def _closed_form(sched: str, p: int, v: int, m: int, fwd: list[float], bwd: list
     """Pipeline time without the event simulation: the busiest device works ``m`` times its
     share, plus the fill and drain through the other stages (zb hides the weight-gradient half
     of backward in the drain). Activations: each stage holds as many micro-batches as the
-    schedule keeps in flight on it (all ``m`` under GPipe and under interleaved 1F1B with
-    ``m == p``, ``p - device`` under 1F1B, ``p`` on every device under zero-bubble)."""
+    schedule keeps in flight on it (all ``m`` under GPipe, ``p - device`` under 1F1B, ``p`` on
+    every device under zero-bubble, interleaved 1F1B's warm-up and one more)."""
     dev = [sum(fwd[s] + bwd[s] for s in range(d, p * v, p)) for d in range(p)]
     busy = max(dev)
     chunk = [(f + b) for f, b in zip(fwd, bwd)]
@@ -242,11 +250,15 @@ def _closed_form(sched: str, p: int, v: int, m: int, fwd: list[float], bwd: list
         fill = sum(sorted(f + b / 2 for f, b in zip(fwd, bwd))[:-1])
     step = busy * m / 1.0 + fill + 2 * (p - 1) * p2p
     step = max(step, busy * m)
-    # interleaved with m == p warms up with every forward (Megatron's rule, cost/pp_sim.py)
-    everything = sched == "gpipe" or (sched == "interleaved" and m == p)
     # zero-bubble (ZB-H1) holds back d weight-gradients on device d: min(p, m) on every device
-    inflight = [m if everything else min(m, p) if sched == "zb" else min(m, (p - s % p) * (1 if v == 1 else 2))
-                for s in range(p * v)]
+    inflight = [m if sched == "gpipe" else min(m, p) if sched == "zb" else min(m, p - s % p) for s in range(p * v)]
+    if sched == "interleaved":
+        # device d's peak: its warm-up forwards and the first steady one, in rounds of p
+        # micro-batches per chunk (cost/pp_sim.interleaved_1f1b, torch's order)
+        inflight = [0] * (p * v)
+        for d in range(p):
+            for k in range(min(2 * (p - 1 - d) + (v - 1) * p + 1, m * v)):
+                inflight[((k // p) % v) * p + d] += 1
     peak = tuple(sum(inflight[s] * acts[s] for s in range(d, p * v, p)) for d in range(p))
     return _Pipe(step_time_s=step, bubble_fraction=(step - busy * m) / (busy * m), peak_activation_bytes=peak)
 
@@ -367,20 +379,39 @@ def _boundary_bytes(facts: ModelFacts, c: Config) -> float:
     return float(c.micro_batch * (facts.seq // c.cp) * facts.hidden * width)
 
 
-def _stage_activations(facts: ModelFacts, c: Config, counts: list[int], blk: BlockPart, pre: BlockPart,
-                       post: BlockPart, share: float) -> list[float]:
+def recomputed(counts: list[int], before: int, after: int, first: float) -> list[tuple[int, int, int]]:
+    """Per stage, how many layers of the part before, of the blocks and of the part after are
+    re-run in backward when each stage recomputes its ``first`` layers in graph order
+    (``layers:K``; ``math.inf``: all, ``full``; 0: none): the part before's layers lead the first
+    stage, the part after's close the last (runtime/recompute.regions)."""
+    stages, out = len(counts), []
+    for s in range(stages):
+        left = first
+        pre = int(min(left, before)) if s == 0 else 0
+        left -= pre
+        blocks = int(min(left, counts[s]))
+        left -= blocks
+        post = int(min(left, after)) if s == stages - 1 else 0
+        out.append((pre, blocks, post))
+    return out
+
+
+def _stage_activations(facts: ModelFacts, c: Config, counts: list[int], redo: list[tuple[int, int, int]],
+                       blk: BlockPart, pre: BlockPart, post: BlockPart, share: float) -> list[float]:
     """Bytes one micro-batch leaves held on each stage from its forward to its backward: every
     block's saved activations (``none``), less the attention scores (``selective``), or only
-    each block's input (``full``); the first stage also holds what the part before saves and
-    the last what the part after saves (the logits). Without a pipeline the one stage runs one
-    micro-batch at a time (gradient accumulation), so this is its whole activation memory."""
+    the input of each block it recomputes (``redo``: :func:`recomputed`); the first stage also
+    holds what the part before saves and the last what the part after saves (the logits), less
+    their recomputed layers'. Without a pipeline the one stage runs one micro-batch at a time
+    (gradient accumulation), so this is its whole activation memory."""
     stages = len(counts)
     boundary = _boundary_bytes(facts, c) * share
-    per_block = {"none": blk.saved, "selective": blk.saved - blk.score_saved, "full": boundary}[c.recompute]
+    kept = blk.saved - (blk.score_saved if c.recompute == "selective" else 0.0)
 
-    def outer(p: BlockPart) -> float:      # the part before or after, its other layers recomputed under full
-        return p.saved - p.layer_saved + p.layers * boundary if c.recompute == "full" else p.saved
-    return [counts[s] * per_block + (outer(pre) if s == 0 else 0.0) + (outer(post) if s == stages - 1 else 0.0)
+    def outer(p: BlockPart, k: int) -> float:      # the part before or after, k of its layers recomputed
+        return p.saved - (p.layer_saved / p.layers - boundary) * k if k else p.saved
+    return [(counts[s] - redo[s][1]) * kept + redo[s][1] * boundary
+            + (outer(pre, redo[s][0]) if s == 0 else 0.0) + (outer(post, redo[s][2]) if s == stages - 1 else 0.0)
             for s in range(stages)]
 
 

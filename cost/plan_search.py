@@ -15,10 +15,11 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import replace
 from typing import Any, Iterable, Sequence
 
 from autopar.cost.cluster import Cluster
-from autopar.core.plans import RECOMPUTE, Config
+from autopar.core.plans import RECOMPUTE, Config, recompute_rank
 from autopar.cost.hybrid import ModelFacts, Score, simulate
 from autopar.core.errors import ConfigError
 from autopar.core.progress import progress
@@ -93,6 +94,7 @@ def search(facts: ModelFacts, cluster: Cluster, *, batch: int, budget: float | N
     scored: list[Score] = []
     best: Score | None = None
     count = 0
+    kept_fits: dict[Config, bool] = {}        # without recomputation, by the rest of the configuration
     for c in progress(configurations(facts, devices=cluster.world_size, batch=batch,
                                      per_node=cluster.devices_per_node, **space), what="search: configurations"):
         if best is not None and _lower_bound(facts, cluster, c, batch) >= best.step_time_s:
@@ -102,9 +104,17 @@ def search(facts: ModelFacts, cluster: Cluster, *, batch: int, budget: float | N
         except ConfigError:
             continue
         count += 1
-        scored.append(s)
-        if s.fits and (best is None or s.step_time_s < best.step_time_s):
-            best = s
+        found = [s]
+        if c.recompute == "none":
+            kept_fits[replace(c, recompute="full")] = s.fits
+        elif c.recompute == "full" and s.fits and kept_fits.get(c) is False:
+            part = fewest_recomputed(facts, cluster, s, batch=batch, budget=budget)
+            count += part[1]
+            found += [part[0]] if part[0] is not None else []
+        for s in found:
+            scored.append(s)
+            if s.fits and (best is None or s.step_time_s < best.step_time_s):
+                best = s
     log.info("search: %d configurations scored with the closed-form pipeline", count)
     # the finalists, scored exactly by the event simulation
     t0 = time.perf_counter()
@@ -131,6 +141,25 @@ def search(facts: ModelFacts, cluster: Cluster, *, batch: int, budget: float | N
     return best, out, count
 
 
+def fewest_recomputed(facts: ModelFacts, cluster: Cluster, full: Score, *, batch: int,
+                      budget: float) -> tuple[Score | None, int]:
+    """Where a configuration fits with full recomputation and not without: the score of
+    ``layers:K`` with the fewest layers per stage K that still fits (memory falls as K grows, so
+    a bisection), or None when only every layer does; and how many scores it took."""
+    per_stage = max(full.parts["stage_layers"])
+    lo, hi, best, tried = 1, per_stage, None, 0
+    while lo < hi:
+        k = (lo + hi) // 2
+        s = simulate(facts, cluster, replace(full.config, recompute=f"layers:{k}"), batch=batch, budget=budget,
+                     fast=True)
+        tried += 1
+        if s.fits:
+            hi, best = k, s
+        else:
+            lo = k + 1
+    return best, tried
+
+
 def _layout(c: Config) -> tuple:
     return (c.dp, c.cp, c.tp, c.pp, c.ep, c.micro_batch, c.schedule, c.virtual, c.shard_group)
 
@@ -140,7 +169,7 @@ def _rank_key(s: Score) -> tuple:
     less recomputation, fewer pipeline stages, smaller tp."""
     return (not s.fits, round(s.step_time_s * 1000 / max(s.step_time_s, 1e-12)) if False else
             round(math.log(max(s.step_time_s, 1e-12)) / math.log(1.001)),
-            s.config.zero_stage, RECOMPUTE.index(s.config.recompute), s.config.pp, s.config.tp)
+            s.config.zero_stage, recompute_rank(s.config.recompute), s.config.pp, s.config.tp)
 
 
 def _lower_bound(facts: ModelFacts, cluster: Cluster, c: Config, batch: int) -> float:

@@ -282,8 +282,10 @@ def interleaved_1f1b(p: int, v: int, m: int) -> Schedule:
     device d holds stages d, d+p, ..., d+(v-1)p.
 
     Forwards run in groups of p micro-batches per chunk, chunk 0 to v-1; backwards likewise,
-    chunk v-1 to 0. Device d runs ``2(p-1-d) + (v-1)p`` warm-up forwards (all of them when
-    m == p), then alternates one forward and one backward, then the remaining backwards.
+    chunk v-1 to 0. Device d runs ``2(p-1-d) + (v-1)p`` warm-up forwards (at most all of
+    them), then alternates one forward and one backward, then the remaining backwards: the
+    order of torch's ``ScheduleInterleaved1F1B``, which the runtime runs (runtime/pp.py).
+    Megatron-LM warms up with every forward when m == p; torch does not.
     """
     _check_sizes("interleaved_1f1b", p=p, v=v, m=m)
     if m % p:
@@ -299,7 +301,7 @@ def interleaved_1f1b(p: int, v: int, m: int) -> Schedule:
 
     programs = []
     for d in range(p):
-        warmup = total if m == p else min(2 * (p - 1 - d) + (v - 1) * p, total)
+        warmup = min(2 * (p - 1 - d) + (v - 1) * p, total)
         order = [("F", k) for k in range(warmup)]
         for k in range(total - warmup):
             order += [("F", warmup + k), ("B", k)]

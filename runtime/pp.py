@@ -101,7 +101,8 @@ class StageModule(nn.Module):
         self._compiled = compile_graph(self.graph_module, backend) if backend else None
 
     def set_recompute(self, mode: str, layers: Sequence[str] = ()) -> None:
-        """Checkpoint this stage's ``layers`` (``full``) or attention cores (``selective``)."""
+        """Checkpoint this stage's ``layers`` (``full``), the first K of them (``layers:K``) or its
+        attention cores (``selective``)."""
         from autopar.runtime.recompute import regions
         self._recompute = regions(self.graph_module, mode, list(layers))
         self.recompute = mode

@@ -2,7 +2,8 @@
 
 ``full`` checkpoints every member of the repeated block classes (each transformer layer): its
 forward keeps only the tensors entering the layer, and backward runs the layer's forward
-again. ``selective`` checkpoints only the attention cores (a fused attention op, or the run of
+again. ``layers:K`` checkpoints so the first K layers of the graph (of each pipeline stage's
+graph), in graph order, and keeps the others' activations. ``selective`` checkpoints only the attention cores (a fused attention op, or the run of
 score ops between the two attention matmuls), which hold the ``[b, heads, s, s]`` scores.
 Regions are runs of consecutive graph nodes; each runs under ``torch.utils.checkpoint``
 (non-reentrant, RNG state preserved) as a function of the tensors it reads from outside, and
@@ -28,26 +29,29 @@ from torch.utils.checkpoint import checkpoint
 
 from autopar.core.errors import ConfigError
 from autopar.core.meta import graph_info, info
+from autopar.core.plans import RECOMPUTE, recompute_layers
 from autopar.runtime.dp import DP_OPS, DPRuntime
 
-MODES = ("none", "selective", "full")
+MODES = RECOMPUTE           # and "layers:K" (autopar.core.plans.recompute_layers)
 _SCORE_OPS = {"_softmax", "softmax", "_safe_softmax", "masked_fill", "where", "dropout", "native_dropout"}
 
 
 def regions(gm: fx.GraphModule, mode: str, members: Sequence[str] | None = None) -> dict[fx.Node, int]:
     """Node -> region id for ``mode`` (empty for ``none``). ``members`` names the layers
-    ``full`` checkpoints (default: the members of ``gm``'s largest repeated block class; a
-    pipeline stage passes the whole model's, since it holds only some of them)."""
-    if mode not in MODES:
-        raise ConfigError(f"unknown recompute mode {mode!r}", where="recompute", expected=", ".join(MODES),
-                          fix="use none, selective or full")
+    ``full`` checkpoints (default: the members of ``gm``'s repeated block classes; a pipeline
+    stage passes the whole model's, since it holds only some of them); ``layers:K`` takes the
+    first K of them that ``gm`` holds."""
+    count = recompute_layers(mode)
     out: dict[fx.Node, int] = {}
     if mode == "none":
         return out
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
-    if mode == "full":
+    if mode == "full" or count is not None:
         if members is None:
             members = layer_members(gm)
+        if count is not None:
+            wanted = set(members)
+            members = [m for m in dict.fromkeys(info(n).block_member for n in nodes) if m in wanted][:count]
         index = {m: i for i, m in enumerate(members)}
         for n in nodes:
             m = info(n).block_member

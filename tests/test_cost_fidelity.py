@@ -400,9 +400,8 @@ def test_the_loss_on_the_logits_is_timed_and_held(node8):
 
 
 def test_the_closed_form_holds_what_the_event_simulation_holds(node8):
-    # interleaved 1F1B with as many micro-batches as devices warms up with every forward
-    # (Megatron's rule): the search's closed form must see the memory the exact scoring sees,
-    # or its finalists all fail the budget and a fitting layout is never scored exactly
+    # the search's closed form must see the memory the exact scoring sees, or its finalists
+    # all fail the budget and a fitting layout is never scored exactly
     f = _facts(layers=2, real=16)
     for batch, sched, v in ((16, "interleaved", 2), (32, "interleaved", 2), (16, "1f1b", 1), (16, "gpipe", 1),
                             (16, "zb", 1), (64, "zb", 1)):
@@ -559,3 +558,63 @@ def test_an_expert_axis_across_nodes_is_priced_in_two_hops():
     assert one_node.parts["ep_comm_per_block_s"] != pytest.approx(want, rel=1e-3)
     with pytest.raises(ConfigError, match="node"):
         ModelFacts(gm, seq=1024, moe_routing="dropless", moe_node_limit=0)
+
+
+@pytest.mark.parametrize("p,v,m", [(4, 2, 4), (4, 2, 8), (2, 3, 2), (4, 4, 4), (8, 2, 16)])
+def test_the_simulated_interleaved_order_is_the_runtimes(p, v, m):
+    # the runtime runs torch's ScheduleInterleaved1F1B (runtime/pp.py): each device's order of
+    # forwards and backwards is the simulator's. Torch warms device d up with 2(p-1-d) + (v-1)p
+    # forwards even when m == p (Megatron-LM would run every forward first, holding all m)
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+    from autopar.cost.pp_sim import interleaved_1f1b
+    sched = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)
+    sched.n_local_stages, sched.pp_group_size, sched._n_microbatches = v, p, m
+    sched.number_of_rounds = max(1, m // p)
+    sched.microbatches_per_round = m // sched.number_of_rounds
+    ours = interleaved_1f1b(p, v, m)
+    for d in range(p):
+        sched.rank = d
+        theirs = [(a.computation_type.value, a.stage_index, a.microbatch_index)
+                  for a in sched._calculate_single_rank_operations(d) if a is not None]
+        assert theirs == [(a.kind, a.stage, a.mb) for a in ours.programs[d]], d
+
+
+def test_recomputing_the_first_k_layers_of_each_stage_is_priced_between_none_and_full(node8, monkeypatch):
+    # recompute="layers:K" (runtime/recompute.regions: the first K layers of each stage's graph):
+    # each stage re-runs K blocks' forward in backward and holds K block inputs instead of their
+    # activations; K at least a stage's layers is full recomputation
+    from autopar.cost.hybrid import recomputed
+    from autopar.cost.plan_search import fewest_recomputed, search
+    from autopar.core.plans import recompute_layers
+    f = _facts(layers=2, real=8)
+    base = dict(dp=4, tp=1, pp=2, micro_batch=1, schedule="1f1b")
+    none, one, two, full = (simulate(f, node8, Config(**base, recompute=r), batch=8)
+                            for r in ("none", "layers:1", "layers:2", "full"))
+    blk = f.parts(1, 1, node8, (("pp", 2), ("dp", 4), ("tp", 1)))[0]["block"]
+    assert one.parts["stage_bwd_s"][0] - none.parts["stage_bwd_s"][0] == pytest.approx(
+        one.parts["block_fwd_s"] + blk.comm_fwd, rel=1e-9)
+    held = none.parts["device_memory_bytes"][0]["activations"] - one.parts["device_memory_bytes"][0]["activations"]
+    boundary = 1 * 256 * 512 * 2
+    assert held == pytest.approx(2 * (blk.saved - boundary) - blk.saved, rel=1e-6)   # 2 in flight, less the working set
+    assert none.step_time_s < one.step_time_s < two.step_time_s < full.step_time_s
+    assert none.peak_memory_bytes > one.peak_memory_bytes > two.peak_memory_bytes > full.peak_memory_bytes
+    same = simulate(f, node8, Config(**base, recompute="layers:4"), batch=8)       # 4 per stage: every layer
+    assert same.step_time_s == pytest.approx(full.step_time_s) and same.peak_memory_bytes == full.peak_memory_bytes
+    assert recomputed([3, 4], 1, 2, 2) == [(1, 1, 0), (0, 2, 0)]      # the part before's layer leads stage 0
+    assert recomputed([3], 1, 2, 5) == [(1, 3, 1)]
+    for bad in ("layers:0", "layers:x", "some", 3):
+        with pytest.raises(ConfigError, match="recompute"):
+            recompute_layers(bad)
+    # the search scores the fewest layers per stage that fit where none does not and full does
+    budget = (none.peak_memory_bytes + one.peak_memory_bytes) / 2
+    part, tried = fewest_recomputed(f, node8, full, batch=8, budget=budget)
+    assert part.config.recompute == "layers:1" and tried >= 1
+    # and the search finds it: pp=4 (the other degrees filtered out), where none needs 2.36 GB
+    # and full recomputation costs a third more time than the first layer of each stage
+    import autopar.cost.plan_search as ps
+    big = _facts(layers=2, real=8, seq=2048, hidden=1024, vocab=512)
+    every = ps.configurations
+    monkeypatch.setattr(ps, "configurations", lambda *a, **k: (c for c in every(*a, **k) if c.pp == 4))
+    best, _, _ = search(big, node8, batch=8, budget=2.3e9, top=0, tp_exact=1, schedules=("1f1b",),
+                        micro_batches=(1,), zero_stages=(0,))
+    assert best is not None and best.config.recompute == "layers:1", best.config

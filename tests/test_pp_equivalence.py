@@ -87,7 +87,8 @@ def _run(rank: int, world: int, name: str, overrides: dict, mesh: dict, schedule
             "whole_keys": sorted(whole), "whole_err": whole_err,
             "all_keys": sorted(ref_state), "stages": [s.index for s in pm.stages], "tp_slices": tp_slices,
             "schedule": pm.schedule_name, "micro": pm.microbatches,
-            "checkpointed": sum(len(st._recompute) for st in pm.stages)}
+            "checkpointed": sum(len(st._recompute) for st in pm.stages),
+            "regions": [len(set(st._recompute.values())) for st in pm.stages]}
 
 
 def _check(results: list[dict], mesh: dict) -> None:
@@ -113,7 +114,8 @@ SCHEDULES = [("gpipe", None), ("1f1b", None), ("interleaved", 2), ("zb", None)]
 CASES = {
     2: [("gpt", {**SMALL["gpt"], "layers": 4 if v else 2}, {"pp": 2}, s, 4, v, 8, 8) for s, v in SCHEDULES]
     + [("gpt", {**SMALL["gpt"], "layers": 4}, {"pp": 2}, s, 2, v, 4, 8, rc)
-       for rc, s, v in (("full", "1f1b", None), ("selective", "interleaved", 2))],
+       for rc, s, v in (("full", "1f1b", None), ("selective", "interleaved", 2))]
+    + [("llama", {**SMALL["llama"], "layers": 6}, {"pp": 2}, "1f1b", 2, None, 4, 8, "layers:2")],
     4: [("llama", {**SMALL["llama"], "layers": 8 if v else 4}, {"pp": 4}, s, 4, v, 8, 8) for s, v in SCHEDULES]
     + [(name, {**SMALL[name], "layers": 4 if v else 2}, {"pp": 2, inner: 2}, s, 2, v, 4, 8)
        for inner, name in (("tp", "gpt"), ("dp", "llama")) for s, v in SCHEDULES],
@@ -139,13 +141,15 @@ def worlds():
                          ids=lambda v: str(v))
 def test_pipeline_matches_single_process(worlds, world, i):
     """pp=2 (GPT) and pp=4 (Llama) under each schedule, pp=2 x tp=2 and pp=2 x dp=2 under each
-    schedule, and pp=2 with full and selective recomputation in the stages."""
+    schedule, and pp=2 with full, selective and two of three layers' recomputation in the stages."""
     case = CASES[world][i]
     mesh = case[2]
     results = [rank[i] for rank in worlds(world)]
     _check(results, mesh)
     if len(case) > 8:
         assert all(r["checkpointed"] > 0 for r in results)     # every stage really runs checkpointed regions
+    if len(case) > 8 and case[8].startswith("layers:"):        # the first K layers of each stage, no more
+        assert all(r["regions"] == [int(case[8][len("layers:"):])] for r in results), results
 
 
 @settings(max_examples=1, deadline=None, derandomize=True, phases=[Phase.generate],

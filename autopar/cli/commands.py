@@ -545,7 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="samples per micro-batch (default 1); micro-batches = batch / (dp x this)")
     sm.add_argument("--schedule", choices=["1f1b", "interleaved", "gpipe", "zb"], default="1f1b")
     sm.add_argument("--virtual-stages", type=count("--virtual-stages"), default=1)
-    sm.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    sm.add_argument("--recompute", default="none", metavar="none|selective|full|layers:K")
     sm.add_argument("--attention", choices=["flash", "materialized"], default="flash", help="flash, or scores written out")
     moe_arguments(sm)
     sm.add_argument("--timeline", metavar="OUT.svg", help="draw the simulated pipeline schedule to this SVG file")

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from autopar.core.errors import PlanFileError
+from autopar.core.errors import ConfigError, PlanFileError
 
 PLAN_FILE_FORMAT = "autopar plan"   # tells this file from a parallelize Plan (autopar.core.plans)
 PLAN_FILE_VERSION = 1
@@ -83,7 +83,7 @@ class SavedPlan:
         other; each failure is a PlanFileError naming the field."""
         import typing
 
-        from autopar.core.plans import RECOMPUTE, Config
+        from autopar.core.plans import RECOMPUTE, Config, recompute_layers
 
         if not isinstance(data, dict):
             raise PlanFileError("the plan file is not a JSON object", where=where, expected="{...}",
@@ -124,7 +124,16 @@ class SavedPlan:
         _choice(kw, "zero_stage", (0, 1, 2, 3), where)
         _choice({"dtype": data.get("dtype")}, "dtype", ("fp32", "bf16", "fp16"), where, prefix="")
         _choice(kw, "schedule", _SCHEDULES, where)
-        _choice(kw, "recompute", RECOMPUTE, where)
+        if not (isinstance(kw["recompute"], str) and kw["recompute"].startswith("layers:")):
+            _choice(kw, "recompute", RECOMPUTE, where)
+        else:
+            try:
+                recompute_layers(kw["recompute"])
+            except ConfigError:
+                raise PlanFileError("the plan file's config.recompute is not one autopar knows",
+                                    where=f"{where}, field config.recompute",
+                                    expected="none | selective | full | layers:K", got=repr(kw["recompute"])[:80],
+                                    fix=_PLAN_FILE_FIX) from None
         predicted = _checked(data, "predicted", "dict", where) if "predicted" in data else {}
         reject_unknown(predicted, _PREDICTED, where=where, fix=_PLAN_FILE_FIX, prefix="predicted.")
         for k in _PREDICTED:
