@@ -18,7 +18,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from autopar.core.meta import ZERO, NodeInfo, info, template_of
+from autopar.core.meta import ZERO, NodeInfo, graph_info, info, template_of
 
 aten = torch.ops.aten
 
@@ -102,11 +102,18 @@ def _sdpa(node: fx.Node, ins: list[NodeInfo | None]) -> tuple[sympy.Expr, sympy.
     ``is_causal`` with L == S (the flash kernels skip the key blocks above the diagonal, so
     causal attention does about half the work; torch's flop counter counts it whole). Backward
     is dP=dO·Vᵀ, dV=Pᵀ·dO, dQ=dS·K, dK=dSᵀ·Q: twice forward (the flash recompute of P is not
-    counted). An explicit mask counts every pair: the kernels that take one compute every
-    block. Registered for the CPU flash kernel too, which torch's counter lacks."""
+    counted). An explicit mask counts every pair (the kernels that take one compute every
+    block), unless it is made of sizes alone and is exactly causal at the example's sizes
+    (:func:`autopar.passes.attention.causal_at_probe`): the runtime runs such a mask as causal
+    (runtime/attention.graph_sdpa). Registered for the CPU flash kernel too, which torch's
+    counter lacks."""
     q, k, v = _shape(ins[0]), _shape(ins[1]), _shape(ins[2])
     b_h = sympy.Mul(*q[:-2])
     causal = bool(node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False))
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if not causal and isinstance(mask, fx.Node):
+        from autopar.passes.attention import causal_at_probe
+        causal = causal_at_probe(mask, graph_info(mask.graph.owning_module).example_sizes)
     pairs = q[-2] * (q[-2] + 1) / 2 if causal and sympy.simplify(q[-2] - k[-2]) == 0 else q[-2] * k[-2]
     fwd = 2 * b_h * pairs * (q[-1] + v[-1])
     needs = max(_rg(ins[0]), _rg(ins[1]), _rg(ins[2]))

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch.fx as fx
 
 from autopar.core.errors import AutoparInternalError
+from autopar.passes.attention import unrepeat_kv
 from autopar.passes.blocks import block_pass
 from autopar.passes.flops import flop_pass
 from autopar.passes.memory import memory_pass
@@ -38,6 +39,10 @@ def analyze(gm: fx.GraphModule, *, upto: str | None = None) -> fx.GraphModule:
     names = [name for name, _, _ in ANALYSIS_PASSES]
     if upto is not None and upto not in names:
         raise AutoparInternalError(f"no analysis pass named {upto!r}; passes are {names}")
+    # one rewrite before the analyses: attention takes grouped-query keys and values unrepeated
+    # (passes/attention.py), so every pass and the simulator read the attention that runs
+    if "shapes" not in graph_info(gm).passes_run:
+        unrepeat_kv(gm)
     count = len(gm.graph.nodes)
     for name, fn, _ in ANALYSIS_PASSES:
         start = time.perf_counter()

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from autopar.core.errors import ConfigError
 from autopar.runtime.collectives import all_gather_start, all_gather_wait, c10d
+from autopar.runtime.attention import is_causal_mask
 
 __all__ = ["KINDS", "sent_bytes", "allgather_attention", "alltoall_attention", "attention_mask", "gather_sequence", "graph_attention",
            "local_positions", "local_rows", "positions", "ring_attention", "shard", "unshard"]
@@ -421,22 +422,6 @@ def graph_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     is_causal=is_causal, scale=scale)`` on one process, here this rank's rows of it by ``kind``;
     ``mask`` is the whole sequence's (the rewrite computes the model's mask on global positions)."""
     fn = {"ring": ring_attention, "allgather": allgather_attention, "alltoall": alltoall_attention}[kind]
-    if mask is not None and not is_causal and _is_causal_mask(mask):
+    if mask is not None and not is_causal and is_causal_mask(mask):
         mask, is_causal = None, True        # built from positions where needed: no seq x seq mask kept
     return fn(q, k, v, group=group_name, causal=bool(is_causal), scale=scale, mask=mask)
-
-
-_LAST_MASK: list = [None, -1, False]     # the last mask checked (held, so its memory is not reused), version, result
-
-
-def _is_causal_mask(mask: torch.Tensor) -> bool:
-    """Is ``mask`` (the model's, over the whole sequence) exactly the causal mask in every row of
-    the batch and head? Checked once per mask tensor (every layer of a step reads the same one)."""
-    if mask.dtype != torch.bool or mask.dim() < 2 or mask.shape[-1] != mask.shape[-2] or mask.requires_grad:
-        return False
-    if _LAST_MASK[0] is mask and _LAST_MASK[1] == mask._version:
-        return _LAST_MASK[2]
-    seq = mask.shape[-1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=mask.device).tril_()
-    _LAST_MASK[:] = [mask, mask._version, bool(torch.equal(mask, causal.expand_as(mask)))]
-    return _LAST_MASK[2]

@@ -97,7 +97,10 @@ class StageModule(nn.Module):
 
     def set_compile(self, backend: str | None) -> None:
         """Run this stage's graph through ``torch.compile`` (runtime/compiled.py)."""
+        from autopar.runtime.attention import plain_attention
         from autopar.runtime.compiled import compile_graph
+        if backend:
+            plain_attention(self.graph_module)
         self._compiled = compile_graph(self.graph_module, backend) if backend else None
 
     def set_recompute(self, mode: str, layers: Sequence[str] = ()) -> None:

@@ -93,11 +93,9 @@ class LlamaAttention(nn.Module):
         k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        rep = self.heads // self.kv_heads
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # grouped-query attention: query head i reads key head i // (heads / kv_heads), without
+        # repeating the keys and values to every query head (neither computed nor saved)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 
