@@ -373,7 +373,13 @@ def _dispatch_chunks(rank: int, world: int) -> dict:
     err = {c: max([abs((l - base_loss).item())] + [((g[f] - base[f]).abs().max() / base[f].abs().max()
                                                     .clamp_min(1e-30)).item() for f in base])
            for c, (l, g) in grads.items()}
-    return {"err": err, "events": log}
+    refused = ""
+    try:                          # two hops asked for on one node: refused, typed, on every rank alike
+        autopar.parallelize(Logits(transformers.AutoModelForCausalLM.from_config(cfg).to(torch.float64)),
+                            {"ep": world}, (ids,), dims={}, options=autopar.ExpertOptions(dispatch="two_hop"))
+    except autopar.core.errors.ConfigError as exc:
+        refused = str(exc)
+    return {"err": err, "events": log, "refused": refused}
 
 
 def _loop_checkpoint(rank: int, world: int, root: str) -> float:
@@ -504,6 +510,7 @@ def test_dropless_exchange_overlaps_experts_and_computes_the_same(world2):
     loss and every gradient equal the one-chunk run's in float64."""
     for r in world2:
         got = r["chunks"]
+        assert "two_hop" in got["refused"] and "fix" in got["refused"], got["refused"]
         assert got["err"][2] <= 1e-13 and got["err"][3] <= 1e-13, got["err"]
         one = got["events"][1]
         assert [e for e in one if e[0] == "experts"] and all(f == 0 for _, f in one), one

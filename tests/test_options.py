@@ -70,6 +70,10 @@ def test_options_are_checked_on_construction() -> None:
         autopar.DataOptions(overlap=1)
     with pytest.raises(ConfigError, match="ExpertOptions.placement"):
         autopar.ExpertOptions(placement="random")
+    with pytest.raises(ConfigError, match="ExpertOptions.dispatch_chunks"):
+        autopar.ExpertOptions(dispatch_chunks=0)
+    with pytest.raises(ConfigError, match="ExpertOptions.dispatch"):
+        autopar.ExpertOptions(dispatch="three_hops")
     with pytest.raises(ConfigError, match="two PipelineOptions"):
         collect([autopar.PipelineOptions(), autopar.PipelineOptions(schedule="zb")])
     with pytest.raises(ConfigError, match="options= takes"):
