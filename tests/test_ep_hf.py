@@ -251,7 +251,42 @@ def _world2_cases(rank: int, world: int, cases: list[tuple], root: str) -> dict:
 
 
 def _world4_cases(rank: int, world: int, cases: list[tuple]) -> dict:
-    return {**_cases(rank, world, cases), "two_hop": _two_hop(rank, world)}
+    return {**_cases(rank, world, cases), "two_hop": _two_hop(rank, world), "pp_ep": _pipelined(rank, world)}
+
+
+def _pipelined(rank: int, world: int) -> dict:
+    """Mixtral and DeepSeek-V3 (float64) on pp=2 x ep=2, 1F1B: each stage's dropless layers split
+    over the expert axis (their exchange in two overlapped chunks); two SGD-momentum steps
+    against one process on the whole batch."""
+    out = {}
+    for name in ("mixtral", "deepseek_v3"):
+        model = build(name, torch.float64)
+        ref = copy.deepcopy(model)
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(3, VOCAB, (8, 8), generator=gen)
+        target = torch.randint(0, VOCAB, (8, 8), generator=gen)
+        share = rank % 2                                   # mesh pp x ep: the ep ranks share the batch
+        local, local_t = ids.chunk(2)[share], target.chunk(2)[share]
+        pm = autopar.parallelize(model, {"pp": 2, "ep": 2}, (local,), loss_fn=_loss, microbatches=2,
+                                 schedule="1f1b")
+        opt = autopar.optimizer(pm, torch.optim.SGD, lr=0.05, momentum=0.9)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+        loss_err = 0.0
+        for _ in range(STEPS):
+            want = _loss(ref(ids), target)
+            want.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            loss = pm.step(local, target=local_t)
+            opt.step()
+            opt.zero_grad()
+            loss_err = max(loss_err, abs(loss.item() - want.item()) / abs(want.item()))
+        sd = pm.state_dict()
+        param_err = max(((sd[k] - v).abs().max() / v.abs().max().clamp_min(1e-30)).item()
+                        for k, v in ref.state_dict().items() if v.is_floating_point())
+        out[name] = {"loss_err": loss_err, "param_err": param_err,
+                     "split": sorted({len(owned) for owned in pm.expert_owned.values()})}
+    return out
 
 
 def _two_hop(rank: int, world: int) -> dict:
@@ -519,6 +554,14 @@ def test_dropless_exchange_overlaps_experts_and_computes_the_same(world2):
             bwd = [f for kind, f in got["events"][chunks] if kind == "experts_bwd"]
             assert len(fwd) == len(bwd) == 2 * chunks, got["events"][chunks]      # two layers
             assert all(f >= 1 for f in fwd + bwd), got["events"][chunks]
+
+
+def test_dropless_experts_split_inside_a_pipeline_train_as_one_process(world4):
+    for r in world4:
+        for name, got in r["pp_ep"].items():
+            tol = TOL[torch.float64]
+            assert got["split"] == [EXPERTS // 2], (name, got)      # each rank holds half of every layer's experts
+            assert got["loss_err"] <= tol and got["param_err"] <= tol, (name, got)
 
 
 def test_two_hop_exchange_trains_as_one_process_and_crosses_nodes_less(world4):
