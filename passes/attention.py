@@ -20,9 +20,11 @@ aten = torch.ops.aten
 _RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 
 
-def unrepeat_kv(gm: fx.GraphModule) -> int:
+def unrepeat_kv(gm: fx.GraphModule, divisor: int = 1) -> int:
     """Give each attention call its keys and values before a grouped-query repeat, with
-    ``enable_gqa=True``; drop the repeats nothing else reads. Returns how many calls changed."""
+    ``enable_gqa=True``; drop the repeats nothing else reads. Returns how many calls changed.
+    ``divisor``: the tensor axis the graph is captured for; a call whose key heads it does not
+    divide keeps its repeat (the tensor axis then splits the repeated heads, as the query's)."""
     changed = 0
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target is not aten.scaled_dot_product_attention.default:
@@ -31,7 +33,7 @@ def unrepeat_kv(gm: fx.GraphModule) -> int:
             continue
         q, k, v = n.args[:3]
         k_src, v_src = repeated_from(k), repeated_from(v)
-        if k_src is None or v_src is None or not _same_repeat(q, k_src, v_src):
+        if k_src is None or v_src is None or not _same_repeat(q, k_src, v_src) or _shape(k_src)[1] % divisor:
             continue
         n.args = (q, k_src, v_src, *n.args[3:])
         n.kwargs = {**n.kwargs, "enable_gqa": True}

@@ -34,15 +34,16 @@ ANALYSIS_PASSES: list[tuple[str, Pass, str]] = [
 ]
 
 
-def analyze(gm: fx.GraphModule, *, upto: str | None = None) -> fx.GraphModule:
-    """Run the analysis passes in order (through ``upto`` if given) on a captured graph."""
+def analyze(gm: fx.GraphModule, *, upto: str | None = None, kv_divisor: int = 1) -> fx.GraphModule:
+    """Run the analysis passes in order (through ``upto`` if given) on a captured graph
+    (``kv_divisor``: the tensor axis it is captured for, :func:`autopar.passes.attention.unrepeat_kv`)."""
     names = [name for name, _, _ in ANALYSIS_PASSES]
     if upto is not None and upto not in names:
         raise AutoparInternalError(f"no analysis pass named {upto!r}; passes are {names}")
     # one rewrite before the analyses: attention takes grouped-query keys and values unrepeated
     # (passes/attention.py), so every pass and the simulator read the attention that runs
     if "shapes" not in graph_info(gm).passes_run:
-        unrepeat_kv(gm)
+        unrepeat_kv(gm, kv_divisor)
     count = len(gm.graph.nodes)
     for name, fn, _ in ANALYSIS_PASSES:
         start = time.perf_counter()

@@ -140,3 +140,17 @@ def test_the_flop_pass_prices_a_causal_mask_at_half_and_a_window_at_every_pair()
     pair = 2 * 2 * 4 * (16 + 16)              # 2 x batch x query heads x (E + Ev)
     assert flops["llama"] == [pair * 32 * 33 // 2] * 2
     assert flops["mistral"] == [pair * 32 * 32] * 2
+
+
+def test_the_repeat_stays_where_the_tensor_axis_cannot_split_the_key_heads():
+    # two key heads: tp=2 splits them (unrepeated, enable_gqa); tp=4 cannot, so the keys stay
+    # repeated to the four query heads, which it splits as before
+    from autopar.build.prepare import capture_model
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config("llama"))
+    batch = {"input_ids": torch.randint(0, 128, (2, 16))}
+    for tp, gqa, heads in ((2, True, 2), (4, None, 4)):
+        gm = capture_model(model, (), None, batch, tp=tp)
+        attn = [n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default]
+        assert attn and all(n.kwargs.get("enable_gqa") is gqa for n in attn), (tp, [n.kwargs for n in attn])
+        assert {tuple(info(n.args[1]).values[0].shape)[1] for n in attn} == {heads}, tp

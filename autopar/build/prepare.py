@@ -64,9 +64,11 @@ def tp_axes(axes: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
 
 
 def capture_model(model: nn.Module, example_inputs: Any, dims: Any,
-             kwargs: Mapping[str, Any] | None = None, *, modes: bool = False) -> fx.GraphModule:
+             kwargs: Mapping[str, Any] | None = None, *, modes: bool = False, tp: int = 1) -> fx.GraphModule:
     """Capture and analyse ``model``; with ``modes`` also record what differs in its other
-    train/eval mode (:mod:`autopar.build.modes`), for a build whose module can be switched."""
+    train/eval mode (:mod:`autopar.build.modes`), for a build whose module can be switched.
+    ``tp``: the tensor axis it is for (grouped-query keys stay repeated where it does not divide
+    their heads: :func:`autopar.passes.attention.unrepeat_kv`)."""
     if modes:
         from autopar.build.modes import mode_dependent
         modes = mode_dependent(model)       # a model whose code never looks at its mode: one capture
@@ -75,7 +77,7 @@ def capture_model(model: nn.Module, example_inputs: Any, dims: Any,
         # e.g. BatchNorm's counters) and switched to eval: both modes stay available
         from autopar.build.modes import modes_of
         with modes_of(model, True):
-            gm = capture_model(model, example_inputs, dims, kwargs, modes=True)
+            gm = capture_model(model, example_inputs, dims, kwargs, modes=True, tp=tp)
         graph_info(gm).mode_source.switch([gm], False, "autopar.parallelize")
         return gm
     start = time.perf_counter()
@@ -84,14 +86,14 @@ def capture_model(model: nn.Module, example_inputs: Any, dims: Any,
     if dims is None:
         try:
             labels = default_dims(args, kwargs)
-            gm = analyze(capture(model, args, kwargs=kwargs, dims=labels))
+            gm = analyze(capture(model, args, kwargs=kwargs, dims=labels), kv_divisor=tp)
         except CaptureError as exc:
             log.info("capture with symbolic batch/seq failed (%s); capturing with fixed sizes", exc)
             labels = None
-            gm = analyze(capture(model, args, kwargs=kwargs))
+            gm = analyze(capture(model, args, kwargs=kwargs), kv_divisor=tp)
     else:
         labels = dims or None
-        gm = analyze(capture(model, args, kwargs=kwargs, dims=labels))
+        gm = analyze(capture(model, args, kwargs=kwargs, dims=labels), kv_divisor=tp)
     if modes:
         from autopar.build.modes import ModeSource
         graph_info(gm).mode_source = ModeSource(gm, model, args, kwargs, labels)
@@ -206,7 +208,7 @@ def planned_graph(model: nn.Module, mesh: Any, example_inputs: Any = (), *,
     axis is priced on the links its groups really use (default: all on one node)."""
     after = after or ("rewrite" if rewrite else "plan")
     axes = dense_axes(mesh)
-    gm = capture_model(model, example_inputs, dims, example_kwargs, modes=modes)
+    gm = capture_model(model, example_inputs, dims, example_kwargs, modes=modes, tp=dict(axes).get("tp", 1))
     start = time.perf_counter()
     solve_kw = dict(hardware=hardware, memory_budget=memory_budget, sizes=sizes, dtype=None, pinned=pinned,
                     placements=placements, sequence_parallel=sequence_parallel)
