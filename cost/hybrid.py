@@ -143,9 +143,12 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     dev = cluster.device
     split = 1.0 + dev.zb_split_overhead if sched == "zb" else 1.0     # torch's split backward, both planners
     blk_f = blk.fwd + blk.comm_fwd
-    blk_b = (blk.bwd + blk.comm_bwd) * split + (blk.score_fwd if c.recompute == "selective" else 0.0)
-    pre_f, pre_b = pre.fwd + pre.comm_fwd, (pre.bwd + pre.comm_bwd) * split
-    post_f, post_b = post.fwd + post.comm_fwd, (post.bwd + post.comm_bwd) * split
+    pointwise = c.recompute == "pointwise"     # every layer's ops but its matmuls and attention again
+    blk_b = (blk.bwd + blk.comm_bwd) * split + (blk.score_fwd if c.recompute == "selective" else 0.0) \
+        + pointwise * (blk_f - blk.kept_fwd)
+    pre_f, pre_b = pre.fwd + pre.comm_fwd, (pre.bwd + pre.comm_bwd) * split + pointwise * (pre.layer_fwd - pre.layer_kept_fwd)
+    post_f, post_b = post.fwd + post.comm_fwd, (post.bwd + post.comm_bwd) * split \
+        + pointwise * (post.layer_fwd - post.layer_kept_fwd)
     full = c.recompute == "full"
     counts = stage_layers(facts.layers, stages, blk_f + blk_b + full * blk_f, pre_f + pre_b + full * pre.layer_fwd,
                           post_f + post_b + full * post.layer_fwd)
@@ -180,7 +183,7 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
                 + (numel["post"] if s == stages - 1 else 0.0) for s in range(d, stages, c.pp))
             for d in range(c.pp)]
     experts = [sum(counts[s] for s in range(d, stages, c.pp)) * expert_block for d in range(c.pp)]
-    working = blk.saved if any(sum(r) for r in redo) else 0.0     # one block's, while it is recomputed
+    working = blk.saved if pointwise or any(sum(r) for r in redo) else 0.0   # one block's, while it is recomputed
     data_c, data_axes = _data_view(c)
     mems = [_with_reserve(device_memory(facts, data_c, held[d], result.peak_activation_bytes[d] + working,
                                         per_block, numel), c, dev)
@@ -208,7 +211,8 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     # model FLOPs count the routed tokens' expert work, hardware FLOPs the capacity padding too
     padding = (pre.padding_flops + post.padding_flops + facts.layers * blk.padding_flops) * samples
     model_flops = (pre.flops + post.flops + facts.layers * blk.flops) * samples - padding
-    hw_flops = model_flops + padding + samples * (sum(r[1] for r in redo) * blk.fwd_flops
+    hw_flops = model_flops + padding + samples * pointwise * facts.layers * (blk.fwd_flops - blk.kept_fwd_flops) \
+        + samples * (sum(r[1] for r in redo) * blk.fwd_flops
                                                   + sum(pre.layer_fwd_flops * r[0] / max(1, pre.layers)
                                                         + post.layer_fwd_flops * r[2] / max(1, post.layers)
                                                         for r in redo))
@@ -407,8 +411,13 @@ def _stage_activations(facts: ModelFacts, c: Config, counts: list[int], redo: li
     stages = len(counts)
     boundary = _boundary_bytes(facts, c) * share
     kept = blk.saved - (blk.score_saved if c.recompute == "selective" else 0.0)
+    pointwise = c.recompute == "pointwise"        # each layer holds its input and its matmuls' outputs
+    if pointwise:
+        kept = boundary + blk.kept_saved
 
     def outer(p: BlockPart, k: int) -> float:      # the part before or after, k of its layers recomputed
+        if pointwise:
+            return p.saved - p.layer_saved + p.layers * boundary + p.layer_kept_saved
         return p.saved - (p.layer_saved / p.layers - boundary) * k if k else p.saved
     return [(counts[s] - redo[s][1]) * kept + redo[s][1] * boundary
             + (outer(pre, redo[s][0]) if s == 0 else 0.0) + (outer(post, redo[s][2]) if s == stages - 1 else 0.0)

@@ -60,6 +60,11 @@ class BlockPart:
     layer_fwd: float = 0.0            # layers of another block class (before or after the main one):
     layer_saved: float = 0.0          # what full recomputation redoes and frees
     layer_fwd_flops: float = 0.0
+    kept_fwd: float = 0.0             # the matmuls and attention (``pointwise`` recomputation keeps
+    kept_saved: float = 0.0           # their outputs and runs the rest again): time, output bytes,
+    kept_fwd_flops: float = 0.0       # FLOPs
+    layer_kept_fwd: float = 0.0       # ... of the layers of another block class
+    layer_kept_saved: float = 0.0
     layers: int = 0
     attn_fwd: float = 0.0             # the attention cores (context parallelism multiplies their work)
     attn_bwd: float = 0.0
@@ -305,6 +310,13 @@ class ModelFacts:
                 p.attn_bwd += b
                 p.attn_flops += ff + fb
                 p.attn_fwd_flops += ff
+            if _is_kept(n):
+                kept = (float(evaluate(rec.out_bytes, at)) + (_lse_bytes(n, at) if sdpa else 0.0)) * work * width
+                if self.where[n] == "block":
+                    p.kept_fwd, p.kept_saved, p.kept_fwd_flops = p.kept_fwd + f, p.kept_saved + kept, \
+                        p.kept_fwd_flops + ff
+                elif rec.block_member is not None:
+                    p.layer_kept_fwd, p.layer_kept_saved = p.layer_kept_fwd + f, p.layer_kept_saved + kept
             if self.where[n] != "block" and rec.block_member is not None:
                 p.layer_fwd += f
                 p.layer_saved += saved
@@ -406,6 +418,23 @@ def logits_node(gm: fx.GraphModule, hidden: int) -> fx.Node | None:
 # (1). Bytes per pass: the score tensor in the compute dtype.
 SCORE_PASSES_FWD = 6.5
 SCORE_PASSES_BWD = 9.5
+
+
+# what ``pointwise`` recomputation keeps: the graph ops that run as matmuls or attention kernels
+# (runtime/recompute.KEPT_OPS at dispatch)
+_KEPT = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "einsum", "convolution", "conv1d", "conv2d",
+         "_grouped_mm", "grouped_mm", "grouped_mm_fallback"}
+
+
+def _is_kept(node: fx.Node) -> bool:
+    name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    return name in _KEPT or _is_sdpa(node)
+
+
+def _lse_bytes(node: fx.Node, at: Mapping[str, int]) -> float:
+    """The per-row fp32 log-sum-exp a flash kernel returns beside an attention's output."""
+    v = info(node).values[0]
+    return float(evaluate(v.numel / v.shape[-1], at)) * 4
 
 
 def _is_sdpa(node: fx.Node) -> bool:

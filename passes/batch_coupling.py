@@ -494,6 +494,11 @@ def along(ctx: Ctx) -> list[Dim]:
     default = -1
     pos = 2 if ctx.node.target is aten.topk.default else 1
     dim = _norm(ctx.arg(pos, "dim", default), r)
+    if dim == d and "autopar" in ctx.node.meta and info(ctx.node).moe_region is not None:
+        # a mixture-of-experts layer's capacity slots, counted over the tokens of each piece of
+        # the batch: the documented semantics of a fixed-capacity layer (every rank routes and
+        # drops its own tokens, as each device does in GShard and Switch), not a pairing
+        return [d] * max(1, len(ctx.out))
     if dim == d:
         raise _Pairs(f"{ctx.node.target.__name__.split('.')[0]} along the batch dim: each sample's value "
                      "depends on the others")

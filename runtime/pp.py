@@ -160,7 +160,7 @@ class StageModule(nn.Module):
         with self.autocast():
             if self._recompute:
                 from autopar.runtime.recompute import run
-                outs = run(self.graph_module, call, self._recompute)
+                outs = run(self.graph_module, call, self._recompute, mode=self.recompute)
             elif getattr(self, "_compiled", None) is not None:
                 outs = self._compiled(*call)
             else:

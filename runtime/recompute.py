@@ -3,7 +3,11 @@
 ``full`` checkpoints every member of the repeated block classes (each transformer layer): its
 forward keeps only the tensors entering the layer, and backward runs the layer's forward
 again. ``layers:K`` checkpoints so the first K layers of the graph (of each pipeline stage's
-graph), in graph order, and keeps the others' activations. ``selective`` checkpoints only the attention cores (a fused attention op, or the run of
+graph), in graph order, and keeps the others' activations. ``pointwise`` checkpoints every
+layer as ``full`` does, under torch's selective checkpoint (:data:`KEPT_OPS`): the outputs of
+its matmuls and attention are kept from forward (backward's recomputation takes them instead of
+running those ops again) and everything else (norms, activations, rotary, casts, gathers) runs
+again. ``selective`` checkpoints only the attention cores (a fused attention op, or the run of
 score ops between the two attention matmuls), which hold the ``[b, heads, s, s]`` scores.
 Regions are runs of consecutive graph nodes; each runs under ``torch.utils.checkpoint``
 (non-reentrant, RNG state preserved) as a function of the tensors it reads from outside, and
@@ -20,12 +24,14 @@ so they do not cut it in two.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import operator
 from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autopar.core.errors import ConfigError
 from autopar.core.meta import graph_info, info
@@ -46,7 +52,7 @@ def regions(gm: fx.GraphModule, mode: str, members: Sequence[str] | None = None)
     if mode == "none":
         return out
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
-    if mode == "full" or count is not None:
+    if mode in ("full", "pointwise") or count is not None:
         if members is None:
             members = layer_members(gm)
         if count is not None:
@@ -97,10 +103,32 @@ def _square_last(n: fx.Node) -> bool:
 
 HELD: dict[int, int] = {}   # storage pointer -> bytes of the tensors regions kept for backward
 
+aten = torch.ops.aten
+# ``pointwise``: the ops whose outputs a region keeps (the matmuls and the attention kernels);
+# backward's recomputation runs the rest again
+KEPT_OPS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+                      aten._scaled_dot_product_flash_attention_for_cpu.default,
+                      aten._scaled_dot_product_flash_attention.default,
+                      aten._scaled_dot_product_efficient_attention.default,
+                      aten._scaled_dot_product_cudnn_attention.default,
+                      aten._scaled_dot_product_attention_math.default, aten.convolution.default,
+                      aten._grouped_mm.default})
+
+
+def _outside_policy():
+    """The dispatch modes (the selective checkpoint's record) set aside for a block of ops."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    return _disable_current_modes()
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
 
 def run(gm: fx.GraphModule, args: Sequence[Any], where: dict[fx.Node, int],
-        zero3: Sequence[DPRuntime] = ()) -> Any:
-    """Execute ``gm`` on ``args`` like ``gm(*args)``, checkpointing the regions in ``where``.
+        zero3: Sequence[DPRuntime] = (), mode: str = "full") -> Any:
+    """Execute ``gm`` on ``args`` like ``gm(*args)``, checkpointing the regions in ``where``
+    (``mode`` ``pointwise``: under the selective policy that keeps matmul and attention outputs).
     ``zero3`` are the ZeRO-3 runtimes whose gathered whole parameters regions must not keep (see
     the module docstring). The tensors each region keeps (its inputs) are noted in ``HELD`` for
     measurement."""
@@ -118,7 +146,7 @@ def run(gm: fx.GraphModule, args: Sequence[Any], where: dict[fx.Node, int],
             members, before, i = _region_at(nodes, i, where)
             for m in before:
                 env[m] = _execute(gm, m, env)
-            _run_region(gm, members, env, zero3)
+            _run_region(gm, members, env, zero3, mode == "pointwise")
             continue
         else:
             env[n] = _execute(gm, n, env)
@@ -173,7 +201,7 @@ def _execute(gm: fx.GraphModule, n: fx.Node, env: dict[fx.Node, Any]) -> Any:
 
 
 def _run_region(gm: fx.GraphModule, run_nodes: list[fx.Node], env: dict[fx.Node, Any],
-                zero3: Sequence[DPRuntime]) -> None:
+                zero3: Sequence[DPRuntime], keep_matmuls: bool = False) -> None:
     inside = set(run_nodes)
     reads: list[fx.Node] = []
     for n in run_nodes:
@@ -203,9 +231,12 @@ def _run_region(gm: fx.GraphModule, run_nodes: list[fx.Node], env: dict[fx.Node,
             live.clear()         # checkpoint keeps this function for the recomputation: let them go
         else:
             # Recomputation: gathered again, with the gradient flag they had, so the ops save
-            # the same tensors as in forward (checkpoint matches them by order).
-            for a, (rt, tok) in tokens.items():
-                local[a] = rt.whole_for_backward(tok).detach().requires_grad_(needs_grad[a])
+            # the same tensors as in forward (checkpoint matches them by order). Under the
+            # selective policy the gather runs outside its op record: forward took these whole
+            # parameters from outside the region, and the recomputation must meet the same ops.
+            with _outside_policy() if keep_matmuls else contextlib.nullcontext():
+                for a, (rt, tok) in tokens.items():
+                    local[a] = rt.whole_for_backward(tok).detach().requires_grad_(needs_grad[a])
         for n in run_nodes:
             local[n] = _execute(gm, n, local)
         return tuple(local[o] for o in outs)
@@ -214,7 +245,9 @@ def _run_region(gm: fx.GraphModule, run_nodes: list[fx.Node], env: dict[fx.Node,
         t = env[a]
         if t.requires_grad or t.grad_fn is not None:
             HELD[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    got = checkpoint(region, *[env[a] for a in kept], use_reentrant=False)
+    extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)} \
+        if keep_matmuls else {}
+    got = checkpoint(region, *[env[a] for a in kept], use_reentrant=False, **extra)
     env.update(zip(outs, got))
 
 

@@ -262,7 +262,7 @@ class ParallelModule(nn.Module):
             compiled = getattr(self, "_compiled", None)
             return compiled(*call) if compiled is not None else gm(*call)
         from autopar.runtime.recompute import run
-        return run(gm, call, where, [rt for rt in self._dps if rt.stage == 3])
+        return run(gm, call, where, [rt for rt in self._dps if rt.stage == 3], getattr(self, "recompute", "full"))
 
     def set_compile(self, backend: str | None) -> None:
         """Run the graph through ``torch.compile`` with ``backend`` (None: eagerly); see
@@ -275,7 +275,8 @@ class ParallelModule(nn.Module):
         self.compiled = backend
 
     def set_recompute(self, mode: str, where: dict | None = None) -> None:
-        """``none``, ``selective`` (attention cores) or ``full`` (every layer) recomputation;
+        """``none``, ``selective`` (attention cores), ``pointwise`` (every layer but its matmuls
+        and attention), ``layers:K`` or ``full`` (every layer) recomputation;
         ``where`` (node -> region) when the regions were already found (the build's recompute step)."""
         from autopar.runtime.recompute import regions
         self._recompute = regions(self.graph_module, mode) if where is None else where

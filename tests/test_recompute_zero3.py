@@ -42,13 +42,15 @@ OVER = {"layers": 2, "hidden": 32, "heads": 4, "vocab": 64, "max_seq": 16}
 BATCH, SEQ, STEPS, LR = 4, 8, 3, 0.05
 RTOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 CASES = {   # world -> cases: (mesh, recompute mode)
-    2: [({"dp": 2}, "full"), ({"dp": 2}, "selective"), ({"dp": 2}, "layers:1")],
-    4: [({"dp": 2, "tp": 2}, "full")],
+    2: [({"dp": 2}, "full"), ({"dp": 2}, "selective"), ({"dp": 2}, "layers:1"), ({"dp": 2}, "pointwise")],
+    4: [({"dp": 2, "tp": 2}, "full"), ({"dp": 2, "tp": 2}, "pointwise")],
 }
 
 
 class _OpCount(TorchDispatchMode):
     """How many times each aten op ran (by name) while active."""
+
+    inside = [0]          # > 0 while a checkpointed region runs (runtime/recompute._run_region)
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,12 +58,24 @@ class _OpCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.seen[func.overloadpacket.__name__] += 1
+        if _OpCount.inside[0]:
+            self.seen["region:" + func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
+
+
+def _marked(run_region):
+    def marked(*args, **kwargs):
+        _OpCount.inside[0] += 1
+        try:
+            return run_region(*args, **kwargs)
+        finally:
+            _OpCount.inside[0] -= 1
+    return marked
 
 
 def _recomputed(seen: collections.Counter, mode: str) -> int:
     """How many layers' forward ops ``mode`` checkpoints ran again during backward: layer norms
-    (two a layer) under ``full`` and ``layers:K``, the attention op under ``selective``."""
+    (two a layer) under ``full``, ``pointwise`` and ``layers:K``, the attention op under ``selective``."""
     if mode != "selective":
         return seen["native_layer_norm"] // 2
     return sum(k for name, k in seen.items() if "scaled_dot_product" in name and "backward" not in name)
@@ -119,6 +133,8 @@ def _train(mesh: dict, mode: str, dtype: torch.dtype) -> dict:
         started[0] += 1
         return start(*args)
     dp_module.all_gather_start = gather
+    run_region = rc._run_region
+    rc._run_region = _marked(run_region)
 
     opt = autopar.optimizer(pm, torch.optim.SGD, lr=LR, momentum=0.9)
     ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=LR, momentum=0.9)
@@ -128,7 +144,8 @@ def _train(mesh: dict, mode: str, dtype: torch.dtype) -> dict:
         fulls.clear()
         rc.HELD.clear()
         unpacked[0] = 0
-        loss = _loss(pm(*local))
+        with _OpCount() as fwd_ops:
+            loss = _loss(pm(*local))
         gc.collect()
         r["alive"] += sum(w() is not None for w in fulls)
         r["held"].append(sum(rc.HELD.values()))
@@ -137,6 +154,7 @@ def _train(mesh: dict, mode: str, dtype: torch.dtype) -> dict:
         with _OpCount() as ops:
             loss.backward()
         r["recomputed"].append(_recomputed(ops.seen, mode))
+        r["mm"] = (fwd_ops.seen["region:addmm"], ops.seen["addmm"])
         r["gathers"].append(started[0])
         r["unpacked"].append(unpacked[0])
         opt.step()
@@ -149,6 +167,7 @@ def _train(mesh: dict, mode: str, dtype: torch.dtype) -> dict:
         ref_opt.step()
         ref_opt.zero_grad()
     dp_module.all_gather_start = start
+    rc._run_region = run_region
     sd, ref_sd = pm.state_dict(), ref.state_dict()
     r["param"] = max(_rel(_whole(sd[k]), v) for k, v in ref_sd.items())
     r["moved"] = max(_rel(v, init[k]) for k, v in ref_sd.items())
@@ -179,6 +198,17 @@ def test_recompute_under_zero3_matches_single_process(results):
         assert r["param"] <= tol, f"{what}: parameters differ by {r['param']:.2e} relative"
         if "tp" in r["mesh"]:
             assert r["split"], f"{what}: no weight is split on the tensor axis"
+
+
+def test_pointwise_recomputation_runs_no_matmul_again(results):
+    """``pointwise`` keeps the matmuls' outputs: backward runs no forward matmul again (a linear
+    with a bias runs as ``addmm`` in forward only; its gradients are plain ``mm``), where ``full``
+    runs the checkpointed layers' again."""
+    by = {(r["rank"], str(r["mesh"]), r["mode"], r["dtype"]): r for r in results}
+    pairs = [(by[k], by[(k[0], k[1], "full", k[3])]) for k in by if k[2] == "pointwise"]
+    assert pairs
+    for point, full in pairs:
+        assert point["mm"][0] > 0 and point["mm"][1] == 0 and full["mm"][1] > 0, (point["mm"], full["mm"])
 
 
 def test_recompute_under_zero3_gathers_again_and_holds_no_whole_parameter(results):

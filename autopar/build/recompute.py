@@ -18,7 +18,7 @@ def recompute_step(s: BuildState) -> None:
     mode = s.request.recompute
     if s.request.pipelined:
         if mode != "none":
-            layers = layer_members(s.gm) if mode == "full" or recompute_layers(mode) else ()
+            layers = layer_members(s.gm) if mode in ("full", "pointwise") or recompute_layers(mode) else ()
             for st in s.stages:
                 st.set_recompute(mode, layers)
         return

@@ -272,28 +272,29 @@ def _node(name: str, v: Any, where: str) -> NodeStrategy:
 
 
 #: The recomputation modes a configuration may name; ``"layers:K"`` (:func:`recompute_layers`) too.
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "pointwise", "full")
 
 
 def recompute_layers(mode: Any) -> int | None:
     """K of a ``"layers:K"`` recomputation (the first K layers of every pipeline stage, of the
     model without a pipeline, re-run in backward: Megatron-LM's block method), None for a named
-    mode (:data:`RECOMPUTE`); a :class:`ConfigError` for anything else."""
+    mode (:data:`RECOMPUTE`: ``pointwise`` re-runs every layer's ops but its matmuls and
+    attention, whose outputs are kept); a :class:`ConfigError` for anything else."""
     if mode in RECOMPUTE:
         return None
     text = mode if isinstance(mode, str) else ""
     count = text[len("layers:"):] if text.startswith("layers:") else ""
     if not (count.isdigit() and int(count) >= 1):
         raise ConfigError(f"unknown recompute mode {mode!r}", where="recompute",
-                          expected="none, selective, full or layers:K (K >= 1)",
+                          expected="none, selective, pointwise, full or layers:K (K >= 1)",
                           fix="e.g. recompute='full', or 'layers:2' for the first two layers of each stage")
     return int(count)
 
 
 def recompute_rank(mode: str) -> float:
-    """How much a mode recomputes, for ordering: none < selective < layers:K (by K) < full."""
+    """How much a mode recomputes, for ordering: none < selective < pointwise < layers:K (by K) < full."""
     k = recompute_layers(mode)
-    return {"none": 0.0, "selective": 1.0, "full": 3.0}[mode] if k is None else 2.0 + k / (k + 1.0)
+    return {"none": 0.0, "selective": 1.0, "pointwise": 1.5, "full": 3.0}[mode] if k is None else 2.0 + k / (k + 1.0)
 
 
 @dataclass(frozen=True)
