@@ -616,5 +616,29 @@ def test_recomputing_the_first_k_layers_of_each_stage_is_priced_between_none_and
     every = ps.configurations
     monkeypatch.setattr(ps, "configurations", lambda *a, **k: (c for c in every(*a, **k) if c.pp == 4))
     best, _, _ = search(big, node8, batch=8, budget=2.3e9, top=0, tp_exact=1, schedules=("1f1b",),
-                        micro_batches=(1,), zero_stages=(0,))
+                        micro_batches=(1,), zero_stages=(0,), recomputes=("none", "full"))
     assert best is not None and best.config.recompute == "layers:1", best.config
+
+
+def test_pointwise_recomputation_keeps_matmul_outputs_and_reruns_the_rest(node8):
+    # recompute="pointwise" (runtime/recompute.py: torch's selective checkpoint keeping the
+    # matmuls' and attention's outputs): a block holds its input and those outputs, and backward
+    # runs its other ops again (norms, activations, casts: a small share of its time)
+    f = _facts(layers=2, real=8)
+    base = dict(dp=4, tp=1, pp=2, micro_batch=1, schedule="1f1b")
+    none, point, full = (simulate(f, node8, Config(**base, recompute=r), batch=8) for r in ("none", "pointwise", "full"))
+    blk = f.parts(1, 1, node8, (("pp", 2), ("dp", 4), ("tp", 1)))[0]["block"]
+    from autopar.cost.model_facts import _is_kept
+    kept = [n for n in f.gm.graph.nodes if n.op == "call_function" and _is_kept(n) and info(n).block_member in f.members]
+    assert {str(n.target).split(".")[-2] for n in kept} >= {"linear", "scaled_dot_product_attention"}
+    at = f.sizes(1)
+    want = sum(float(evaluate(info(n).out_bytes, at)) + (float(evaluate(info(n).values[0].numel / info(n).values[0].shape[-1], at)) * 4
+               if "scaled_dot" in str(n.target) else 0.0) for n in kept) / f.captured_layers
+    width = 0.5 if f._captured_fp32 else 1.0
+    assert blk.kept_saved == pytest.approx(want * width, rel=1e-9)
+    assert 0 < blk.kept_fwd < blk.fwd
+    assert point.parts["stage_bwd_s"][0] - none.parts["stage_bwd_s"][0] == pytest.approx(
+        point.parts["stage_layers"][0] * (blk.fwd + blk.comm_fwd - blk.kept_fwd), rel=1e-9)
+    assert none.step_time_s < point.step_time_s < full.step_time_s
+    assert none.peak_memory_bytes > point.peak_memory_bytes > full.peak_memory_bytes
+    assert point.hw_flops == pytest.approx(none.hw_flops) and none.hw_flops < full.hw_flops   # no matmul again
