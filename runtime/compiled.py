@@ -111,7 +111,11 @@ def _put(root: torch.nn.Module, target: str, value: Any) -> None:
 
 
 def compile_graph(gm: fx.GraphModule, backend: str) -> Callable:
-    """``gm`` compiled with ``backend`` (see the module docstring): called like ``gm``."""
+    """``gm`` compiled with ``backend`` (see the module docstring): called like ``gm``. Its
+    attention calls take the model's mask as given (``runtime/attention.plain_attention``: the
+    causal check would break the compiled graph)."""
+    from autopar.runtime.attention import plain_attention
+    plain_attention(gm)
     return torch.compile(eager_islands(gm), backend=backend, dynamic=False)
 
 

@@ -97,15 +97,11 @@ class StageModule(nn.Module):
 
     def set_compile(self, backend: str | None) -> None:
         """Run this stage's graph through ``torch.compile`` (runtime/compiled.py)."""
-        from autopar.runtime.attention import plain_attention
         from autopar.runtime.compiled import compile_graph
-        if backend:
-            plain_attention(self.graph_module)
         self._compiled = compile_graph(self.graph_module, backend) if backend else None
 
     def set_recompute(self, mode: str, layers: Sequence[str] = ()) -> None:
-        """Checkpoint this stage's ``layers`` (``full``), the first K of them (``layers:K``) or its
-        attention cores (``selective``)."""
+        """Checkpoint this stage's ``layers`` (full, pointwise; layers:K the first K) or attention cores."""
         from autopar.runtime.recompute import regions
         self._recompute = regions(self.graph_module, mode, list(layers))
         self.recompute = mode

@@ -267,10 +267,7 @@ class ParallelModule(nn.Module):
     def set_compile(self, backend: str | None) -> None:
         """Run the graph through ``torch.compile`` with ``backend`` (None: eagerly); see
         runtime/compiled.py."""
-        from autopar.runtime.attention import plain_attention
         from autopar.runtime.compiled import compile_graph
-        if backend:
-            plain_attention(self.graph_module)
         self._compiled = compile_graph(self.graph_module, backend) if backend else None
         self.compiled = backend
 

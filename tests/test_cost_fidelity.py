@@ -14,7 +14,8 @@ One test per modelling error an audit found; each fails on the old pricing:
 8. GEMM and attention efficiency depend on shape and kernel; the zero-bubble split backward
    costs the same in both planners;
 
-and the pipeline stages need not divide the layers.
+and the pipeline stages need not divide the layers. Mixture-of-experts pricing:
+tests/test_cost_moe.py.
 """
 from __future__ import annotations
 
@@ -413,43 +414,6 @@ def test_the_closed_form_holds_what_the_event_simulation_holds(node8):
             assert fast.memory["activations"] == pytest.approx(exact.memory["activations"], rel=0.01), (batch, sched)
 
 
-def test_model_flops_count_routed_tokens_not_capacity_padding(node8):
-    # E4 (in part): the experts run on experts x capacity slots (capacity factor 1.25: a fifth
-    # of them padding); model FLOPs and MFU count the routed tokens' work, hardware FLOPs all
-    w = load_workload("mixtral-8x7b", batch=1, seq=1024, overrides={"layers": "2"})
-    f = ModelFacts(capture_workload(w), seq=1024, dtype="bf16")
-    (region, *_) = f._regions.values()
-    at = f.sizes(1)
-    slots = float(evaluate(region.capacity, at)) * region.num_experts
-    share = 1024 * region.top_k / slots
-    assert 0.75 < share < 0.85                       # capacity factor 1.25
-    expert = sum(float(evaluate(info(n).flops_fwd, at)) + float(evaluate(info(n).flops_bwd, at))
-                 for n in f.gm.graph.nodes if info(n).moe_role == "expert")
-    s = _score(f, node8, 8, dp=8)
-    assert s.hw_flops - s.model_flops == pytest.approx(8 * expert * (1 - share), rel=1e-9)
-    assert s.mfu == pytest.approx(s.model_flops / s.step_time_s / 8 / node8.device.peak("bf16"), rel=1e-9)
-
-
-def test_dropless_routing_computes_and_sends_only_routed_tokens(node8):
-    # E4: the runtime's dropless layer (runtime/ep.py) sends each routed (token, expert) pair
-    # once; priced so, the experts' time and the exchange shrink by the routed share and the
-    # model FLOPs equal the capacity pricing's routed count
-    w = load_workload("mixtral-8x7b", batch=1, seq=1024, overrides={"layers": "2"})
-    gm = capture_workload(w)
-    cap, drop = (ModelFacts(gm, seq=1024, dtype="bf16", moe_routing=r) for r in ("capacity", "dropless"))
-    axes = (("pp", 1), ("dp", 8), ("tp", 1))
-    bc, bd = cap.parts(1, 1, node8, axes)[0]["block"], drop.parts(1, 1, node8, axes)[0]["block"]
-    (region, *_) = cap._regions.values()
-    share = 1024 * region.top_k / (float(evaluate(region.capacity, cap.sizes(1))) * region.num_experts)
-    assert bd.a2a_bytes == pytest.approx(share * bc.a2a_bytes, rel=1e-9)
-    assert bd.expert_fwd == pytest.approx(share * bc.expert_fwd, rel=1e-9) and bd.padding_flops == 0
-    sc, sd = (simulate(f, node8, Config(dp=8, tp=1, pp=1, micro_batch=1, ep=4), batch=8) for f in (cap, drop))
-    assert sd.model_flops == pytest.approx(sc.model_flops, rel=1e-9) and sd.hw_flops < sc.hw_flops
-    assert sd.step_time_s < sc.step_time_s
-    with pytest.raises(ConfigError, match="routing"):
-        ModelFacts(gm, seq=1024, moe_routing="tokens")
-
-
 def test_materialized_attention_computes_the_whole_square(node8):
     # the two GEMMs of written-out attention compute every pair, masked or not
     seq, heads, hidden = 1024, 8, 512
@@ -459,105 +423,6 @@ def test_materialized_attention_computes_the_whole_square(node8):
     bf, bm = flash.parts(1, 1, node8, axes)[0]["block"], mat.parts(1, 1, node8, axes)[0]["block"]
     assert bm.attn_fwd_flops == pytest.approx(2 * heads * seq * seq * 2 * (hidden // heads), rel=1e-12)
     assert bm.attn_fwd_flops == pytest.approx(bf.attn_fwd_flops * 2 * seq / (seq + 1), rel=1e-12)
-
-
-def test_expert_tensor_parallelism_splits_the_experts_work_beside_an_expert_axis(node8):
-    # MoE layouts: beside an expert axis (no pipeline) the build lets the tensor axis split the
-    # fixed-capacity experts off their expert dim (passes/moe.expert_tensor_pin): each tensor
-    # rank computes and holds 1/tp of its experts, not the whole experts for the whole batch
-    w = load_workload("moe", batch=1, seq=1024, overrides={"layers": "2", "hidden": "512", "experts": "8"})
-    f = ModelFacts(capture_workload(w), seq=1024, dtype="bf16")
-    axes = (("pp", 1), ("dp", 2), ("tp", 4))
-    blk = f.parts(4, 1, node8, axes, expert_axis=True)[0]["block"]
-    assert blk.expert_fwd < 0.5 * blk.expert_fwd1          # split over the 4 tensor ranks
-    s = simulate(f, node8, Config(dp=2, tp=4, pp=1, micro_batch=1, ep=2), batch=8)
-    numel = f.param_numel(4, f.parts(4, 1, node8, axes, expert_axis=True)[1])
-    assert numel["expert"] < 0.5 * numel["expert_whole"]
-    whole_pp = simulate(f, node8, Config(dp=2, tp=2, pp=2, micro_batch=1, ep=2), batch=8)   # inside a pipeline: whole
-    assert s.memory["params"] < whole_pp.memory["params"]
-
-
-def test_the_expert_table_offers_expert_tensor_parallelism_beside_ep(node8):
-    # autopar plan --pp 1's expert choices (cost/ep_planner.py): with ep, tp inside the experts
-    # is offered where the runtime runs it (fixed-capacity layers), and it divides their compute
-    from autopar.cost.ep_planner import plan_experts
-    w = load_workload("moe", batch=1, seq=256, overrides={"layers": "2", "hidden": "256", "experts": "8"})
-    gm = capture_workload(w)
-    choices = plan_experts(gm, cluster=node8, dp=4, tp=2, sizes={"batch": 2, "seq": 256})
-    by = {(c.ep, c.tp_inside): c for c in choices}
-    assert (2, True) in by and (4, True) in by
-    assert by[(2, True)].compute_s == pytest.approx(by[(2, False)].compute_s / 2)
-    assert by[(2, True)].state_bytes == pytest.approx(by[(2, False)].state_bytes / 2)
-
-
-def test_a_dropless_exchange_overlaps_its_experts_in_chunks(node8):
-    # E4: the runtime's dropless layer (runtime/ep.DroplessMoE) sends its tokens in two chunks
-    # whose exchanges travel while the other chunk's experts compute; priced by the same order
-    # (every dispatch first, each combine after its chunk's experts, one link)
-    from autopar.core.options import DISPATCH_CHUNKS, ExpertOptions
-    from autopar.cost.hybrid import overlapped_exchange
-    from autopar.runtime.ep import EPRuntime
-    assert DISPATCH_CHUNKS == 2 == ExpertOptions().dispatch_chunks
-    assert EPRuntime.__dataclass_fields__["chunks"].default == DISPATCH_CHUNKS
-    assert overlapped_exchange(1.0, 4.0, 1) == pytest.approx(2.0)       # one chunk: both exposed
-    assert overlapped_exchange(1.0, 4.0, 2) == pytest.approx(2.0)       # half of each hidden
-    assert overlapped_exchange(1.0, 8.0, 2) == pytest.approx(2.0)       # pieces of 1 at either end
-    assert overlapped_exchange(0.5, 4.0, 2) == pytest.approx(1.0)
-    assert overlapped_exchange(4.0, 1.0, 2) == pytest.approx(15.0)      # link-bound: the link's 16 s less the work
-    w = load_workload("mixtral-8x7b", batch=1, seq=1024, overrides={"layers": "2"})
-    gm = capture_workload(w)
-    cap, drop = (ModelFacts(gm, seq=1024, dtype="bf16", moe_routing=r) for r in ("capacity", "dropless"))
-    axes = (("pp", 1), ("dp", 8), ("tp", 1))
-    bd = drop.parts(1, 1, node8, axes)[0]["block"]
-    c = Config(dp=8, tp=1, pp=1, micro_batch=1, ep=4)
-    s = simulate(drop, node8, c, batch=8)
-    from autopar.cost.comm import collective_time
-    ep_axes = (("pp", 1), ("dp", 2), ("ep", 4), ("tp", 1))
-    whole = collective_time("all_to_all", bd.a2a_bytes, node8, ep_axes, "ep")
-    assert s.parts["ep_comm_per_block_s"] < 4 * whole                  # not all four exchanges exposed
-    piece = collective_time("all_to_all", bd.a2a_bytes / 2, node8, ep_axes, "ep")
-    counts = collective_time("all_to_all", 8.0 * 4 * 2, node8, ep_axes, "ep")
-    want = sum(counts + overlapped_exchange(piece, x, 2) + node8.device.comm_contention
-               * (4 * piece - overlapped_exchange(piece, x, 2)) for x in (bd.expert_fwd, bd.expert_bwd))
-    assert s.parts["ep_comm_per_block_s"] == pytest.approx(want, rel=1e-9)
-    sc = simulate(cap, node8, c, batch=8)                              # capacity layers: exposed
-    bc = cap.parts(1, 1, node8, axes)[0]["block"]
-    assert sc.parts["ep_comm_per_block_s"] == pytest.approx(
-        4 * collective_time("all_to_all", bc.a2a_bytes, node8, ep_axes, "ep"), rel=1e-9)
-
-
-def test_an_expert_axis_across_nodes_is_priced_in_two_hops():
-    # E4: across nodes the runtime's dropless layer takes two hops (ExpertOptions.dispatch="auto",
-    # runtime/ep.DroplessMoE._two_hop): a token crosses once to each node its experts are on,
-    # then its pairs go to their owners inside the node; a routing limited to fewer nodes
-    # (DeepSeek-V3's) sends fewer rows across
-    from autopar.cost.comm import flat_time
-    from autopar.cost.hybrid import nodes_reached, overlapped_exchange
-    assert nodes_reached(2, 2, 1) == pytest.approx(1.0)                 # both experts on one node
-    assert nodes_reached(8, 8) == pytest.approx(8 * (1 - (7 / 8) ** 8))
-    assert nodes_reached(8, 8, 4) == pytest.approx(4 * (1 - 0.75 ** 8))
-    w = load_workload("mixtral-8x7b", batch=1, seq=1024, overrides={"layers": "2", "experts": "16"})
-    gm = capture_workload(w)
-    free, limited = (ModelFacts(gm, seq=1024, dtype="bf16", moe_routing="dropless", moe_node_limit=lim)
-                     for lim in (None, 1))
-    two = Cluster.from_spec("2x8", hardware=A100)
-    c = Config(dp=16, tp=1, pp=1, micro_batch=1, ep=16)
-    sf, sl = (simulate(f, two, c, batch=16) for f in (free, limited))
-    assert sl.parts["ep_comm_per_block_s"] < sf.parts["ep_comm_per_block_s"]
-    blk = free.parts(1, 1, two, (("pp", 1), ("dp", 1), ("ep", 16), ("tp", 1)))[0]["block"]
-    assert blk.top_k == 2
-    piece = flat_time("all_to_all", blk.a2a_bytes / 2 * nodes_reached(2, 2) / 2, 2, two.inter)
-    meta = 2 * (3 * flat_time("all_to_all", 16.0, 2, two.inter) + flat_time("all_to_all", 64.0, 8, two.intra))
-    on_node = 4 * flat_time("all_to_all", blk.a2a_bytes / 2, 8, two.intra)
-    want = 0.0
-    for x in (blk.expert_fwd, blk.expert_bwd):
-        shown = overlapped_exchange(piece, x + on_node, 2)
-        want += meta + on_node + shown + two.device.comm_contention * (4 * piece - shown)
-    assert sf.parts["ep_comm_per_block_s"] == pytest.approx(want, rel=1e-9)
-    one_node = simulate(free, Cluster.from_spec("1x16", hardware=A100), c, batch=16)   # one node: one hop
-    assert one_node.parts["ep_comm_per_block_s"] != pytest.approx(want, rel=1e-3)
-    with pytest.raises(ConfigError, match="node"):
-        ModelFacts(gm, seq=1024, moe_routing="dropless", moe_node_limit=0)
 
 
 @pytest.mark.parametrize("p,v,m", [(4, 2, 4), (4, 2, 8), (2, 3, 2), (4, 4, 4), (8, 2, 16)])

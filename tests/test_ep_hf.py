@@ -118,12 +118,15 @@ def _config(name: str, impl: str | None):
     raise KeyError(name)
 
 
-def build(name: str, dtype: torch.dtype) -> nn.Module:
+def build(name: str, dtype: torch.dtype, **config) -> nn.Module:
+    """The model ``name`` in ``dtype`` (``config``: fields of its transformers config changed)."""
     torch.manual_seed(0)
     if name in ("loop", "masked"):
         return LoopLM(layer=LoopMoE if name == "loop" else MaskedMoE).to(dtype)
     impl = "batched_mm" if dtype == torch.float64 else None
     cfg = _config(name, impl)
+    for k, v in config.items():
+        setattr(cfg, k, v)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():                 # bias-free routers and sizeable weights: every expert gets rows
         for p in model.parameters():
@@ -301,8 +304,6 @@ def _two_hop(rank: int, world: int) -> dict:
     from autopar.runtime import ep as ep_rt
     from autopar.runtime import nodes
 
-    cfg = _config("deepseek_v3", "batched_mm")
-    cfg.n_routed_experts, cfg.num_hidden_layers = 8, 2
     gen = torch.Generator().manual_seed(4)
     ids = torch.randint(3, VOCAB, (8, 8), generator=gen)
     target = torch.randint(0, VOCAB, (8, 8), generator=gen)
@@ -312,7 +313,7 @@ def _two_hop(rank: int, world: int) -> dict:
     start = ep_rt._Pending.start
 
     def counting(self, x, send, recv):
-        if forward[0] and x.dim() == 2 and x.shape[-1] == cfg.hidden_size:
+        if forward[0] and x.dim() == 2 and x.shape[-1] == 32:      # token rows (hidden 32), not weights
             ranks = torch.distributed.get_process_group_ranks(self.group)
             crossed[0] += sum(c for r, c in zip(ranks, send) if node_of[r] != node_of[rank])
         return start(self, x, send, recv)
@@ -324,12 +325,7 @@ def _two_hop(rank: int, world: int) -> dict:
     ep_rt._Pending.start = counting
     try:
         for how in ("two_hop", "direct"):
-            torch.manual_seed(0)
-            model = transformers.AutoModelForCausalLM.from_config(cfg)
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.normal_(0.0, 0.2)
-            model = Logits(model.to(torch.float64))
+            model = build("deepseek_v3", torch.float64, n_routed_experts=8, num_hidden_layers=2)
             ref = copy.deepcopy(model)
             pm = autopar.parallelize(model, {"ep": world}, (local,), dims={},
                                      options=autopar.ExpertOptions(dispatch=how))
@@ -340,7 +336,8 @@ def _two_hop(rank: int, world: int) -> dict:
                 forward[0] = step == 0
                 loss = _loss(pm(local), local_t)
                 forward[0] = False
-                rows = crossed[0] if step == 0 else rows
+                if step == 0:
+                    rows = crossed[0]
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
@@ -367,8 +364,6 @@ def _dispatch_chunks(rank: int, world: int) -> dict:
     gradient arrived (backward)."""
     from autopar.runtime import ep as ep_rt
 
-    cfg = _config("deepseek_v3", "batched_mm")
-    cfg.num_hidden_layers = 2
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(3, VOCAB, (4, 8), generator=gen).chunk(world)[rank]
     target = torch.randint(0, VOCAB, (4, 8), generator=gen).chunk(world)[rank]
@@ -394,13 +389,8 @@ def _dispatch_chunks(rank: int, world: int) -> dict:
     ep_rt._Pending.start, ep_rt._Pending.wait, ep_rt.DroplessMoE._run_experts = counted_start, counted_wait, logged_run
     try:
         for chunks in (1, 2, 3):
-            torch.manual_seed(0)
-            model = transformers.AutoModelForCausalLM.from_config(cfg)
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.normal_(0.0, 0.2)
-            pm = autopar.parallelize(Logits(model.to(torch.float64)), {"ep": world}, (ids,), dims={},
-                                     options=autopar.ExpertOptions(dispatch_chunks=chunks))
+            pm = autopar.parallelize(build("deepseek_v3", torch.float64, num_hidden_layers=2), {"ep": world}, (ids,),
+                                     dims={}, options=autopar.ExpertOptions(dispatch_chunks=chunks))
             events.clear()
             loss = _loss(pm(ids), target)
             loss.backward()
@@ -414,8 +404,8 @@ def _dispatch_chunks(rank: int, world: int) -> dict:
            for c, (l, g) in grads.items()}
     refused = ""
     try:                          # two hops asked for on one node: refused, typed, on every rank alike
-        autopar.parallelize(Logits(transformers.AutoModelForCausalLM.from_config(cfg).to(torch.float64)),
-                            {"ep": world}, (ids,), dims={}, options=autopar.ExpertOptions(dispatch="two_hop"))
+        autopar.parallelize(build("deepseek_v3", torch.float64, num_hidden_layers=2), {"ep": world}, (ids,), dims={},
+                            options=autopar.ExpertOptions(dispatch="two_hop"))
     except autopar.core.errors.ConfigError as exc:
         refused = str(exc)
     return {"err": err, "events": log, "refused": refused}
