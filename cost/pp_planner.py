@@ -29,7 +29,10 @@ from autopar.passes.pp_split import CutPlan, OpCosts, op_costs, plan_cuts
 
 log = logging.getLogger("autopar.cost.pp_planner")
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "dualpipev")
+# searched when no schedule is given; DualPipeV runs only when asked for (its forward and backward
+# pairs run concurrently in two threads: runtime/pp_overlap.py)
+AUTO_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,8 @@ def inflight(schedule: str, stages: int, devices: int, microbatches: int) -> lis
     """Micro-batches whose activations each stage holds at once (the schedule's peak)."""
     if schedule == "gpipe":
         return [microbatches] * stages
+    if schedule == "dualpipev":        # V placement: stage s holds 2p - s (torch's order, cost/pp_sim.dualpipe_v)
+        return [min(microbatches, 2 * devices - s) for s in range(stages)]
     return [min(microbatches, max(1, devices - (s % devices)) * (1 if stages == devices else 2))
             for s in range(stages)]
 
@@ -111,14 +116,21 @@ def plan_pipeline(costs_at: Callable[[int], OpCosts], *, devices: int, batch: in
         raise ConfigError(f"the batch of {batch} does not split into micro-batches for {p} stages", where="pipeline",
                           expected=f"a batch divisible by a micro-batch count >= {p}", got=str(batch),
                           fix=f"use a batch that is a multiple of {p}, or pass microbatches=")
-    names = [schedule] if schedule else list(SCHEDULES)
+    names = [schedule] if schedule else list(AUTO_SCHEDULES)
     p2p = (lambda b: collective_time("send_recv", b, cluster, axes, "pp")) if p > 1 else (lambda b: 0.0)
     best: PipelinePlan | None = None
     for m in counts:
         costs = costs_at(batch // m)
         for name in names:
-            vs = [virtual] if virtual else ([2] if name == "interleaved" else [1])
+            vs = [virtual] if virtual else ([2] if name in ("interleaved", "dualpipev") else [1])
             for v in vs:
+                if name == "dualpipev" and (v != 2 or m < 2 * p):
+                    if schedule:
+                        raise ConfigError("DualPipeV needs two stages per device and at least as many "
+                                          "micro-batches as stages", where="pipeline",
+                                          got=f"virtual_stages={v}, microbatches={m}, pp={p}",
+                                          fix=f"pass virtual_stages=2 and microbatches >= {2 * p}")
+                    continue
                 if name == "interleaved" and (v < 2 or m % p):
                     if schedule:
                         raise ConfigError("the interleaved schedule needs virtual_stages >= 2 and micro-batches "
@@ -126,7 +138,7 @@ def plan_pipeline(costs_at: Callable[[int], OpCosts], *, devices: int, batch: in
                                           got=f"virtual_stages={v}, microbatches={m}, pp={p}",
                                           fix=f"pass virtual_stages=2 and microbatches a multiple of {p}")
                     continue
-                if name != "interleaved" and name != "zb" and v != 1:
+                if name not in ("interleaved", "zb", "dualpipev") and v != 1:
                     continue
                 stages = p * v
                 try:

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopar.core.errors import ConfigError
+from autopar.core.mesh import stage_device
 
 # torch's zero-bubble schedules run autograd twice per micro-batch (input gradients, then
 # weight gradients from the saved graph); on this project's 2-core CPU that split backward
@@ -50,7 +51,7 @@ ZB_SPLIT_OVERHEAD = 0.35
 
 KINDS = ("F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
 COMPUTE_KINDS = ("F", "B", "W")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "dualpipev")
 
 _ACTION_RE = re.compile(r"(SEND_F|RECV_F|SEND_B|RECV_B|F|B|W)(\d+)\.(\d+)(?:([<>])(\d+))?")
 _FLOW = {"F": (-1, +1), "B": (+1, -1)}      # kind -> (stage offset it reads from, writes to)
@@ -112,7 +113,12 @@ class Action:
 
 @dataclass(frozen=True)
 class Schedule:
-    """One ordered program of actions per device. Stage ``s`` lives on device ``s % devices``.
+    """One ordered program of actions per device. Stage ``s`` lives on device ``s % devices``
+    (``placement="loop"``), or, with ``placement="v"`` (two stages a device), device ``s`` for
+    ``s < devices`` and ``2 * devices - 1 - s`` after (the first and the last stage on device 0).
+    ``overlapped``: the F and B actions that run paired with another micro-batch's B or F on
+    their device, each hiding :attr:`StageCosts.overlap_s` of its time under the other's
+    (:func:`dualpipe_v`).
 
     ``programs`` normally holds compute actions only (F/B/W); :meth:`with_comm` adds the
     SEND/RECV each cross-device boundary implies. The simulator reads the compute order only.
@@ -124,9 +130,15 @@ class Schedule:
     microbatches: int
     split_backward: bool
     programs: tuple[tuple[Action, ...], ...]
+    placement: str = "loop"
+    overlapped: frozenset = frozenset()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "programs", tuple(tuple(prog) for prog in self.programs))
+        if self.placement not in ("loop", "v") or (self.placement == "v" and self.virtual != 2):
+            raise ConfigError(f"unknown stage placement {self.placement!r}", where=f"Schedule {self.name!r}",
+                              expected="'loop', or 'v' with two stages per device",
+                              got=f"{self.placement!r}, virtual={self.virtual}")
         for field in ("devices", "virtual", "microbatches"):
             if not _is_count(getattr(self, field), 1):
                 raise ConfigError(f"schedule {field} must be a positive integer", where=f"Schedule.{field}",
@@ -139,7 +151,7 @@ class Schedule:
         return self.devices * self.virtual
 
     def device_of(self, stage: int) -> int:
-        return stage % self.devices
+        return stage_device(stage, self.devices, self.placement)
 
     def compute_programs(self) -> tuple[tuple[Action, ...], ...]:
         """``programs`` without SEND/RECV."""
@@ -178,7 +190,7 @@ class Schedule:
         comes from, or output goes to, a stage on another device (idempotent)."""
         return Schedule(self.name, self.devices, self.virtual, self.microbatches, self.split_backward,
                         tuple(tuple(c for a in prog for c in self._with_comm(a))
-                              for prog in self.compute_programs()))
+                              for prog in self.compute_programs()), self.placement, self.overlapped)
 
     def _with_comm(self, a: Action) -> tuple[Action, ...]:
         if a.kind not in _FLOW:
@@ -227,7 +239,8 @@ class Schedule:
                 problem = self._misplaced(a, d, kinds, seen)
                 if problem:
                     raise ConfigError(f"action {a} on device {d} {problem}", where=f"{where}, device {d}",
-                                      expected=f"stage s on device s % {self.devices}, each action once")
+                                      expected=f"stage s on device {self.device_of(0)} ({self.placement} "
+                                               "placement), each action once")
                 seen.add((a.kind, a.stage, a.mb))
         if len(seen) < len(kinds) * self.stages() * self.microbatches:
             missing = [f"{k}{s}.{mb}" for s in range(self.stages()) for mb in range(self.microbatches)
@@ -340,10 +353,43 @@ def zero_bubble(p: int, m: int) -> Schedule:
     return Schedule("zb", p, 1, m, True, tuple(programs))
 
 
+def dualpipe_v(p: int, m: int) -> Schedule:
+    """DualPipeV (DeepSeek-AI 2024, the V-shaped single-copy variant of DualPipe): two stages per
+    device in a V (device d holds stages d and 2p-1-d), forward of one micro-batch paired with
+    backward of another in the steady state, zero-bubble weight steps in warm-up and cool-down.
+    The order is torch's ``ScheduleDualPipeV`` (which the runtime runs): asked of torch itself.
+    A whole backward is B then W here; each pair's F and B are in ``overlapped``."""
+    _check_sizes("dualpipe_v", p=p, m=m)
+    if m < 2 * p:
+        raise ConfigError("DualPipeV needs at least as many micro-batches as stages", where="dualpipe_v",
+                          expected=f"m >= {2 * p}", got=f"m={m}", fix=f"use m={2 * p} or more")
+    from types import SimpleNamespace
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV, _ComputationType as T
+    kind = {T.FORWARD: ("F",), T.FULL_BACKWARD: ("B", "W"), T.BACKWARD_INPUT: ("B",), T.BACKWARD_WEIGHT: ("W",)}
+    programs, paired = [], set()
+    for d in range(p):
+        steps = []
+        for a in ScheduleDualPipeV._calculate_single_rank_operations(SimpleNamespace(pp_group_size=p,
+                                                                                     _n_microbatches=m), d):
+            subs = a.sub_actions or (a,)
+            for sub in subs:
+                for k in kind[sub.computation_type]:
+                    steps.append(Action(k, sub.stage_index, sub.microbatch_index))
+                    if a.sub_actions and k in ("F", "B"):
+                        paired.add(steps[-1])
+        programs.append(tuple(steps))
+    return Schedule("dualpipev", p, 2, m, True, tuple(programs), "v", frozenset(paired))
+
+
 def make(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """The schedule called ``name`` (one of :data:`SCHEDULES`); ``v`` is for "interleaved" only."""
     if name == "interleaved":
         return interleaved_1f1b(p, v, m)
+    if name == "dualpipev":
+        if v != 2:
+            raise ConfigError("DualPipeV has two stages per device", where="pp_sim.make",
+                              expected="v=2", got=f"v={v}")
+        return dualpipe_v(p, m)
     if name not in SCHEDULES:
         raise ConfigError(f"unknown pipeline schedule {name!r}", where="pp_sim.make",
                           expected=", ".join(SCHEDULES), got=repr(name), fix="pick one of the expected names")
@@ -375,7 +421,9 @@ class StageCosts:
     ``backward_s`` is the whole backward; ``weight_grad_s`` its weight-gradient share (W of a
     split schedule; default half), ``p2p_s[s]`` the time to move one activation or gradient
     across boundary s -> s+1 when those stages sit on different devices, ``activation_bytes[s]``
-    what one micro-batch's forward leaves held on stage s until its backward ends.
+    what one micro-batch's forward leaves held on stage s until its backward ends,
+    ``overlap_s[s]`` the seconds of an F or a B on stage s that an overlapped pair (see
+    :class:`Schedule`) hides under its partner's compute: its exchanges' exposed part.
     """
 
     forward_s: tuple[float, ...]
@@ -383,6 +431,7 @@ class StageCosts:
     weight_grad_s: tuple[float, ...] | None = None
     p2p_s: tuple[float, ...] | float = 0.0
     activation_bytes: tuple[float, ...] | float = 0.0
+    overlap_s: tuple[float, ...] | float = 0.0
 
     def __post_init__(self) -> None:
         fwd = _floats(self.forward_s, None, "forward_s")
@@ -396,7 +445,7 @@ class StageCosts:
                                   where="StageCosts.weight_grad_s", expected="weight_grad_s <= backward_s",
                                   got=f"{wgt} > {bwd}")
             object.__setattr__(self, "weight_grad_s", wgt)
-        for field in ("p2p_s", "activation_bytes"):
+        for field in ("p2p_s", "activation_bytes", "overlap_s"):
             value = getattr(self, field)
             checked = _floats(value, None, field)
             object.__setattr__(self, field, checked[0] if isinstance(value, (int, float)) else checked)
@@ -457,6 +506,8 @@ class _Replay:
         self.schedule, self.programs, self.p, self.S, self.m = schedule, programs, p, S, m
         self.fwd, self.bwd, self.wgt, self.p2p, self.act = costs.per_stage(S, schedule.split_backward)
         self.release = "W" if schedule.split_backward else "B"
+        self.paired = schedule.overlapped
+        self.hide = _floats(costs.overlap_s, S, "overlap_s") if self.paired else ()
         self.dev = [schedule.device_of(s) for s in range(S)]
         n = S * m
         self.f_in: list[float | None] = [0.0] * m + [None] * (n - m)    # activation arrives at (s, mb)
@@ -500,6 +551,8 @@ class _Replay:
                 ready, dur = b_end[key], wgt[s]
             if ready is None:
                 break
+            if self.paired and a in self.paired:      # its exchanges run under its partner's compute
+                dur = max(dur - self.hide[s], 0.0)
             start = max(t, ready)
             t = start + dur
             busy += dur

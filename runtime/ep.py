@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.core.options import DISPATCH_CHUNKS
+from autopar.runtime.pp_overlap import lane_group
 
 _RUNTIMES: dict[int, "EPRuntime"] = {}
 _IDS = itertools.count()
@@ -68,7 +69,7 @@ class EPRuntime:
 
     def _exchange(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
-        dist.all_to_all_single(out, x.contiguous(), group=self.group)
+        dist.all_to_all_single(out, x.contiguous(), group=lane_group(self.group))
         return out
 
     # [E, C, h] in expert order -> [E/n, n*C, h] of this rank's experts
@@ -134,7 +135,7 @@ class _Pending:
     def start(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         self.out = x.new_empty((sum(recv), *x.shape[1:]))
         self.work = dist.all_to_all_single(self.out, x.contiguous(), output_split_sizes=recv,
-                                           input_split_sizes=send, group=self.group, async_op=True)
+                                           input_split_sizes=send, group=lane_group(self.group), async_op=True)
         self._keep = x          # alive until the exchange is done
         return self.out
 
@@ -243,7 +244,7 @@ class DroplessMoE:
         # rows per (destination rank, chunk, its expert): one exchange of counts for the layer
         send_t = torch.stack(counts).view(chunks, n, per).transpose(0, 1).contiguous()
         recv_t = torch.empty_like(send_t)
-        dist.all_to_all_single(recv_t, send_t, group=rt.group)
+        dist.all_to_all_single(recv_t, send_t, group=lane_group(rt.group))
         send_l, recv_l = send_t.sum(-1).tolist(), recv_t.sum(-1).tolist()      # [rank][chunk]
         slot_ids = torch.arange(per, device=ids.device).repeat(n)
         boxes, bufs = [], []
@@ -289,11 +290,11 @@ class DroplessMoE:
             meta_w = w2.new_zeros((nrows, k)).index_put((row_of_pair, slot), w2[a:b].reshape(-1))
             send = torch.bincount(rows_key // tc, minlength=m)
             recv = torch.empty_like(send)
-            dist.all_to_all_single(recv, send, group=rt.rail)
+            dist.all_to_all_single(recv, send, group=lane_group(rt.rail))
             send_l, recv_l = send.tolist(), recv.tolist()
             box = _Pending(send_l, recv_l, rt.rail)
             got_pos = pos.new_empty((sum(recv_l), k))
-            dist.all_to_all_single(got_pos, meta_pos, recv_l, send_l, group=rt.rail)
+            dist.all_to_all_single(got_pos, meta_pos, recv_l, send_l, group=lane_group(rt.rail))
             got_w = _exchange(meta_w, send_l, recv_l, rt.rail)
             started.append((_Start.apply(flat_x[a:b][token], box), box, got_pos, got_w))
             sent.append((token, tc))
@@ -321,7 +322,7 @@ class DroplessMoE:
         local = ppos % (per * g)                                       # place among this node's experts
         send_t = torch.bincount(local, minlength=per * g).view(g, per)
         recv_t = torch.empty_like(send_t)
-        dist.all_to_all_single(recv_t, send_t, group=rt.intra)
+        dist.all_to_all_single(recv_t, send_t, group=lane_group(rt.intra))
         send_l, recv_l = send_t.sum(-1).tolist(), recv_t.sum(-1).tolist()
         got = _exchange(rows[r], send_l, recv_l, rt.intra)             # by source relay, then expert slot
         slots = torch.repeat_interleave(torch.arange(per, device=pos.device).repeat(g), recv_t.reshape(-1))

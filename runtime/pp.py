@@ -4,8 +4,8 @@
 with the stage's parameters stored under their original ``state_dict`` keys (tensor-axis
 local slices when the graph was rewritten for a tensor axis). :class:`PipelineModule` is what
 :func:`autopar.parallelize` returns for a mesh with a ``pp`` axis: it holds this rank's stage
-(or stages, ``v`` of them under interleaved schedules, stage ``s`` on pipeline rank
-``s % p``) and trains with :meth:`PipelineModule.step`:
+(or ``v`` stages, stage ``s`` on pipeline rank ``s % p``; DualPipeV: two in a V, its paired
+forwards and backwards run at once, runtime/pp_overlap.py) and trains with :meth:`PipelineModule.step`:
 
     loss = pm.step(inputs, target=targets)   # every rank, the same call; returns the loss
 
@@ -36,20 +36,21 @@ import torch.fx as fx
 from torch import nn
 
 from autopar.core.errors import ConfigError, InputMismatchError
-from autopar.core.meta import META_KEY, evaluate, graph_info, info
-from autopar.core.meta import StageGraph
+from autopar.core.meta import META_KEY, StageGraph, evaluate, graph_info, info
+from autopar.core.mesh import stage_device
 from autopar.core.placement import Shard, Spec, parse
 from autopar.runtime.collectives import c10d
 from autopar.runtime.dp import row_weight
 from autopar.runtime.health import note_step, peer_errors
 from autopar.runtime.main_grads import MainGrads
-from autopar.runtime.pp_stage import PipeStage
+from autopar.runtime.pp_overlap import PairRunner
+from autopar.runtime.pp_stage import PipeStage, scale_once
 from autopar.runtime.stage_dp import StageDataAxis
 from autopar.runtime.tp_module import set_tensor
 
 SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
-                    "zb": "ScheduleInterleavedZeroBubble"}
-MULTI = ("interleaved", "zb")   # schedules that take a list of stages
+                    "zb": "ScheduleInterleavedZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+MULTI = ("interleaved", "zb", "dualpipev")   # schedules that take a list of stages
 
 
 class StageModule(nn.Module):
@@ -286,6 +287,7 @@ class PipelineModule(nn.Module):
         self._pipe_stages = [PipeStage(st, st.index, num_stages, device, input_args=ins, output_args=outs,
                                     group=pp_group, on_last_backward=self._stage_done, on_backward=collect)
                              for st, (ins, outs) in zip(stages, examples)]
+        scale_once(self._pipe_stages)     # a parameter two of them hold is scaled by the lower one
         # this rank's own entries (its stages'), before the hooks below make ZeRO-3 pieces whole
         self._local_keys = frozenset(nn.Module.state_dict(self, keep_vars=True))
         # set by autopar.parallelize (autopar/checkpoint/full.py): the whole state dict on every
@@ -307,16 +309,13 @@ class PipelineModule(nn.Module):
         self._token_counter = token_counter
         self._count_target = False        # the counter reads the target (a loss_fn's), not the inputs
         self._last_outputs = next((outs for st, (_, outs) in zip(stages, examples) if st.is_last), None)
-        self._token_weights: list[torch.Tensor] | None = None
-        self._token_counts: torch.Tensor | None = None
-        self._token_calls = 0
+        self._token_weights, self._token_counts, self._token_calls = None, None, 0
         loss_fn = _Autocast(loss_fn, next(st for st in stages), self)
         self._first = any(st.index == 0 for st in stages)
         self._last = any(st.index == num_stages - 1 for st in stages)
-        if schedule in MULTI:
-            self._schedule = cls(self._pipe_stages, n_microbatches=microbatches, loss_fn=loss_fn)
-        else:
-            self._schedule = cls(self._pipe_stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+        self._schedule = cls(self._pipe_stages if schedule in MULTI else self._pipe_stages[0],
+                             n_microbatches=microbatches, loss_fn=loss_fn)
+        self.pair_runner = PairRunner.register(self._schedule) if schedule == "dualpipev" else None
 
     @property
     def stages(self) -> list[StageModule]:
@@ -465,8 +464,9 @@ class PipelineModule(nn.Module):
             loss = torch.stack([x.detach() for x in losses]).mean() if losses else torch.zeros((), device=self._device)
         self._token_weights = None
         loss = loss.to(self._loss_dtype)
-        if self._pp[2] > 1:   # the last stage's loss to every pipeline rank
-            src = dist.get_global_rank(pp_group, (self._num_stages - 1) % self._pp[2])
+        if self._pp[2] > 1:   # the last stage's loss to every pipeline rank (DualPipeV's V: rank 0's)
+            v = "v" if self.schedule_name == "dualpipev" else "loop"
+            src = dist.get_global_rank(pp_group, stage_device(self._num_stages - 1, self._pp[2], v))
             dist.broadcast(loss, src=src, group=pp_group)
         return loss
 

@@ -67,7 +67,25 @@ class PipeStage(PipelineStage):
                             or any(len(g["intermediates"]) > 1 for g in groups))
         return self._misses
 
+    def scale_grads(self, grad_scale_factor: int) -> None:
+        """torch's scaling, but a parameter another stage of this rank also holds (a tied
+        embedding and head, both on rank 0 under DualPipeV's V) is scaled once: by the stage of
+        the lowest index, whose last backward comes last (``scaled_elsewhere``: set by the pipeline)."""
+        if grad_scale_factor != 1:
+            skip = getattr(self, "scaled_elsewhere", frozenset())
+            for p in self.submod.parameters():
+                if p.grad is not None and id(p) not in skip:
+                    p.grad.div_(grad_scale_factor)
+
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         super().perform_reduce_grad(grad_scale_factor)
         if self._on_last_backward is not None:
             self._on_last_backward(self.stage_index)
+
+
+def scale_once(stages: list[PipeStage]) -> None:
+    """Mark, on each of one rank's stages, the parameters a stage of lower index also holds
+    (:meth:`PipeStage.scale_grads` leaves them to that stage)."""
+    for ps in stages:
+        ps.scaled_elsewhere = frozenset(id(p) for o in stages if o.stage_index < ps.stage_index
+                                        for p in o.submod.parameters())

@@ -266,10 +266,10 @@ def _stepped(model, opt, loss: torch.Tensor, backward: bool = True) -> torch.Ten
     return loss.detach()
 
 
-def _pipelined(rank: int, world: int) -> dict:
-    """Mixtral and DeepSeek-V3 (float64) on pp=2 x ep=2, 1F1B: each stage's dropless layers split
-    over the expert axis (their exchange in two overlapped chunks); two SGD-momentum steps
-    against one process on the whole batch."""
+def _pipelined(rank: int, world: int, schedule: str = "1f1b", micro: int = 2) -> dict:
+    """Mixtral and DeepSeek-V3 (float64) on pp=2 x ep=2, 1F1B (or ``schedule``): each stage's dropless
+    layers split over the expert axis (their exchange in two overlapped chunks); two SGD-momentum
+    steps against one process on the whole batch."""
     out = {}
     for name in ("mixtral", "deepseek_v3"):
         model = build(name, torch.float64)
@@ -279,20 +279,20 @@ def _pipelined(rank: int, world: int) -> dict:
         target = torch.randint(0, VOCAB, (8, 8), generator=gen)
         share = rank % 2                                   # mesh pp x ep: the ep ranks share the batch
         local, local_t = ids.chunk(2)[share], target.chunk(2)[share]
-        pm = autopar.parallelize(model, {"pp": 2, "ep": 2}, (local,), loss_fn=_loss, microbatches=2,
-                                 schedule="1f1b")
+        pm = autopar.parallelize(model, {"pp": 2, "ep": 2}, (local,), loss_fn=_loss, microbatches=micro,
+                                 schedule=schedule)
         opt = autopar.optimizer(pm, torch.optim.SGD, lr=0.05, momentum=0.9)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
         errs = []
         for _ in range(STEPS):
             want = _stepped(ref, ref_opt, _loss(ref(ids), target)).item()
             errs.append(abs(_stepped(pm, opt, pm.step(local, target=local_t), backward=False).item() - want) / abs(want))
-        loss_err = max(errs)
-        sd = pm.state_dict()
+        loss_err, sd = max(errs), pm.state_dict()
         param_err = max(((sd[k] - v).abs().max() / v.abs().max().clamp_min(1e-30)).item()
                         for k, v in ref.state_dict().items() if v.is_floating_point())
-        out[name] = {"loss_err": loss_err, "param_err": param_err,
-                     "split": sorted({len(owned) for owned in pm.expert_owned.values()})}
+        out[name] = {"loss_err": loss_err, "param_err": param_err, "stages": [st.index for st in pm.stages],
+                     "split": sorted({len(owned) for owned in pm.expert_owned.values()}),
+                     "pairs": pm.pair_runner.pairs if pm.pair_runner else 0}
     return out
 
 

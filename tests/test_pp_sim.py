@@ -204,7 +204,7 @@ def test_from_text_rejects_bad_lines():
 
 def test_validate_accepts_generated_schedules():
     for name in SCHEDULES:
-        make(name, 4, 8, 2 if name == "interleaved" else 1).validate()
+        make(name, 4, 8, 2 if name in ("interleaved", "dualpipev") else 1).validate()
 
 
 def test_validate_catches_missing_action():

@@ -68,9 +68,23 @@ def experts_step(s: BuildState) -> None:
                                                     group=group, n=n_ep, rank=rank,
                                                     chunks=r.options.experts.dispatch_chunks, hops=hops)
     s.expert_placements = placed
+    if s.schedule == "dualpipev":       # overlapped pairs: a paired forward's exchanges on second groups
+        second_lanes(s, group, n_ep, hops)
     if not r.pipelined:
         s.plan = _expert_plan(s, placed)
         check_runtime_dtypes(r.model, s.gm, s.plan)
+
+
+def second_lanes(s: BuildState, group: Any, n_ep: int, hops: tuple[int, Any, Any] | None) -> None:
+    """The second group of each process group the expert exchange uses, for the forward half of
+    DualPipeV's overlapped pairs (:mod:`autopar.runtime.pp_overlap`). Every rank creates every
+    group, in one order."""
+    from autopar.build.data import hybrid_groups
+    from autopar.runtime.pp_overlap import pair_lanes
+    pairs = [(group, hybrid_groups(s.mesh, s.names, ["ep"], n_ep)[0])]
+    if hops is not None and hops[0]:
+        pairs += list(zip(hops[1:], hybrid_groups(s.mesh, s.names, ["ep"], hops[0])))
+    pair_lanes(pairs)
 
 
 def _expert_plan(s: BuildState, placed: Mapping[str, Placement]) -> Plan:

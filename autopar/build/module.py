@@ -56,9 +56,47 @@ def _graph_module(s: BuildState) -> None:
     s.module = pm
 
 
+RANDOM_OPS = {"native_dropout", "dropout", "bernoulli", "bernoulli_", "rand", "randn", "rand_like", "randn_like",
+              "randint", "randperm", "multinomial", "normal", "uniform_", "normal_", "feature_dropout"}
+
+
+def check_overlapped_pairs(s: BuildState) -> None:
+    """DualPipeV runs a forward and a backward at once on two threads (runtime/pp_overlap.py):
+    refused where a stage would issue collectives that have no second group (tensor and context
+    axes, ZeRO-3 gathers) or draw random numbers (one generator, drawn from in an order that
+    varies between runs)."""
+    from autopar.core.errors import UnsupportedError
+    why = []
+    if s.tp > 1 or s.sizes.get("cp", 1) > 1:
+        why.append(f"its tensor or context axis (tp={s.tp}, cp={s.sizes.get('cp', 1)}) exchanges inside a stage")
+    if (s.zero_stage or 0) >= 3 and s.sizes.get("dp", 1) * s.ep > 1:
+        why.append("ZeRO-3 gathers parameters inside a stage's forward")
+    drawn = sorted({info(n).fqn or "<root>" for st in s.stages for n in st.graph_module.graph.nodes if _draws(n)})
+    if drawn and s.request.model.training:
+        why.append(f"random ops in training ({', '.join(drawn[:3])}) would draw in an order that varies between runs")
+    if why:
+        raise UnsupportedError("the dualpipev schedule runs one micro-batch's forward and another's backward at "
+                               "once, on two threads; " + "; ".join(why), where="PipelineOptions(schedule='dualpipev')",
+                               fix="use schedule='zb' or '1f1b' (or drop the axis, ZeRO-3 or dropout named)")
+
+
+def _draws(n) -> bool:
+    """Does node ``n`` draw random numbers (a dropout only with p > 0 in training)?"""
+    name = getattr(n.target, "__name__", "").split(".")[0] if n.op == "call_function" else ""
+    if name not in RANDOM_OPS:
+        return False
+    if "dropout" in name:
+        p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
+        train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train", True)
+        return bool(train) and not (isinstance(p, (int, float)) and p == 0)
+    return True
+
+
 def _pipeline_module(s: BuildState) -> None:
     from autopar.runtime.pp import PipelineModule
 
+    if s.schedule == "dualpipev":
+        check_overlapped_pairs(s)
     mb_inputs = tuple(v for i, v in enumerate((*s.capture_args, *s.capture_kwargs.values()))
                       if i not in s.constant_inputs)
     pm = PipelineModule(s.stages, plan=s.plan, schedule=s.schedule, microbatches=s.microbatches,

@@ -25,6 +25,7 @@ from autopar.core.errors import ConfigError, UnsupportedError
 from autopar.core.meta import graph_info, info
 from autopar.core.plans import Plan
 from autopar.cost.pp_planner import info_symbols, node_time_fn, plan_pipeline
+from autopar.core.mesh import stage_device
 from autopar.passes.pp_split import OpCosts, op_costs
 
 log = logging.getLogger("autopar.build")
@@ -47,7 +48,7 @@ def schedule_step(s: BuildState) -> None:
     batch = int(first.shape[0])
     cluster = s.cluster()
     if s.microbatches and s.schedule and (s.virtual_stages or s.schedule != "interleaved"):
-        s.virtual_stages = s.virtual_stages or (2 if s.schedule == "interleaved" else 1)
+        s.virtual_stages = s.virtual_stages or (2 if s.schedule in ("interleaved", "dualpipev") else 1)
     else:
         sym = capture_model(r.model, args, None, kwargs)
         symbols = {str(k) for k in info_symbols(sym)}
@@ -138,8 +139,9 @@ def pipeline_step(s: BuildState) -> None:
     constants = {inputs[i]: v for i, v in s.constant_inputs.items()}
     inputs = [n for i, n in enumerate(inputs) if i not in s.constant_inputs]
     made: dict[str, nn.Parameter] = {}
+    placement = "v" if s.schedule == "dualpipev" else "loop"
     for sg in stages:
-        if sg.index % p != pp_rank:
+        if stage_device(sg.index, p, placement) != pp_rank:
             continue
         st = StageModule(sg, s.tensors, s.trainable, s.placements, tp_rank, tp_n,
                          input_names=inputs if sg.index == 0 else (), shared=made,
@@ -148,7 +150,7 @@ def pipeline_step(s: BuildState) -> None:
         made.update({k: v for k, v in st.named_parameters(remove_duplicate=False)})
         s.stages.append(st)
     s.stage_graphs, s.pipeline_plan = stages, final
-    s.shared_groups = shared_groups(s.mesh, s.names, shared, p)
+    s.shared_groups = shared_groups(s.mesh, s.names, shared, p, placement)
 
 
 BATCH_STATISTICS = {torch.ops.aten.batch_norm.default, torch.ops.aten._native_batch_norm_legit_functional.default,
@@ -175,7 +177,8 @@ def check_batch_statistics(s: BuildState) -> None:
                                    "pp axis (the data axis syncs BatchNorm over the whole batch)")
 
 
-def shared_groups(mesh, names: list[str], shared: Mapping[str, list[int]], p: int) -> dict[str, Any]:
+def shared_groups(mesh, names: list[str], shared: Mapping[str, list[int]], p: int,
+                  placement: str = "loop") -> dict[str, Any]:
     """For each parameter several stages hold: the process group of the pipeline ranks holding
     it at this rank's place on the other axes (only where this rank is one of them and they are
     more than one). Every rank creates every group, in the same order."""
@@ -184,7 +187,7 @@ def shared_groups(mesh, names: list[str], shared: Mapping[str, list[int]], p: in
     out: dict[str, Any] = {}
     made: dict[tuple[int, ...], Any] = {}
     for fqn in sorted(shared):
-        holders = tuple(sorted({s % p for s in shared[fqn]}))
+        holders = tuple(sorted({stage_device(s, p, placement) for s in shared[fqn]}))
         if len(holders) < 2:
             continue                          # one rank holds every copy: one Parameter
         for col in range(grid.shape[1]):

@@ -443,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --after schedule: leave every issue next to its wait (no overlap)")
     d.add_argument("--bucket-bytes", type=count("--bucket-bytes", low=0), default=0,
                    help="gradient/gather bucket size in bytes (default: from the cost model)")
-    d.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb"],
+    d.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb", "dualpipev"],
                    help="with a pp axis: the pipeline schedule (default: the simulator's choice)")
     d.add_argument("--microbatches", type=_microbatches("--microbatches"),
                    help="with a pp axis: micro-batches per step (default: chosen)")
@@ -499,7 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "stage's memory, alternatives, notes)")
     pl.add_argument("--save-plan", metavar="PLAN.json",
                     help="also write the chosen configuration as JSON, for `autopar train --plan` (any --pp)")
-    pl.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb"],
+    pl.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb", "dualpipev"],
                     help="with --pp N: the pipeline schedule (default: the simulator's choice)")
     pl.add_argument("--microbatches", type=_microbatches("--microbatches"),
                     help="with --pp N: micro-batches per step (default: chosen)")

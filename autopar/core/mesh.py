@@ -103,3 +103,12 @@ def _named(mesh: Any, example: str) -> Axes:
         return ()
     raise MeshError("the mesh must be a {axis: size} mapping or a DeviceMesh with named axes", where="mesh",
                     got=type(mesh).__name__, fix=example)
+
+
+def stage_device(stage: int, devices: int, placement: str = "loop") -> int:
+    """The pipeline rank holding global ``stage``: ``stage % devices`` (``placement="loop"``), or,
+    V-shaped (``"v"``, two stages a rank, DualPipeV), ``stage`` below ``devices`` and
+    ``2 * devices - 1 - stage`` from there (the first and the last stage on rank 0)."""
+    if placement == "v":
+        return stage if stage < devices else 2 * devices - 1 - stage
+    return stage % devices

@@ -102,7 +102,7 @@ class DataOptions:
 class PipelineOptions:
     """The pipeline axis (read by the schedule and pipeline steps, ``autopar/build/pipeline.py``).
 
-    ``schedule`` (gpipe, 1f1b, interleaved, zb), ``microbatches`` and ``virtual_stages`` are chosen
+    ``schedule`` (gpipe, 1f1b, interleaved, zb, dualpipev), ``microbatches`` and ``virtual_stages`` are chosen
     by the simulator unless given; ``loss_fn(output, target)`` runs on the last stage (None: the
     model's own loss, a ``transformers`` model given ``labels``). ``batchnorm="microbatch"``
     accepts that a training-mode BatchNorm in a pipeline normalises each micro-batch (on each data
@@ -118,7 +118,7 @@ class PipelineOptions:
     def __post_init__(self) -> None:
         name = type(self).__name__
         _check(name, "schedule", self.schedule, self.schedule is None or isinstance(self.schedule, str),
-               "a schedule name (gpipe, 1f1b, interleaved, zb) or None")
+               "a schedule name (gpipe, 1f1b, interleaved, zb, dualpipev) or None")
         _check(name, "microbatches", self.microbatches, _count(self.microbatches), "an int >= 1 or None")
         _check(name, "virtual_stages", self.virtual_stages, _count(self.virtual_stages), "an int >= 1 or None")
         _check(name, "loss_fn", self.loss_fn, self.loss_fn is None or callable(self.loss_fn),

@@ -87,7 +87,7 @@ class Plan:
         if self.mixed_precision not in (None, "bf16", "fp16"):
             raise ConfigError("mixed_precision must be None, 'bf16' or 'fp16'", where="plan",
                               got=repr(self.mixed_precision), fix="use bf16 (or fp16) compute, or None for fp32")
-        if self.pp_axis is not None and self.schedule not in ("gpipe", "1f1b", "interleaved", "zb"):
+        if self.pp_axis is not None and self.schedule not in _SCHEDULES:
             raise ConfigError("a pipeline plan needs a schedule", where="plan", got=repr(self.schedule),
                               fix="one of gpipe, 1f1b, interleaved, zb")
         if self.dp_mode:
@@ -203,7 +203,7 @@ class Plan:
 _FIX = "pass a file written by Plan.save (or correct that field)"
 _REQUIRED = ("mesh", "tp_axis", "params", "nodes")
 _NODE_FIELDS = ("name", "inputs", "outputs", "work", "local_op")
-_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "dualpipev")
 _MAX_COUNT = 2**31 - 1      # mesh sizes, micro-batches, bucket bytes: int32 counts (NCCL's, torch's)
 
 

@@ -13,7 +13,7 @@ from autopar.core.errors import ConfigError, PlanFileError
 PLAN_FILE_FORMAT = "autopar plan"   # tells this file from a parallelize Plan (autopar.core.plans)
 PLAN_FILE_VERSION = 1
 _READABLE_PLAN_FILES = (1,)
-_SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb")
+_SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb", "dualpipev")
 _PREDICTED = ("step_time_s", "mfu", "tflops_per_device", "peak_memory_bytes")
 _PLAN_FILE_FIX = "write the file with `autopar plan ... --save-plan FILE` (or correct that field)"
 _PLAN_FILE_FIELDS = ("format", "version", "model", "overrides", "cluster", "hardware", "devices", "batch", "seq",
