@@ -32,7 +32,8 @@ The configurations and their sources:
   figures (2.788M H800 GPU hours for 14.8T tokens) give 14.8e12 / 2.788e6 / 3600 = 1,475
   tokens per GPU-second, so a step of 15,360 x 4,096 tokens on 2,048 GPUs takes about
   62.9M / (2,048 x 1,475) = 20.8 s (20.1 s from the pre-training share alone, 2.664M GPU
-  hours) with FP8 and DualPipe; autopar runs neither, so bf16 is simulated. Its routing sends
+  hours) with FP8 and DualPipe; autopar runs no FP8, so bf16 is simulated, and DualPipeV (the
+  single-copy DualPipe) is among the completions of the layout. Its routing sends
   a token's experts to at most 4 nodes (section 2.1.2, node-limited routing), so the two-hop
   exchange sends a token across at most 4 times (``moe_node_limit=4``).
   Both MoE rows are priced dropless (each routed token computed and sent once), as Megatron-Core
@@ -122,7 +123,7 @@ def published_layout(facts: ModelFacts, cluster: Cluster, row: Row):
     dp = cluster.world_size // (tp * pp)
     fits, fastest, errors, kept_fits = [], None, set(), True
     for mb in (1, 2, 4, 8):
-        for sched, v in (("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb", 1)):
+        for sched, v in (("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb", 1), ("dualpipev", 2)):
             if pp == 1 and sched != "1f1b":
                 continue
             for z in ([lay["zero_stage"]] if "zero_stage" in lay else [0, 1, 2, 3]):

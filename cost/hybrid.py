@@ -37,6 +37,7 @@ from autopar.cost.model_facts import BlockPart, ModelFacts
 from autopar.cost.step_terms import (DataBytes, device_memory, lone_stage_data_axis, optimizer_bytes, optimizer_time,
                                      pipeline_data_axis, stage_layers)
 from autopar.core.errors import ConfigError
+from autopar.core.mesh import stage_device
 from autopar.core.options import DISPATCH_CHUNKS
 from autopar.core.plans import RECOMPUTE, Config, recompute_layers
 
@@ -125,15 +126,21 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     sched = c.schedule if c.pp > 1 else "1f1b"
     if sched == "interleaved" and (c.virtual < 2 or m % c.pp):
         raise ConfigError("interleaved needs virtual >= 2 and micro-batches a multiple of pp", where="config")
+    if sched == "dualpipev" and (c.virtual != 2 or m < 2 * c.pp or c.tp > 1 or c.cp > 1 or c.zero_stage >= 3):
+        raise ConfigError("dualpipev needs virtual 2, at least 2 x pp micro-batches, and no tensor or context axis "
+                          "or ZeRO-3 (its paired halves run on two threads: runtime/pp_overlap.py)", where="config",
+                          got=f"virtual {c.virtual}, {m} micro-batches, tp {c.tp}, cp {c.cp}, ZeRO-{c.zero_stage}")
+    placement = "v" if sched == "dualpipev" else "loop"
+    mine = [[s for s in range(c.pp * c.virtual) if stage_device(s, c.pp, placement) == d] for d in range(c.pp)]
     axes = mesh_axes(c, cluster)
     parts, strategies = facts.parts(c.tp, c.micro_batch, cluster, axes, exact=not fast, seq=facts.seq // c.cp,
                                     expert_axis=c.ep > 1 and c.pp == 1)
     pre, blk, post = parts["pre"], parts["block"], parts["post"]
-    ep_comm = 0.0
+    ep_comm = ep_fwd = 0.0
     if c.ep > 1:
-        tp_only = blk.comm_fwd + blk.comm_bwd
+        tp_only, tp_fwd = blk.comm_fwd + blk.comm_bwd, blk.comm_fwd
         blk = _with_experts(blk, c, cluster, facts.moe_routing, facts.moe_node_limit)
-        ep_comm = blk.comm_fwd + blk.comm_bwd - tp_only
+        ep_comm, ep_fwd = blk.comm_fwd + blk.comm_bwd - tp_only, blk.comm_fwd - tp_fwd
     if c.cp > 1:
         from autopar.cost.cp_planner import block_costs
         kind, cp_fwd, cp_bwd, _ = block_costs(facts, c, cluster, axes, c.cp_kind)
@@ -165,12 +172,17 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     acts = _stage_activations(facts, c, counts, redo, blk, pre, post, share)
     act_bytes = _boundary_bytes(facts, c) * share
     p2p = collective_time("send_recv", act_bytes, cluster, axes, "pp") if c.pp > 1 else 0.0
-    if fast:
+    # DualPipeV's pairs: each half's expert exchanges (a B's: its own and its recomputation's)
+    # travel under the other half's compute, which they still slow by comm_contention
+    # (per action, the mean of an F's and a B's: a pair holds one of each)
+    hide = [(counts[s] * ep_comm + redo[s][1] * ep_fwd) / 2 * (1 - dev.comm_contention)
+            for s in range(stages)] if sched == "dualpipev" else 0.0
+    if fast and sched != "dualpipev":
         result = _closed_form(sched, c.pp, c.virtual, m, fwd, bwd, p2p, acts)
     else:
         result = run_schedule(sched, c.pp, m, c.virtual,   # event-simulated, or extended past 256 micro-batches
                               StageCosts(forward_s=tuple(fwd), backward_s=tuple(bwd), p2p_s=p2p,
-                                         activation_bytes=tuple(acts)))
+                                         activation_bytes=tuple(acts), overlap_s=hide))
     pipe = result.step_time_s
     # parameters per device: its stages' blocks, and the parts before and after where it holds them
     numel = facts.param_numel(c.tp, strategies)
@@ -180,9 +192,8 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
         expert_block = (numel["expert_whole"] if c.pp > 1 else numel["expert"]) / c.ep
         per_block = numel["block"] - numel["expert"] + expert_block
     held = [sum(counts[s] * per_block + (numel["pre"] if s == 0 else 0.0)
-                + (numel["post"] if s == stages - 1 else 0.0) for s in range(d, stages, c.pp))
-            for d in range(c.pp)]
-    experts = [sum(counts[s] for s in range(d, stages, c.pp)) * expert_block for d in range(c.pp)]
+                + (numel["post"] if s == stages - 1 else 0.0) for s in mine[d]) for d in range(c.pp)]
+    experts = [sum(counts[s] for s in mine[d]) * expert_block for d in range(c.pp)]
     working = blk.saved if pointwise or any(sum(r) for r in redo) else 0.0   # one block's, while it is recomputed
     data_c, data_axes = _data_view(c)
     mems = [_with_reserve(device_memory(facts, data_c, held[d], result.peak_activation_bytes[d] + working,
@@ -195,7 +206,7 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     stage_params = held[d_big]
     bytes_ = DataBytes.of(facts, stage_params, experts[d_big])
     if c.pp > 1:
-        chunk_bwd = tuple(bwd[s] for s in range(d_big, stages, c.pp)) if sched == "interleaved" else ()
+        chunk_bwd = tuple(bwd[s] for s in mine[d_big]) if sched == "interleaved" else ()
         dp_comm, exposed = pipeline_data_axis(data_c, cluster, data_axes, bytes_, chunk_bwd, min(c.pp, m))
     else:
         dp_comm, exposed = lone_stage_data_axis(data_c, cluster, data_axes, bytes_, m, fwd[0], bwd[0])

@@ -35,7 +35,7 @@ CP_DEGREES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def configurations(facts: ModelFacts, *, devices: int, batch: int, per_node: int,
-                   schedules: Sequence[str] = ("1f1b", "interleaved", "gpipe", "zb"),
+                   schedules: Sequence[str] = ("1f1b", "interleaved", "gpipe", "zb", "dualpipev"),
                    recomputes: Sequence[str] = RECOMPUTE, zero_stages: Sequence[int] = (0, 1, 2, 3),
                    micro_batches: Sequence[int] = (1, 2, 4, 8), tp_max: int | None = None,
                    tp_exact: int | None = None, cps: Sequence[int] | None = None) -> Iterable[Config]:
@@ -61,12 +61,18 @@ def configurations(facts: ModelFacts, *, devices: int, batch: int, per_node: int
                 continue
             for mb in [b for b in micro_batches if (batch // dp) % b == 0]:
                 for sched in (schedules if pp > 1 else ("gpipe",)):
-                    vs = [2, 4] if sched == "interleaved" else [1]
+                    vs = [2, 4] if sched == "interleaved" else [2] if sched == "dualpipev" else [1]
+                    # DualPipeV: no tensor or context axis, no ZeRO-3 (runtime/pp_overlap.py), m >= 2 pp
+                    paired = sched == "dualpipev"
+                    if paired and (tp > 1 or cp > 1 or batch // dp // mb < 2 * pp):
+                        continue
                     for v in vs:
                         if facts.layers < pp * v or (sched == "interleaved" and (batch // dp // mb) % pp):
                             continue
                         for rc in recomputes:
                             for z in (zero_stages if dp * cp > 1 else (0,)):
+                                if paired and z >= 3:
+                                    continue
                                 for ep in eps(dp):
                                     yield Config(dp=dp, tp=tp, pp=pp, micro_batch=mb, schedule=sched, virtual=v,
                                                  recompute=rc, zero_stage=z, ep=ep, cp=cp)

@@ -1,7 +1,8 @@
 """The simulator prices mixture-of-experts layers as the runtime runs them (cost/hybrid.py,
 cost/model_facts.py, runtime/ep.py): model FLOPs on routed tokens (capacity padding is hardware
 work only); the dropless layer's routed pairs, its two overlapped token chunks and its two-hop
-exchange across nodes; expert tensor parallelism beside an expert axis. Split from
+exchange across nodes; DualPipeV's paired halves hiding each other's exchanges; expert tensor
+parallelism beside an expert axis. Split from
 tests/test_cost_fidelity.py; the same fixtures."""
 from __future__ import annotations
 
@@ -159,3 +160,33 @@ def test_an_expert_axis_across_nodes_is_priced_in_two_hops():
     assert one_node.parts["ep_comm_per_block_s"] != pytest.approx(want, rel=1e-3)
     with pytest.raises(ConfigError, match="node"):
         ModelFacts(gm, seq=1024, moe_routing="dropless", moe_node_limit=0)
+
+
+def test_dualpipev_hides_paired_exchanges_under_the_other_halfs_compute(node8):
+    # issue 37, the overlapped dispatch: DualPipeV's steady state runs one micro-batch's forward
+    # beside another's backward (runtime/pp_overlap.py); the pairs' expert exchanges travel
+    # under the partner's compute, still slowing it by comm_contention; unpaired actions and a
+    # model without experts hide nothing
+    from autopar.cost.pp_sim import StageCosts, dualpipe_v
+    from autopar.cost.pp_sim import simulate as run
+    w = load_workload("mixtral-8x7b", batch=1, seq=1024, overrides={"layers": "4"})
+    facts = ModelFacts(capture_workload(w), seq=1024, dtype="bf16", moe_routing="dropless")
+    c = Config(dp=4, tp=1, pp=2, micro_batch=1, ep=4, schedule="dualpipev", virtual=2, recompute="full")
+    s = simulate(facts, node8, c, batch=16)
+    p = s.parts
+    plain = run(dualpipe_v(2, 4), StageCosts(tuple(p["stage_fwd_s"]), tuple(p["stage_bwd_s"]), p2p_s=p["p2p_s"]))
+    assert s.parts["pipeline_s"] < plain.step_time_s                    # the pairs hid something
+    ep = p["ep_comm_per_block_s"]
+    pairs = sum(a.kind == "F" for a in dualpipe_v(2, 4).overlapped)     # pairs per step, over every device
+    ceiling = pairs * 2 * max(p["stage_layers"]) * ep                   # a pair hides at most both halves' exchanges
+    assert plain.step_time_s - s.parts["pipeline_s"] < ceiling * (1 - node8.device.comm_contention) + 1e-12
+    dense = load_workload("llama3-8b", batch=1, seq=1024, overrides={"layers": "4"})
+    dfacts = ModelFacts(capture_workload(dense), seq=1024, dtype="bf16")
+    d = simulate(dfacts, node8, Config(dp=4, tp=1, pp=2, micro_batch=1, schedule="dualpipev", virtual=2), batch=16)
+    q = d.parts
+    same = run(dualpipe_v(2, 4), StageCosts(tuple(q["stage_fwd_s"]), tuple(q["stage_bwd_s"]), p2p_s=q["p2p_s"]))
+    assert q["pipeline_s"] == pytest.approx(same.step_time_s, rel=1e-12)  # nothing to hide
+    for bad in ({"tp": 2, "dp": 2, "ep": 2}, {"zero_stage": 3}):        # what the two threads cannot run
+        kw = {"dp": 4, "tp": 1, "pp": 2, "micro_batch": 1, "ep": 4, "schedule": "dualpipev", "virtual": 2, **bad}
+        with pytest.raises(ConfigError, match="dualpipev"):
+            simulate(facts, node8, Config(**kw), batch=16)

@@ -167,6 +167,6 @@ def test_the_space_has_every_axis_and_stage():
     space = _space("gpt") + _space("moe")
     assert {c["zero_stage"] for c in space} == {0, 1, 2, 3}
     assert {c["recompute"] for c in space} == {"none", "selective", "pointwise", "full"}
-    assert {c["schedule"] for c in space if c["pp"] > 1} == {"1f1b", "interleaved", "gpipe", "zb"}
+    assert {c["schedule"] for c in space if c["pp"] > 1} == {"1f1b", "interleaved", "gpipe", "zb", "dualpipev"}
     assert any(c["ep"] > 1 and c["pp"] > 1 for c in space) and any(c["ep"] > 1 and c["zero_stage"] for c in space)
     assert any(c["tp"] > 1 and c["pp"] > 1 for c in space) and any(c["tp"] > 1 and c["dp"] > 1 for c in space)

@@ -543,7 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
                     metavar="G", help="hybrid sharding (ZeRO-2/3): data ranks per group of replicated pieces (0: all)")
     sm.add_argument("--micro-batch-size", type=count("--micro-batch-size"), default=1,
                     help="samples per micro-batch (default 1); micro-batches = batch / (dp x this)")
-    sm.add_argument("--schedule", choices=["1f1b", "interleaved", "gpipe", "zb"], default="1f1b")
+    sm.add_argument("--schedule", choices=["1f1b", "interleaved", "gpipe", "zb", "dualpipev"], default="1f1b")
     sm.add_argument("--virtual-stages", type=count("--virtual-stages"), default=1)
     sm.add_argument("--recompute", default="none", metavar="none|selective|full|layers:K")
     sm.add_argument("--attention", choices=["flash", "materialized"], default="flash", help="flash, or scores written out")

@@ -437,8 +437,8 @@ def simulate_command(args: argparse.Namespace) -> int:
         raise ConfigError("--cp-kind needs a context axis", where="autopar simulate", got=f"--cp {cp}",
                           fix="add --cp N (N >= 2), or drop --cp-kind")
     c = Config(dp=dp, tp=tp, pp=pp, micro_batch=args.micro_batch_size, schedule=args.schedule,
-               virtual=args.virtual_stages, recompute=args.recompute, zero_stage=args.zero, cp=cp,
-               cp_kind=args.cp_kind, ep=ep, shard_group=args.shard_group)
+               virtual=2 if args.schedule == "dualpipev" else args.virtual_stages, recompute=args.recompute,
+               zero_stage=args.zero, cp=cp, cp_kind=args.cp_kind, ep=ep, shard_group=args.shard_group)
     t0 = time.perf_counter()
     score = simulate(facts, cluster, c, batch=args.batch, budget=_budget(args, cluster))
     data = {"model": w.name, "cluster": cluster.name, "devices": cluster.world_size, "batch": args.batch,
