@@ -101,6 +101,18 @@ def simulate_plan(costs: OpCosts, cuts: CutPlan, *, schedule: str, devices: int,
     return simulate(make(schedule, devices, microbatches, virtual), sc)
 
 
+def _unfit(name: str, v: int, m: int, p: int) -> tuple[str, str] | None:
+    """Why schedule ``name`` cannot run ``v`` stages a device and ``m`` micro-batches on ``p``
+    devices (and the fix), or None."""
+    if name == "dualpipev" and (v != 2 or m < 2 * p):
+        return ("DualPipeV needs two stages per device and at least as many micro-batches as stages",
+                f"pass virtual_stages=2 and microbatches >= {2 * p}")
+    if name == "interleaved" and (v < 2 or m % p):
+        return ("the interleaved schedule needs virtual_stages >= 2 and micro-batches a multiple of the pipeline size",
+                f"pass virtual_stages=2 and microbatches a multiple of {p}")
+    return None
+
+
 def plan_pipeline(costs_at: Callable[[int], OpCosts], *, devices: int, batch: int, cluster: Cluster,
                   axes: tuple[tuple[str, int], ...], schedule: str | None = None, microbatches: int | None = None,
                   virtual: int | None = None, budget: float | None = None) -> PipelinePlan:
@@ -124,19 +136,11 @@ def plan_pipeline(costs_at: Callable[[int], OpCosts], *, devices: int, batch: in
         for name in names:
             vs = [virtual] if virtual else ([2] if name in ("interleaved", "dualpipev") else [1])
             for v in vs:
-                if name == "dualpipev" and (v != 2 or m < 2 * p):
+                unfit = _unfit(name, v, m, p)
+                if unfit is not None:
                     if schedule:
-                        raise ConfigError("DualPipeV needs two stages per device and at least as many "
-                                          "micro-batches as stages", where="pipeline",
-                                          got=f"virtual_stages={v}, microbatches={m}, pp={p}",
-                                          fix=f"pass virtual_stages=2 and microbatches >= {2 * p}")
-                    continue
-                if name == "interleaved" and (v < 2 or m % p):
-                    if schedule:
-                        raise ConfigError("the interleaved schedule needs virtual_stages >= 2 and micro-batches "
-                                          "a multiple of the pipeline size", where="pipeline",
-                                          got=f"virtual_stages={v}, microbatches={m}, pp={p}",
-                                          fix=f"pass virtual_stages=2 and microbatches a multiple of {p}")
+                        raise ConfigError(unfit[0], where="pipeline", got=f"virtual_stages={v}, microbatches={m}, pp={p}",
+                                          fix=unfit[1])
                     continue
                 if name not in ("interleaved", "zb", "dualpipev") and v != 1:
                     continue
