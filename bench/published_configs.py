@@ -25,6 +25,10 @@ The configurations and their sources:
   the fitting completion may recompute.
 - **Mixtral 8x22B** on 128 H100 (16 nodes): TP4 PP4 EP8, the layout Megatron-Core's MoE
   guide gives for it; sequence 4096, batch 256 sequences (ours). No throughput is published.
+  Two readings of EP8 beside TP4: eight ranks of the data axis each holding one expert, whole on
+  its tensor ranks (autopar's ep 8), or, as Megatron-Core's MoE parallel folding deals them,
+  eight experts over the tensor ranks of two data ranks (autopar's ep 2 folded with tp 4,
+  ``ExpertOptions(fold="auto")``); both rows are scored.
 - **DeepSeek-V3** (DeepSeek-AI, "DeepSeek-V3 Technical Report", arXiv:2412.19437, 2024,
   section 3.2): PP16 EP64 TP1 with ZeRO-1 data parallelism on 2,048 H800 GPUs (simulated on
   the H100 profile: same compute, the H800's NVLink is slower), sequence 4096, batch 15,360
@@ -96,6 +100,8 @@ def rows() -> list[Row]:
         Row("Llama 3 405B, 16K GPUs", "llama3-405b", "h100", 2048, 8192, 2048, "bf16",
             {"tp": 8, "pp": 16, "recompute": "none"}, published=400, relaxed=("recompute",)),
         Row("Mixtral 8x22B", "mixtral-8x22b", "h100", 16, 4096, 256, "bf16", {"tp": 4, "pp": 4, "ep": 8},
+            routing="dropless"),
+        Row("Mixtral 8x22B folded", "mixtral-8x22b", "h100", 16, 4096, 256, "bf16", {"tp": 4, "pp": 4, "ep": 2},
             routing="dropless"),
         Row("DeepSeek-V3", "hf:deepseek-v3", "h100", 256, 4096, 15360, "bf16",
             {"tp": 1, "pp": 16, "ep": 64, "zero_stage": 1}, routing="dropless", node_limit=4),

@@ -139,7 +139,7 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     ep_comm = ep_fwd = 0.0
     if c.ep > 1:
         tp_only, tp_fwd = blk.comm_fwd + blk.comm_bwd, blk.comm_fwd
-        blk = _with_experts(blk, c, cluster, facts.moe_routing, facts.moe_node_limit)
+        blk = _with_experts(blk, c, cluster, facts.moe_routing, facts.moe_node_limit, expert_fold(facts, c))
         ep_comm, ep_fwd = blk.comm_fwd + blk.comm_bwd - tp_only, blk.comm_fwd - tp_fwd
     if c.cp > 1:
         from autopar.cost.cp_planner import block_costs
@@ -188,8 +188,9 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     numel = facts.param_numel(c.tp, strategies)
     per_block = numel["block"]
     expert_block = 0.0
-    if c.ep > 1:   # 1/ep of the experts per rank, as the layout splits them on tp (whole inside a pipeline)
-        expert_block = (numel["expert_whole"] if c.pp > 1 else numel["expert"]) / c.ep
+    if c.ep > 1:   # 1/ep of the experts per rank, as the layout splits them on tp (whole inside a pipeline;
+        # dropless layers: whole, 1/(ep x tp) of them where the tensor axis is folded in)
+        expert_block = (numel["expert_whole"] if c.pp > 1 else numel["expert"]) / (c.ep * expert_fold(facts, c))
         per_block = numel["block"] - numel["expert"] + expert_block
     held = [sum(counts[s] * per_block + (numel["pre"] if s == 0 else 0.0)
                 + (numel["post"] if s == stages - 1 else 0.0) for s in mine[d]) for d in range(c.pp)]
@@ -289,8 +290,16 @@ def _with_reserve(mem: dict[str, float], c: Config, dev) -> dict[str, float]:
     return {**mem, "reserve": dev.reserve_bytes + groups * dev.comm_buffer_bytes + dev.fragmentation * held}
 
 
+def expert_fold(facts: ModelFacts, c: Config) -> int:
+    """The tensor ranks a configuration's expert exchange folds in (the runtime's
+    ``ExpertOptions.fold="auto"``, autopar/build/experts.py): tp where an expert axis sits beside
+    it, the layers are dropless and ep x tp divides the experts; else 1."""
+    ok = facts.moe_routing == "dropless" and c.ep > 1 and c.tp > 1 and facts.experts % (c.ep * c.tp) == 0
+    return c.tp if ok else 1
+
+
 def _with_experts(blk: BlockPart, c: Config, cluster: Cluster, routing: str = "capacity",
-                  node_limit: int | None = None) -> BlockPart:
+                  node_limit: int | None = None, fold: int = 1) -> BlockPart:
     """One block under expert parallelism: each MoE layer exchanges its tokens four times per
     micro-batch (dispatch and combine, forward and backward) over the ep axis. Without a
     pipeline the experts are as the tensor layout beside an expert axis splits them (expert
@@ -304,7 +313,8 @@ def _with_experts(blk: BlockPart, c: Config, cluster: Cluster, routing: str = "c
     its ranks on each, the runtime takes two hops (``ExpertOptions.dispatch="auto"``): a token
     crosses once to each node its experts are on (:func:`nodes_reached`, ``node_limit`` the
     model's routing limit) on the rail of ranks at its place, overlapped so; on the node its
-    pairs go to their owners and back synchronously (exposed)."""
+    pairs go to their owners and back synchronously (exposed). ``fold``: the tensor ranks folded
+    into the exchange (:func:`expert_fold`)."""
     from dataclasses import replace
     axes = (("pp", c.pp), ("dp", c.dp // c.ep), ("ep", c.ep), ("tp", c.tp))
     if c.pp > 1:
@@ -312,6 +322,16 @@ def _with_experts(blk: BlockPart, c: Config, cluster: Cluster, routing: str = "c
                       expert_fwd=blk.expert_fwd1, expert_bwd=blk.expert_bwd1)
     if not blk.a2a_bytes:
         return blk
+    t = fold
+    if t > 1:
+        # folded over the tensor axis (ExpertOptions.fold): each tensor rank computes and sends its
+        # share of the tokens to experts dealt over ep x tp, then gathers every share's outputs
+        # (and in backward the tokens' gradients) over the tensor axis, exposed
+        gather = collective_time("all_gather", blk.a2a_bytes / max(1, blk.top_k), cluster, axes, "tp")
+        blk = replace(blk, fwd=blk.fwd - blk.expert_fwd * (1 - 1 / t), bwd=blk.bwd - blk.expert_bwd * (1 - 1 / t),
+                      expert_fwd=blk.expert_fwd / t, expert_bwd=blk.expert_bwd / t, a2a_bytes=blk.a2a_bytes / t,
+                      comm_fwd=blk.comm_fwd + gather, comm_bwd=blk.comm_bwd + gather)
+        axes = (("pp", c.pp), ("dp", c.dp // c.ep), ("ep", c.ep * t))
     if routing != "dropless":
         a2a = collective_time("all_to_all", blk.a2a_bytes, cluster, axes, "ep")
         return replace(blk, comm_fwd=blk.comm_fwd + 2 * a2a, comm_bwd=blk.comm_bwd + 2 * a2a)
@@ -319,7 +339,7 @@ def _with_experts(blk: BlockPart, c: Config, cluster: Cluster, routing: str = "c
     links = cluster.axis_links(axes, "ep")
     g, m = links.members_per_node, links.nodes_spanned
     contention = cluster.device.comm_contention
-    if links.regular and 1 < g < c.ep and m > 1 and blk.top_k:
+    if t == 1 and links.regular and 1 < g < c.ep and m > 1 and blk.top_k:   # two hops (not folded)
         reached = nodes_reached(blk.top_k, m, node_limit)
         piece = flat_time("all_to_all", blk.a2a_bytes / blk.top_k * reached / k, m, cluster.inter)
         # per chunk: row counts, expert places and routing weights on the rail (latency: their
@@ -329,7 +349,7 @@ def _with_experts(blk: BlockPart, c: Config, cluster: Cluster, routing: str = "c
         on_node = 2 * k * flat_time("all_to_all", blk.a2a_bytes / k, g, cluster.intra)
     else:
         piece = collective_time("all_to_all", blk.a2a_bytes / k, cluster, axes, "ep")
-        meta = collective_time("all_to_all", 8.0 * c.ep * k, cluster, axes, "ep")   # the layer's row counts
+        meta = collective_time("all_to_all", 8.0 * c.ep * t * k, cluster, axes, "ep")   # the layer's row counts
         on_node = 0.0
 
     def exposed(work: float) -> float:

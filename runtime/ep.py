@@ -48,6 +48,9 @@ class EPRuntime:
     node_ranks: int = 0              # two-hop dropless exchange: ep ranks per node (0: one hop)
     intra: dist.ProcessGroup | None = None    # ... this rank's node's ep ranks (node_ranks of them)
     rail: dist.ProcessGroup | None = None     # ... the ep ranks at this rank's place on every node
+    fold: int = 1                    # dropless layers folded over the tensor axis: its size (group spans ep x tp)
+    fold_group: dist.ProcessGroup | None = None   # ... the tensor axis's group, on which the tokens are shared out
+    fold_rank: int = 0               # ... this rank's place on it
     id: int = -1
 
     def __post_init__(self) -> None:
@@ -185,6 +188,57 @@ def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch
     return _Wait.apply(_Start.apply(x, box), box)
 
 
+def _bounds(rt: EPRuntime, tokens: int, rank: int | None = None) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of ``tokens`` that tensor rank ``rank`` (default this one) computes when
+    a dropless layer is folded over the tensor axis (near-equal consecutive shares)."""
+    r = rt.fold_rank if rank is None else rank
+    return tokens * r // rt.fold, tokens * (r + 1) // rt.fold
+
+
+def _share(x: torch.Tensor, rt: EPRuntime) -> torch.Tensor:
+    lo, hi = _bounds(rt, x.shape[0])
+    return x[lo:hi]
+
+
+def _gather_rows(part: torch.Tensor, rt: EPRuntime, tokens: int) -> torch.Tensor:
+    """Every tensor rank's share of ``tokens`` rows, in order (each padded to the largest share
+    for one all-gather)."""
+    most = -(-tokens // rt.fold)
+    padded = part.new_zeros((most, *part.shape[1:]))
+    padded[:part.shape[0]] = part
+    parts = [torch.empty_like(padded) for _ in range(rt.fold)]
+    dist.all_gather(parts, padded.contiguous(), group=lane_group(rt.fold_group))
+    return torch.cat([q[:hi - lo] for q, (lo, hi) in zip(parts, (_bounds(rt, tokens, r) for r in range(rt.fold)))])
+
+
+class _TokenShare(torch.autograd.Function):
+    """Forward: this tensor rank's share of rows every tensor rank holds alike. Backward: the
+    whole gradient, each rank's share gathered (every rank then holds it alike, as the rows were)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, rt: EPRuntime) -> torch.Tensor:
+        ctx.rt, ctx.tokens = rt, x.shape[0]
+        return _share(x, rt)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_rows(grad, ctx.rt, ctx.tokens), None
+
+
+class _TokenGather(torch.autograd.Function):
+    """Forward: the whole rows from every tensor rank's share. Backward: this rank's share of the
+    gradient (which every tensor rank holds alike)."""
+
+    @staticmethod
+    def forward(ctx, part: torch.Tensor, rt: EPRuntime, tokens: int) -> torch.Tensor:
+        ctx.rt = rt
+        return _gather_rows(part, rt, tokens)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _share(grad, ctx.rt), None, None
+
+
 _LAYERS: dict[int, "DroplessMoE"] = {}
 
 
@@ -222,20 +276,29 @@ class DroplessMoE:
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  params: Sequence[torch.Tensor]) -> torch.Tensor:
-        rt, h = self.rt, x.shape[-1]
-        per, n = rt.experts // rt.n, rt.n
-        flat_x = x.reshape(-1, h)
+        rt = self.rt
+        flat_x = x.reshape(-1, x.shape[-1])
         tokens = flat_x.shape[0]
-        ids2 = ids.reshape(tokens, -1)
-        w2 = weights.reshape(tokens, -1)
-        k = ids2.shape[1]
-        if self._pos.device != ids.device:
-            self._pos = self._pos.to(ids.device)
+        ids2, w2 = ids.reshape(tokens, -1), weights.reshape(tokens, -1)
+        if rt.fold > 1:          # rows replicated over the tensor axis: this rank computes its share
+            y = _TokenGather.apply(self._layer(_TokenShare.apply(flat_x, rt), _share(ids2, rt),
+                                               _TokenShare.apply(w2, rt), params), rt, tokens)
+        else:
+            y = self._layer(flat_x, ids2, w2, params)
+        return y.to(self.out_dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+    def _layer(self, flat_x: torch.Tensor, ids2: torch.Tensor, w2: torch.Tensor,
+               params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The layer's output rows ``[tokens, h]`` for rows ``flat_x`` and their routing top-k."""
+        rt = self.rt
+        per, n = rt.experts // rt.n, rt.n
+        tokens, k = flat_x.shape[0], ids2.shape[1]
+        if self._pos.device != ids2.device:
+            self._pos = self._pos.to(ids2.device)
         chunks = max(1, min(self.chunks, tokens))
         bounds = [(tokens * c // chunks, tokens * (c + 1) // chunks) for c in range(chunks)]
         if rt.node_ranks > 1 and rt.n > rt.node_ranks:
-            y = self._two_hop(flat_x, ids2, w2, params, bounds)
-            return y.to(self.out_dtype).reshape(*x.shape[:-1], y.shape[-1])
+            return self._two_hop(flat_x, ids2, w2, params, bounds)
         orders, counts = [], []
         for a, b in bounds:
             pos = self._pos[ids2[a:b].reshape(-1)]                     # pair (t, j) -> owner-order place
@@ -246,7 +309,7 @@ class DroplessMoE:
         recv_t = torch.empty_like(send_t)
         dist.all_to_all_single(recv_t, send_t, group=lane_group(rt.group))
         send_l, recv_l = send_t.sum(-1).tolist(), recv_t.sum(-1).tolist()      # [rank][chunk]
-        slot_ids = torch.arange(per, device=ids.device).repeat(n)
+        slot_ids = torch.arange(per, device=ids2.device).repeat(n)
         boxes, bufs = [], []
         for c, (a, b) in enumerate(bounds):
             box = _Pending([s[c] for s in send_l], [r[c] for r in recv_l], rt.group)
@@ -263,8 +326,7 @@ class DroplessMoE:
             out = _Wait.apply(*back[c])
             pair_out = out[torch.argsort(orders[c])]                   # back to (t, j) order
             ys.append((pair_out.view(b - a, k, -1) * w2[a:b].unsqueeze(-1)).sum(dim=1))
-        y = ys[0] if chunks == 1 else torch.cat(ys)
-        return y.to(self.out_dtype).reshape(*x.shape[:-1], y.shape[-1])
+        return ys[0] if chunks == 1 else torch.cat(ys)
 
     def _two_hop(self, flat_x: torch.Tensor, ids2: torch.Tensor, w2: torch.Tensor, params: Sequence[torch.Tensor],
                  bounds: list[tuple[int, int]]) -> torch.Tensor:

@@ -190,3 +190,33 @@ def test_dualpipev_hides_paired_exchanges_under_the_other_halfs_compute(node8):
         kw = {"dp": 4, "tp": 1, "pp": 2, "micro_batch": 1, "ep": 4, "schedule": "dualpipev", "virtual": 2, **bad}
         with pytest.raises(ConfigError, match="dualpipev"):
             simulate(facts, node8, Config(**kw), batch=16)
+
+
+def test_a_tensor_axis_beside_the_expert_axis_is_folded_into_it(node8, monkeypatch):
+    # issue 37, EP beyond the data axis: dropless layers deal their experts over ep x tp (the
+    # runtime's ExpertOptions.fold="auto"); each tensor rank computes and sends its share of the
+    # tokens, and the outputs (backward: the tokens' gradients) are gathered over tp, exposed
+    from dataclasses import replace
+    from autopar.cost.comm import collective_time
+    from autopar.cost.hybrid import _with_experts, expert_fold
+    w = load_workload("mixtral-8x7b", batch=1, seq=1024, overrides={"layers": "2", "experts": "16"})
+    gm = capture_workload(w)
+    drop, cap = (ModelFacts(gm, seq=1024, dtype="bf16", moe_routing=r) for r in ("dropless", "capacity"))
+    c = Config(dp=2, tp=4, pp=1, micro_batch=1, ep=2)
+    assert expert_fold(drop, c) == 4 and expert_fold(cap, c) == 1                  # dropless only
+    assert expert_fold(drop, replace(c, dp=4, tp=2, ep=4)) == 2
+    assert expert_fold(drop, Config(dp=1, tp=8, pp=1, micro_batch=1, ep=1)) == 1   # no expert axis: no fold
+    axes = (("pp", 1), ("dp", 2), ("tp", 4))
+    blk = drop.parts(4, 1, node8, axes, expert_axis=True)[0]["block"]
+    whole, folded = (_with_experts(blk, c, node8, "dropless", None, t) for t in (1, 4))
+    assert folded.expert_fwd == pytest.approx(whole.expert_fwd / 4) and folded.a2a_bytes == pytest.approx(blk.a2a_bytes / 4)
+    assert folded.fwd == pytest.approx(whole.fwd - 0.75 * whole.expert_fwd)      # no tensor rank repeats another
+    gather = collective_time("all_gather", blk.a2a_bytes / blk.top_k, node8, (("pp", 1), ("dp", 1), ("ep", 2), ("tp", 4)),
+                             "tp")
+    assert gather > 0 and folded.comm_fwd > blk.comm_fwd + gather                  # gather + the exchange
+    from autopar.cost import hybrid
+    s_fold = simulate(drop, node8, c, batch=8)
+    monkeypatch.setattr(hybrid, "expert_fold", lambda facts, config: 1)           # as ExpertOptions(fold="off")
+    s_off = simulate(drop, node8, c, batch=8)
+    assert s_fold.memory["params"] < s_off.memory["params"]                        # 1/8 of the experts a rank, not 1/2
+    assert s_fold.parts["block_fwd_s"] < s_off.parts["block_fwd_s"]

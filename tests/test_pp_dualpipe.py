@@ -22,7 +22,9 @@ from tests import test_pp_equivalence as pp_eq
 from tests.test_ep_hf import TOL, _pipelined
 
 DENSE = [("gpt", {**pp_eq.SMALL["gpt"], "layers": 4}, {"pp": 2}, "dualpipev", 4, 2, 8, 8),
-         ("llama", {**pp_eq.SMALL["llama"], "layers": 6}, {"pp": 2}, "dualpipev", 6, 2, 12, 8)]
+         ("llama", {**pp_eq.SMALL["llama"], "layers": 6}, {"pp": 2}, "dualpipev", 6, 2, 12, 8),
+         # recomputed in the backward half while the forward half runs checkpointed layers
+         ("llama", {**pp_eq.SMALL["llama"], "layers": 4}, {"pp": 2}, "dualpipev", 4, 2, 8, 8, "full")]
 
 
 def _dense(rank: int, world: int) -> dict:
@@ -55,7 +57,7 @@ def _pairs_ran_at_once(events: list) -> None:
     assert not any(e[4].startswith("autopar-pp-forward") for e in backwards)  # the caller's
 
 
-@pytest.mark.parametrize("i", range(len(DENSE)), ids=[c[0] for c in DENSE])
+@pytest.mark.parametrize("i", range(len(DENSE)), ids=[c[0] + (f"-{c[8]}" if len(c) > 8 else "") for c in DENSE])
 def test_dualpipev_matches_single_process(dense, i):
     """Losses, every parameter after three AdamW steps and the whole state dict, as one process;
     rank 0 holds stages 0 and 3 (the V), rank 1 stages 1 and 2."""
@@ -63,6 +65,8 @@ def test_dualpipev_matches_single_process(dense, i):
     pp_eq._check(results, {"pp": 2})
     assert [r["stages"] for r in results] == [[0, 3], [1, 2]]
     assert all(r["schedule"] == "dualpipev" for r in results)
+    if len(DENSE[i]) > 8:
+        assert all(r["checkpointed"] > 0 for r in results)
 
 
 def test_dualpipev_pairs_run_on_two_threads(dense):

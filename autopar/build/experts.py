@@ -50,23 +50,31 @@ def experts_step(s: BuildState) -> None:
     group, rank = s.group("ep")
     plans = checked_moe_plans(s.gm, s.tensors)
     regions = [p.region for p in plans if p.kind != "dense"]
+    fold = folded_tensor_axis(s, plans)
+    if fold > 1:           # the experts dealt over ep x tp, each tensor rank computing its share of the tokens
+        from autopar.build.data import axes_group
+        group, _, rank = axes_group(s.mesh, s.names, ["ep", "tp"])
+    n = n_ep * fold
     if r.pipelined:        # inside a pipeline the experts are placed in order
-        placed = {q.fqn: contiguous(q.num_experts, n_ep) for q in regions}
+        placed = {q.fqn: contiguous(q.num_experts, n) for q in regions}
     elif r.plan is not None:
-        placed = planned_placements(r.plan, regions, n_ep)
+        placed = planned_placements(r.plan, regions, n)
     else:
         how = r.options.experts
         loads = calibrated_loads(r.model, how.calibration, s.tensors) \
             if how.calibration is not None and how.placement == "balanced" and regions else {}
-        placed = {q.fqn: place_experts(q.num_experts, n_ep, loads.get(q.fqn)) if how.placement == "balanced" else
-                  contiguous(q.num_experts, n_ep, loads.get(q.fqn)) for q in regions}
+        placed = {q.fqn: place_experts(q.num_experts, n, loads.get(q.fqn)) if how.placement == "balanced" else
+                  contiguous(q.num_experts, n, loads.get(q.fqn)) for q in regions}
     if not regions and not r.pipelined:
         log.warning("no MoE layer's experts can be split: the ep axis runs as data parallelism (mesh %s)",
                     {"dp": s.sizes.get("dp", 1) * n_ep, **({"tp": s.tp} if s.tp > 1 else {})})
-    hops = two_hop_groups(s, r.options.experts.dispatch) if any(p.kind == "dropless" for p in plans) else None
+    hops = two_hop_groups(s, r.options.experts.dispatch) \
+        if fold == 1 and any(p.kind == "dropless" for p in plans) else None
+    tensor_axis = (fold, *s.group("tp")) if fold > 1 else None
     s.expert_runtimes, s.experts = exchange_experts(s.gm, s.tensors, plans, {f: p.perm for f, p in placed.items()},
-                                                    group=group, n=n_ep, rank=rank,
-                                                    chunks=r.options.experts.dispatch_chunks, hops=hops)
+                                                    group=group, n=n, rank=rank,
+                                                    chunks=r.options.experts.dispatch_chunks, hops=hops,
+                                                    fold=tensor_axis)
     s.expert_placements = placed
     if s.schedule == "dualpipev":       # overlapped pairs: a paired forward's exchanges on second groups
         second_lanes(s, group, n_ep, hops)
@@ -146,21 +154,41 @@ def node_blocks(rows: Sequence[Sequence[int]], nodes: Sequence[int]) -> int:
     return sizes.pop() if len(sizes) == 1 else 0
 
 
+def folded_tensor_axis(s: BuildState, plans: list) -> int:
+    """How many tensor ranks the experts' axis folds in (``ExpertOptions.fold``): the tensor
+    axis's size when it is there and every split layer is dropless with experts that ep x tp
+    divides, else 1. ``dispatch="two_hop"`` asked for beside a folded axis is refused."""
+    how = s.request.options.experts
+    split = [p for p in plans if p.kind != "dense"]
+    if s.tp == 1 or how.fold == "off" or not split or any(p.kind != "dropless" for p in split) \
+            or any(p.region.num_experts % (s.ep * s.tp) for p in split):
+        return 1
+    if how.dispatch == "two_hop":
+        raise ConfigError("the two-hop exchange runs over the ep axis alone; with a tensor axis beside it the "
+                          "experts are folded over ep x tp", where="ExpertOptions(dispatch='two_hop')",
+                          got=f"ep={s.ep}, tp={s.tp}",
+                          fix="use dispatch='auto', or ExpertOptions(fold='off') to keep the ep axis alone")
+    return s.tp
+
+
 def exchange_experts(gm: fx.GraphModule, tensors: dict[str, torch.Tensor], plans: list, perms: Mapping[str, Any], *,
                      group: Any, n: int, rank: int, chunks: int = DISPATCH_CHUNKS,
-                     hops: tuple[int, Any, Any] | None = None) -> tuple[dict, dict[str, tuple[str, tuple[int, ...]]]]:
+                     hops: tuple[int, Any, Any] | None = None,
+                     fold: tuple[int, Any, int] | None = None) -> tuple[dict, dict[str, tuple[str, tuple[int, ...]]]]:
     """Rewrite the MoE layers ``plans`` split for the expert exchange over ``group`` (experts in
     the owner order ``perms[layer]``), keep this rank's experts' rows in ``tensors``, and
     return the exchange runtimes by layer and, per expert parameter, how it is stored
     (``rows`` of a stacked tensor, or ``whole`` owned modules) with the experts this rank owns.
     ``chunks``: how many token chunks a dropless layer's exchanges overlap in, ``hops``: the
-    two-hop exchange's groups (:func:`two_hop_groups`; :class:`autopar.runtime.ep.DroplessMoE`)."""
+    two-hop exchange's groups (:func:`two_hop_groups`; :class:`autopar.runtime.ep.DroplessMoE`),
+    ``fold``: (tensor ranks folded in, the tensor axis's group, this rank's place on it)."""
     from autopar.passes.ep_rewrite import ep_rewrite
     from autopar.runtime.ep import EPRuntime
 
     g, intra, rail = hops or (0, None, None)
+    t, t_group, t_rank = fold or (1, None, 0)
     rts = {f: EPRuntime(n=n, rank=rank, group=group, perm=tuple(perm), chunks=chunks, node_ranks=g, intra=intra,
-                        rail=rail) for f, perm in perms.items()}
+                        rail=rail, fold=t, fold_group=t_group, fold_rank=t_rank) for f, perm in perms.items()}
     stored = ep_rewrite(gm, plans, rts)
     region_of = {f: q.region.fqn for q in plans if q.kind != "dense" for f in q.region.expert_params}
     for fqn, how in stored.items():

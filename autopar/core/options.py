@@ -139,13 +139,20 @@ class ExpertOptions:
     the rank at the sender's place hands it on inside the node and sums the experts' outputs
     (fewer bytes on the inter-node links when a token's experts share nodes, as node-limited
     routing makes them); ``"direct"`` sends one copy per (token, expert) pair; ``"auto"``
-    (default): two hops when the expert axis spans nodes with several of its ranks on each."""
+    (default): two hops when the expert axis spans nodes with several of its ranks on each.
+    ``fold``: with a tensor axis beside the expert axis, ``"auto"`` (default) folds the tensor
+    axis into the experts' of dropless layers (when ep x tp divides every such layer's experts):
+    each tensor rank computes its share of the tokens, the experts are dealt over the ep x tp
+    ranks and the outputs are gathered back over the tensor axis, so no tensor rank repeats
+    another's expert work (Megatron-Core's MoE parallel folding, expert tensor size 1);
+    ``"off"`` keeps the experts whole on every tensor rank, each computing every token."""
 
     calibration: Any = None
     placement: str = "balanced"
     capacity_factor: float | None = None
     dispatch_chunks: int = DISPATCH_CHUNKS
     dispatch: str = "auto"
+    fold: str = "auto"
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -159,6 +166,7 @@ class ExpertOptions:
                self.dispatch_chunks is not None, "an int >= 1")
         _check(name, "dispatch", self.dispatch, self.dispatch in ("auto", "direct", "two_hop"),
                "'auto', 'direct' or 'two_hop'")
+        _check(name, "fold", self.fold, self.fold in ("auto", "off"), "'auto' or 'off'")
 
 
 @dataclass(frozen=True, kw_only=True)
