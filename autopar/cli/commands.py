@@ -537,7 +537,8 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--cp-kind", choices=["ring", "allgather", "alltoall"],
                     help="how attention crosses the cp ranks (default: the cheapest)")
     sm.add_argument("--ep", type=count("--ep", high=checks.MAX_DEVICES), default=1,
-                    help="expert parallelism: ranks dealing a MoE model's experts (default 1; divides dp and experts)")
+                    help="expert parallelism: ranks of the data axis dealing a MoE model's experts (default 1; divides "
+                         "dp and experts; dropless layers fold the tensor axis in where ep x tp divides the experts)")
     sm.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
     sm.add_argument("--shard-group", type=count("--shard-group", low=0, high=checks.MAX_DEVICES), default=0,
                     metavar="G", help="hybrid sharding (ZeRO-2/3): data ranks per group of replicated pieces (0: all)")
