@@ -21,6 +21,11 @@ different stages and micro-batches. What they share:
 - **Random numbers.** One generator, drawn from by both threads in an order that varies
   between runs: the build refuses random ops under this schedule.
 
+- **CUDA streams.** On a GPU the forward half runs on a stream of its own (it starts after what
+  the calling thread's stream holds, and that stream waits for it when the pair ends), so the
+  backward's kernels do not queue behind the forward's waits for its exchanges. (Not yet run on
+  a GPU: the tests run on CPU, where each thread's ops run as they are called.)
+
 The worker's result (or exception) is collected before the action ends, so the next action, and
 its sends, see both halves done.
 """
@@ -30,6 +35,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import torch
 
 _LANE = threading.local()
 _SECOND: dict[int, Any] = {}     # id(group) -> the same ranks' second group (made by every rank, in order)
@@ -76,6 +83,7 @@ class PairRunner:
                                         initializer=_forward_worker)
         self.events: list | None = PairRunner.record
         self.pairs = 0
+        self._side: dict[Any, Any] = {}     # CUDA device -> the forward half's stream
 
     @classmethod
     def register(cls, schedule: Any) -> "PairRunner":
@@ -93,17 +101,38 @@ class PairRunner:
         f, b = action.sub_actions
         stages = {st.stage_index: st for st in sched._stages}
         self.pairs += 1
-        pending = self._pool.submit(self._forward, sched, stages, f, ctx)
+        side = self._side_stream(stages[f.stage_index].device)
+        pending = self._pool.submit(self._forward, sched, stages, f, ctx, side)
         try:
             self._backward(sched, stages, b)
         finally:
             pending.result()           # the forward's exception, if it raised, surfaces here
+            if side is not None:       # what follows on this stream sees the forward's work done
+                torch.cuda.current_stream(side.device).wait_stream(side)
+
+    def _side_stream(self, device: Any) -> Any:
+        """On a CUDA device, the forward half's own stream, set to start after what the calling
+        thread's stream has queued: one stream for both halves would queue the backward's kernels
+        behind the forward's waits for its exchanges. None elsewhere."""
+        if getattr(device, "type", None) != "cuda":
+            return None
+        side = self._side.get(device)
+        if side is None:
+            side = self._side[device] = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        return side
 
     def _note(self, *event: Any) -> None:
         if self.events is not None:
             self.events.append((*event, threading.current_thread().name, time.perf_counter()))
 
-    def _forward(self, sched: Any, stages: dict, a: Any, ctx: Any) -> None:
+    def _forward(self, sched: Any, stages: dict, a: Any, ctx: Any, side: Any = None) -> None:
+        if side is None:
+            return self._forward_here(sched, stages, a, ctx)
+        with torch.cuda.stream(side):
+            return self._forward_here(sched, stages, a, ctx)
+
+    def _forward_here(self, sched: Any, stages: dict, a: Any, ctx: Any) -> None:
         stage, mb = stages[a.stage_index], a.microbatch_index
         self._note("start", "F", a.stage_index, mb)
         if not stage.is_first and a.stage_index - 1 not in stages:
