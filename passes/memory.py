@@ -122,6 +122,7 @@ SAVE_RULES[aten.dropout.default] = _const(Saves(output=True))  # its mask, about
 
 def memory_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """Annotate saved-for-backward bytes and forward liveness on every node."""
+    from autopar.passes.fusion import unkept
     saved: set[fx.Node] = set()
     for node in gm.graph.nodes:
         if node.op != "call_function" or not info(node).requires_grad:
@@ -129,6 +130,7 @@ def memory_pass(gm: fx.GraphModule) -> fx.GraphModule:
         for base in _saved_values(node):
             if info(base).kind not in ("param", "buffer", "constant"):
                 saved.add(base)
+    saved -= unkept(gm)       # what the runtime's fused ops recompute instead (passes/fusion.py)
     for node in gm.graph.nodes:
         rec = info(node)
         t = template_of(node)

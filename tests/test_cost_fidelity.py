@@ -474,13 +474,17 @@ def test_recomputing_the_first_k_layers_of_each_stage_is_priced_between_none_and
     budget = (none.peak_memory_bytes + one.peak_memory_bytes) / 2
     part, tried = fewest_recomputed(f, node8, full, batch=8, budget=budget)
     assert part.config.recompute == "layers:1" and tried >= 1
-    # and the search finds it: pp=4 (the other degrees filtered out), where none needs 2.36 GB
-    # and full recomputation costs a third more time than the first layer of each stage
+    # and the search finds it: pp=4 (the other degrees filtered out), with a budget between what
+    # none and the first layer of each stage recomputed need (full recomputation costs a third
+    # more time than that)
     import autopar.cost.plan_search as ps
     big = _facts(layers=2, real=8, seq=2048, hidden=1024, vocab=512)
+    four = dict(dp=2, tp=1, pp=4, micro_batch=1, schedule="1f1b")
+    nb, ob = (simulate(big, node8, Config(**four, recompute=r), batch=8).peak_memory_bytes for r in ("none", "layers:1"))
+    assert nb > ob
     every = ps.configurations
     monkeypatch.setattr(ps, "configurations", lambda *a, **k: (c for c in every(*a, **k) if c.pp == 4))
-    best, _, _ = search(big, node8, batch=8, budget=2.3e9, top=0, tp_exact=1, schedules=("1f1b",),
+    best, _, _ = search(big, node8, batch=8, budget=(nb + ob) / 2, top=0, tp_exact=1, schedules=("1f1b",),
                         micro_batches=(1,), zero_stages=(0,), recomputes=("none", "full"))
     assert best is not None and best.config.recompute == "layers:1", best.config
 
@@ -505,5 +509,8 @@ def test_pointwise_recomputation_keeps_matmul_outputs_and_reruns_the_rest(node8)
     assert point.parts["stage_bwd_s"][0] - none.parts["stage_bwd_s"][0] == pytest.approx(
         point.parts["stage_layers"][0] * (blk.fwd + blk.comm_fwd - blk.kept_fwd), rel=1e-9)
     assert none.step_time_s < point.step_time_s < full.step_time_s
-    assert none.peak_memory_bytes > point.peak_memory_bytes > full.peak_memory_bytes
+    # a block keeps its input and every matmul's output: more than full recomputation, and (its
+    # norms and MLP run fused, passes/fusion.py) more than this Llama keeps without recomputing
+    assert point.peak_memory_bytes > full.peak_memory_bytes
+    assert point.peak_memory_bytes > none.peak_memory_bytes
     assert point.hw_flops == pytest.approx(none.hw_flops) and none.hw_flops < full.hw_flops   # no matmul again

@@ -47,8 +47,10 @@ def _predicted(gm, mode: str, at: dict) -> float:
     seen = set()
     for n, r in where.items():
         for a in n.all_input_nodes:
+            # every input a region reads from outside is kept for its recomputation (rotary
+            # tables and masks too, which need no gradient)
             if where.get(a) != r and info(a).kind not in ("param", "buffer") and info(a).values \
-                    and (a, r) not in seen and info(a).requires_grad:
+                    and (a, r) not in seen:
                 seen.add((a, r))
                 total += float(evaluate(info(a).out_bytes, at))
     return total

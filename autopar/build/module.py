@@ -17,9 +17,11 @@ def module_step(s: BuildState) -> None:
     if s.cp_kind is not None and s.plan is not None and s.plan.cp_kind is None:
         from dataclasses import replace
         s.plan = replace(s.plan, cp_axis="cp", cp_kind=s.cp_kind)
+    from autopar.passes.fusion import fuse
     from autopar.runtime.attention import fuse_attention
     for gm in [st.graph_module for st in s.stages] if s.request.pipelined else [s.gm]:
         fuse_attention(gm)       # a model's causal mask run as causal attention (runtime/attention.py)
+        fuse(gm)                 # SwiGLU, RMSNorm, GELU keeping fewer activations (passes/fusion.py)
     if s.request.pipelined:
         _pipeline_module(s)
     else:

@@ -1,0 +1,188 @@
+"""Fusion pass: ops written out in a model's code that keep more activations for backward than
+they need, recognised in the ATen graph and replaced by the fused ops of
+:mod:`autopar.runtime.fused` (same values and gradients, bit for bit; fewer tensors kept).
+
+- **SwiGLU**: ``mul(silu(g), u)`` whose ``silu`` has no other reader (transformers' Llama,
+  Qwen2, Mistral, Mixtral and DeepSeek MLPs and experts). Frees ``silu(g)``; with the down
+  projection that alone reads it, ``linear(silu(g) * u, w)``, the product too.
+- **GELU into a projection**: ``linear(gelu(h), w[, b])`` where the projection alone reads the
+  gelu (GPT MLPs). Frees ``gelu(h)``.
+- **RMSNorm**: transformers' ``w * (x32 * rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)``
+  with ``x32 = x.to(float32)`` (each cast optional), every intermediate read only inside the
+  pattern. Frees the normalised rows.
+
+:func:`unkept` names, for the memory pass, the values the fused ops do not keep (so the planner
+and the simulator price the runtime's saved set); :func:`fuse` rewrites a graph. The final node
+of each pattern keeps its place and name (what was planned for it, recomputation regions
+included, still holds); the nodes it absorbs leave the graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autopar.runtime.fused import autopar_gelu_linear, autopar_rms_norm, autopar_swiglu, autopar_swiglu_linear
+
+aten = torch.ops.aten
+_CHECKS = {aten._assert_tensor_metadata.default}
+_CASTS = {aten.to.dtype, aten._to_copy.default}
+
+
+@dataclass(frozen=True)
+class Match:
+    """One pattern: its final node, the arguments the fused op takes, the nodes it absorbs and
+    the values it no longer keeps."""
+
+    node: fx.Node
+    target: object
+    args: tuple
+    absorbed: tuple[fx.Node, ...]
+    unkept: tuple[fx.Node, ...]
+
+
+def _readers(n: fx.Node) -> list[fx.Node]:
+    return [u for u in n.users if u.target not in _CHECKS]
+
+
+def _only_reader(n: fx.Node, reader: fx.Node) -> bool:
+    return isinstance(n, fx.Node) and _readers(n) == [reader]
+
+
+def _call(n: object, *targets: object) -> bool:
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target in targets
+
+
+def _cast(n: fx.Node) -> tuple[fx.Node, torch.dtype] | None:
+    """``(input, dtype)`` of a plain dtype cast node, else None."""
+    if n.target is aten.to.dtype and len(n.args) >= 2 and isinstance(n.args[1], torch.dtype) \
+            and not n.kwargs and len(n.args) == 2:
+        return n.args[0], n.args[1]
+    return None
+
+
+def _swiglu(m: fx.Node) -> Match | None:
+    if not _call(m, aten.mul.Tensor) or len(m.args) != 2 or m.kwargs:
+        return None
+    for i in (0, 1):
+        s, u = m.args[i], m.args[1 - i]
+        if _call(s, aten.silu.default) and isinstance(u, fx.Node) and _only_reader(s, m) and len(s.args) == 1:
+            g = s.args[0]
+            if isinstance(g, fx.Node) and _same_shape(g, u):
+                return Match(m, autopar_swiglu, (g, u), (s,), (s,))
+    return None
+
+
+def _swiglu_linear(lin: fx.Node) -> Match | None:
+    """``linear(swiglu, w[, b])`` where the linear is the product's only reader."""
+    if not _call(lin, aten.linear.default) or lin.kwargs or not isinstance(lin.args[0], fx.Node):
+        return None
+    inner = _swiglu(lin.args[0])
+    if inner is None or not _only_reader(inner.node, lin):
+        return None
+    g, u = inner.args
+    bias = lin.args[2] if len(lin.args) > 2 else None
+    return Match(lin, autopar_swiglu_linear, (g, u, lin.args[1], bias), (inner.node, *inner.absorbed),
+                 (inner.node, *inner.unkept))
+
+
+def _rms_norm(m: fx.Node) -> Match | None:
+    if not _call(m, aten.mul.Tensor) or len(m.args) != 2 or m.kwargs:
+        return None
+    for i in (0, 1):
+        w, nd = m.args[i], m.args[1 - i]
+        if not isinstance(w, fx.Node) or not isinstance(nd, fx.Node):
+            continue
+        absorbed, out = [], None
+        n = nd
+        if _call(nd, aten.to.dtype) and _cast(nd) and _only_reader(nd, m):
+            n, out = _cast(nd)
+            absorbed.append(nd)
+            if not _call(n, aten.mul.Tensor) or not _only_reader(n, nd):
+                continue
+        elif not _only_reader(nd, m):
+            continue
+        if not _call(n, aten.mul.Tensor) or len(n.args) != 2:
+            continue
+        xm, r = n.args
+        if not (_call(r, aten.rsqrt.default) and _only_reader(r, n)):
+            continue
+        a = r.args[0]
+        if not (_call(a, aten.add.Tensor) and _only_reader(a, r) and isinstance(a.args[1], float)):
+            continue
+        mean = a.args[0]
+        if not (_call(mean, aten.mean.dim) and _only_reader(mean, a) and list(mean.args[1]) in ([-1],)
+                and len(mean.args) > 2 and mean.args[2] is True):
+            continue
+        p = mean.args[0]
+        if not (_call(p, aten.pow.Tensor_Scalar) and _only_reader(p, mean) and p.args[1] == 2 and p.args[0] is xm):
+            continue
+        absorbed += [n, r, a, mean, p]            # readers before what they read
+        x, mid = xm, None
+        if _call(xm, aten.to.dtype) and _cast(xm) and set(_readers(xm)) == {p, n}:
+            x, mid = _cast(xm)
+            absorbed.append(xm)
+        return Match(m, autopar_rms_norm, (x, w, a.args[1], mid, out), tuple(absorbed), (n,) + ((nd,) if out else ()))
+    return None
+
+
+def _same_shape(a: fx.Node, b: fx.Node) -> bool:
+    from autopar.core.meta import info
+    va, vb = info(a).values, info(b).values
+    if not va or not vb:
+        return False
+    try:
+        return tuple(va[0].shape) == tuple(vb[0].shape) and va[0].dtype == vb[0].dtype
+    except (AttributeError, TypeError):
+        return False
+
+
+def _gelu_linear(lin: fx.Node) -> Match | None:
+    """``linear(gelu(h), w[, b])`` where the linear is the gelu's only reader."""
+    if not _call(lin, aten.linear.default) or lin.kwargs or not _call(lin.args[0], aten.gelu.default):
+        return None
+    a = lin.args[0]
+    if not _only_reader(a, lin) or len(a.args) != 1 or set(a.kwargs) - {"approximate"}:
+        return None
+    bias = lin.args[2] if len(lin.args) > 2 else None
+    return Match(lin, autopar_gelu_linear, (a.args[0], lin.args[1], bias, a.kwargs.get("approximate", "none")),
+                 (a,), (a,))
+
+
+def matches(gm: fx.GraphModule) -> list[Match]:
+    """Every pattern of the module docstring in ``gm``."""
+    out, inside = [], set()
+    for n in reversed(list(gm.graph.nodes)):      # a down projection takes its SwiGLU in
+        if n in inside:
+            continue
+        m = _swiglu_linear(n) or _gelu_linear(n) or _swiglu(n) or _rms_norm(n)
+        if m is not None:
+            out.append(m)
+            inside.update(m.absorbed)
+    return out[::-1]
+
+
+def unkept(gm: fx.GraphModule) -> set[fx.Node]:
+    """The values the fused ops do not keep for backward (read by the memory pass)."""
+    return {u for m in matches(gm) for u in m.unkept}
+
+
+def fuse(gm: fx.GraphModule) -> int:
+    """Replace each pattern by its fused op (module docstring); returns how many."""
+    found = matches(gm)
+    for m in found:
+        m.node.target, m.node.args, m.node.kwargs = m.target, m.args, {}
+        for a in m.absorbed:
+            for check in [u for u in a.users if u.target in _CHECKS]:
+                gm.graph.erase_node(check)
+        for a in m.absorbed:                      # readers first
+            if not a.users:
+                gm.graph.erase_node(a)
+    if found:
+        gm.graph.lint()
+        gm.recompile()
+    return len(found)
+
+
+__all__ = ["Match", "matches", "unkept", "fuse"]

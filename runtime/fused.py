@@ -1,0 +1,143 @@
+"""Fused ops that keep fewer activations for backward than the ops they replace, and compute the
+same values and gradients (each backward runs the very formulas autograd runs for the unfused
+ops, in the same order, so the results are the unfused model's bit for bit).
+
+- :func:`autopar_swiglu` ``(g, u)``: ``silu(g) * u``. Eager autograd keeps ``g`` (for silu),
+  ``silu(g)`` and ``u`` (for the product); this keeps ``g`` and ``u`` and recomputes ``silu(g)``
+  in backward (one elementwise op).
+- :func:`autopar_swiglu_linear` ``(g, u, w, b)``: ``linear(silu(g) * u, w, b)``, an MLP's down
+  projection of its SwiGLU. Eager keeps the product too (the projection's weight gradient reads
+  it); this keeps ``g`` and ``u`` and recomputes it.
+- :func:`autopar_gelu_linear` ``(h, w, b, approximate)``: ``linear(gelu(h), w, b)``; eager keeps
+  ``h`` (for gelu) and ``gelu(h)`` (for the weight gradient); this keeps ``h``.
+- :func:`autopar_rms_norm` ``(x, w, eps, mid, out)``: an RMSNorm written out as transformers
+  writes it, ``w * (x.to(mid) * rsqrt(x.to(mid).pow(2).mean(-1, keepdim=True) + eps)).to(out)``.
+  Eager autograd keeps ``x``, the per-row ``rsqrt`` and the normalised rows (for the weight's
+  gradient); this keeps ``x`` and the per-row ``rsqrt`` and recomputes the normalised rows.
+
+The graph pass that puts them in place is :mod:`autopar.passes.fusion`.
+"""
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(g, u)
+        return aten.mul.Tensor(aten.silu.default(g), u)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        g, u = ctx.saved_tensors
+        s = aten.silu.default(g)
+        grad_u = grad * s if ctx.needs_input_grad[1] else None
+        grad_g = aten.silu_backward.default(grad * u, g) if ctx.needs_input_grad[0] else None
+        return grad_g, grad_u
+
+
+def autopar_swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``silu(g) * u``, keeping ``g`` and ``u`` only (graph node; module docstring)."""
+    return _SwiGLU.apply(g, u)
+
+
+class _SwiGLULinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g: torch.Tensor, u: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(g, u, w)
+        ctx.has_bias = b is not None
+        return aten.linear.default(aten.mul.Tensor(aten.silu.default(g), u), w, b)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        g, u, w = ctx.saved_tensors
+        s = aten.silu.default(g)
+        p = aten.mul.Tensor(s, u)
+        # linear's own backward as autograd runs it (rows flattened, one mm each way)
+        flat, grad2 = p.reshape(-1, p.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        grad_p = grad2.mm(w).view(p.shape) if any(ctx.needs_input_grad[:2]) else None
+        grad_w = flat.t().mm(grad2).t() if ctx.needs_input_grad[2] else None
+        grad_b = grad2.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        grad_g = aten.silu_backward.default(grad_p * u, g) if ctx.needs_input_grad[0] else None
+        grad_u = grad_p * s if ctx.needs_input_grad[1] else None
+        return grad_g, grad_u, grad_w, grad_b
+
+
+def autopar_swiglu_linear(g: torch.Tensor, u: torch.Tensor, w: torch.Tensor,
+                          b: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear(silu(g) * u, w, b)`` (an MLP's down projection of its SwiGLU), keeping ``g`` and
+    ``u`` only: backward recomputes the product the projection's weight gradient reads."""
+    return _SwiGLULinear.apply(g, u, w, b)
+
+
+class _GeluLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, approximate: str) -> torch.Tensor:
+        ctx.save_for_backward(h, w)
+        ctx.has_bias, ctx.approximate = b is not None, approximate
+        return aten.linear.default(aten.gelu.default(h, approximate=approximate), w, b)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        h, w = ctx.saved_tensors
+        a = aten.gelu.default(h, approximate=ctx.approximate)
+        flat, grad2 = a.reshape(-1, a.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        grad_h = aten.gelu_backward.default(grad2.mm(w).view(a.shape), h, approximate=ctx.approximate) \
+            if ctx.needs_input_grad[0] else None
+        grad_w = flat.t().mm(grad2).t() if ctx.needs_input_grad[1] else None
+        grad_b = grad2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_h, grad_w, grad_b, None
+
+
+def autopar_gelu_linear(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+                        approximate: str = "none") -> torch.Tensor:
+    """``linear(gelu(h), w, b)`` (a GPT MLP's second projection), keeping ``h`` only: backward
+    recomputes ``gelu(h)`` for the projection's weight gradient."""
+    return _GeluLinear.apply(h, w, b, approximate)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float, mid: torch.dtype | None,
+                out: torch.dtype | None) -> torch.Tensor:
+        xm = x.to(mid) if mid is not None else x
+        r = aten.rsqrt.default(aten.add.Tensor(aten.mean.dim(aten.pow.Tensor_Scalar(xm, 2), [-1], True), eps))
+        n = aten.mul.Tensor(xm, r)
+        nd = n.to(out) if out is not None else n
+        ctx.save_for_backward(x, w, r)
+        ctx.mid, ctx.out = mid, out
+        return aten.mul.Tensor(w, nd)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w, r = ctx.saved_tensors
+        xm = x.to(ctx.mid) if ctx.mid is not None else x
+        n = aten.mul.Tensor(xm, r)
+        nd = n.to(ctx.out) if ctx.out is not None else n
+        # y = w * nd
+        # (autograd hands each input its gradient in that input's dtype)
+        grad_w = (grad * nd).sum_to_size(w.shape).to(w.dtype) if ctx.needs_input_grad[1] else None
+        if not ctx.needs_input_grad[0]:
+            return None, grad_w, None, None, None
+        grad_n = (grad * w).to(nd.dtype).to(n.dtype)
+        # n = xm * r; r = rsqrt(mean(xm ** 2) + eps)
+        grad_a = grad_n * r
+        grad_r = (grad_n * xm).sum_to_size(r.shape)
+        grad_v = -0.5 * grad_r * r.pow(3)
+        grad_p = grad_v.expand(xm.shape) / xm.shape[-1]
+        grad_b = grad_p * (2 * xm.pow(1))
+        return (grad_a + grad_b).to(x.dtype), grad_w, None, None, None
+
+
+def autopar_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, mid: torch.dtype | None,
+                     out: torch.dtype | None) -> torch.Tensor:
+    """An RMSNorm keeping its input and per-row scale only (graph node; module docstring)."""
+    return _RMSNorm.apply(x, w, eps, mid, out)
+
+
+FUSED_OPS = (autopar_swiglu, autopar_swiglu_linear, autopar_gelu_linear, autopar_rms_norm)
+
+__all__ = ["autopar_swiglu", "autopar_swiglu_linear", "autopar_gelu_linear", "autopar_rms_norm", "FUSED_OPS"]
