@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import autopar  # noqa: E402
 from autopar.runtime.launch import run_ranks  # noqa: E402
 
-BATCH, SEQ, VOCAB = 2, 256, 128
+BATCH, SEQ, VOCAB = 2, 256, 64       # the vocabulary of tests/test_ep_hf.py's models
 
 
 def _hf(kind: str, layers: int) -> torch.nn.Module:
@@ -43,11 +43,11 @@ def _hf(kind: str, layers: int) -> torch.nn.Module:
         "gemma2": lambda: transformers.Gemma2Config(intermediate_size=688, head_dim=32, **common),
         "mixtral": lambda: transformers.MixtralConfig(intermediate_size=344, num_local_experts=4,
                                                       num_experts_per_tok=2, **common),
-        "deepseek_v3": lambda: transformers.DeepseekV3Config(
-            intermediate_size=688, moe_intermediate_size=172, n_routed_experts=4, num_experts_per_tok=2,
-            n_group=1, topk_group=1, first_k_dense_replace=0, q_lora_rank=64, kv_lora_rank=32,
-            qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, **common),
-    }[kind]()
+    }
+    if kind == "deepseek_v3":      # tests/test_ep_hf.py's small DeepSeek-V3 (latent attention, routed experts)
+        from tests.test_ep_hf import build
+        return build(kind, torch.float32, num_hidden_layers=layers, first_k_dense_replace=0)
+    cfg = cfg[kind]()
     return Logits(transformers.AutoModelForCausalLM.from_config(cfg))
 
 
