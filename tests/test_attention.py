@@ -117,7 +117,9 @@ def one_rank() -> dict:
 def test_a_causal_mask_runs_as_causal_attention_and_keeps_what_eager_keeps(one_rank):
     got = one_rank["llama"]
     assert got["targets"] == ["graph_sdpa"], got
-    assert got["held"] == got["eager"], got          # no repeated keys, no mask kept for backward
+    # no repeated keys, no mask kept for backward (and the fused norms and MLP keep less than
+    # eager's, passes/fusion.py)
+    assert got["held"] < got["eager"], got
     assert got["err"] < 1e-12, got
 
 
