@@ -74,7 +74,7 @@ def inflight(schedule: str, stages: int, devices: int, microbatches: int) -> lis
     """Micro-batches whose activations each stage holds at once (the schedule's peak)."""
     if schedule == "gpipe":
         return [microbatches] * stages
-    if schedule == "dualpipev":        # V placement: stage s holds 2p - s (torch's order, cost/pp_sim.dualpipe_v)
+    if schedule == "dualpipev":        # V placement: stage s holds 2p - s (torch's order, cost/pp_dualpipe.dualpipe_v)
         return [min(microbatches, 2 * devices - s) for s in range(stages)]
     return [min(microbatches, max(1, devices - (s % devices)) * (1 if stages == devices else 2))
             for s in range(stages)]

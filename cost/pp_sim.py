@@ -9,8 +9,8 @@ program per device; global stage ``s`` lives on device ``s % p``. Text form, one
     d0: F0.0 F0.1 B0.0 B0.1
     d1: F1.0 B1.0 F1.1 B1.1
 
-Generators, pure functions of (p, v, m): :func:`gpipe`, :func:`one_f_one_b`,
-:func:`interleaved_1f1b`, :func:`zero_bubble`; :func:`make` picks one by name.
+Generators, pure functions of (p, v, m): :func:`gpipe`, :func:`one_f_one_b`, :func:`interleaved_1f1b`,
+:func:`zero_bubble` (DualPipeV: :mod:`autopar.cost.pp_dualpipe`); :func:`make` picks one by name.
 
 Simulator (:func:`simulate`). Each device runs its program in order, one compute action at a
 time; an action starts once the device is free and its inputs are there:
@@ -113,12 +113,8 @@ class Action:
 
 @dataclass(frozen=True)
 class Schedule:
-    """One ordered program of actions per device. Stage ``s`` lives on device ``s % devices``
-    (``placement="loop"``), or, with ``placement="v"`` (two stages a device), device ``s`` for
-    ``s < devices`` and ``2 * devices - 1 - s`` after (the first and the last stage on device 0).
-    ``overlapped``: the F and B actions that run paired with another micro-batch's B or F on
-    their device, each hiding :attr:`StageCosts.overlap_s` of its time under the other's
-    (:func:`dualpipe_v`).
+    """One ordered program of actions per device. Stage ``s`` lives on device ``s % devices`` (or in a V,
+    ``placement="v"``); ``overlapped`` F and B actions run paired, each hiding ``StageCosts.overlap_s``.
 
     ``programs`` normally holds compute actions only (F/B/W); :meth:`with_comm` adds the
     SEND/RECV each cross-device boundary implies. The simulator reads the compute order only.
@@ -136,9 +132,8 @@ class Schedule:
     def __post_init__(self) -> None:
         object.__setattr__(self, "programs", tuple(tuple(prog) for prog in self.programs))
         if self.placement not in ("loop", "v") or (self.placement == "v" and self.virtual != 2):
-            raise ConfigError(f"unknown stage placement {self.placement!r}", where=f"Schedule {self.name!r}",
-                              expected="'loop', or 'v' with two stages per device",
-                              got=f"{self.placement!r}, virtual={self.virtual}")
+            raise ConfigError("a stage placement is 'loop', or 'v' with two stages per device",
+                              where=f"Schedule {self.name!r}", got=f"{self.placement!r}, virtual={self.virtual}")
         for field in ("devices", "virtual", "microbatches"):
             if not _is_count(getattr(self, field), 1):
                 raise ConfigError(f"schedule {field} must be a positive integer", where=f"Schedule.{field}",
@@ -239,8 +234,7 @@ class Schedule:
                 problem = self._misplaced(a, d, kinds, seen)
                 if problem:
                     raise ConfigError(f"action {a} on device {d} {problem}", where=f"{where}, device {d}",
-                                      expected=f"stage s on device {self.device_of(0)} ({self.placement} "
-                                               "placement), each action once")
+                                      expected=f"each action once, on its stage's device ({self.placement})")
                 seen.add((a.kind, a.stage, a.mb))
         if len(seen) < len(kinds) * self.stages() * self.microbatches:
             missing = [f"{k}{s}.{mb}" for s in range(self.stages()) for mb in range(self.microbatches)
@@ -353,43 +347,13 @@ def zero_bubble(p: int, m: int) -> Schedule:
     return Schedule("zb", p, 1, m, True, tuple(programs))
 
 
-def dualpipe_v(p: int, m: int) -> Schedule:
-    """DualPipeV (DeepSeek-AI 2024, the V-shaped single-copy variant of DualPipe): two stages per
-    device in a V (device d holds stages d and 2p-1-d), forward of one micro-batch paired with
-    backward of another in the steady state, zero-bubble weight steps in warm-up and cool-down.
-    The order is torch's ``ScheduleDualPipeV`` (which the runtime runs): asked of torch itself.
-    A whole backward is B then W here; each pair's F and B are in ``overlapped``."""
-    _check_sizes("dualpipe_v", p=p, m=m)
-    if m < 2 * p:
-        raise ConfigError("DualPipeV needs at least as many micro-batches as stages", where="dualpipe_v",
-                          expected=f"m >= {2 * p}", got=f"m={m}", fix=f"use m={2 * p} or more")
-    from types import SimpleNamespace
-    from torch.distributed.pipelining.schedules import ScheduleDualPipeV, _ComputationType as T
-    kind = {T.FORWARD: ("F",), T.FULL_BACKWARD: ("B", "W"), T.BACKWARD_INPUT: ("B",), T.BACKWARD_WEIGHT: ("W",)}
-    programs, paired = [], set()
-    for d in range(p):
-        steps = []
-        for a in ScheduleDualPipeV._calculate_single_rank_operations(SimpleNamespace(pp_group_size=p,
-                                                                                     _n_microbatches=m), d):
-            subs = a.sub_actions or (a,)
-            for sub in subs:
-                for k in kind[sub.computation_type]:
-                    steps.append(Action(k, sub.stage_index, sub.microbatch_index))
-                    if a.sub_actions and k in ("F", "B"):
-                        paired.add(steps[-1])
-        programs.append(tuple(steps))
-    return Schedule("dualpipev", p, 2, m, True, tuple(programs), "v", frozenset(paired))
-
-
 def make(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """The schedule called ``name`` (one of :data:`SCHEDULES`); ``v`` is for "interleaved" only."""
     if name == "interleaved":
         return interleaved_1f1b(p, v, m)
     if name == "dualpipev":
-        if v != 2:
-            raise ConfigError("DualPipeV has two stages per device", where="pp_sim.make",
-                              expected="v=2", got=f"v={v}")
-        return dualpipe_v(p, m)
+        from autopar.cost.pp_dualpipe import dualpipe_v
+        return dualpipe_v(p, m, v)
     if name not in SCHEDULES:
         raise ConfigError(f"unknown pipeline schedule {name!r}", where="pp_sim.make",
                           expected=", ".join(SCHEDULES), got=repr(name), fix="pick one of the expected names")
@@ -421,9 +385,8 @@ class StageCosts:
     ``backward_s`` is the whole backward; ``weight_grad_s`` its weight-gradient share (W of a
     split schedule; default half), ``p2p_s[s]`` the time to move one activation or gradient
     across boundary s -> s+1 when those stages sit on different devices, ``activation_bytes[s]``
-    what one micro-batch's forward leaves held on stage s until its backward ends,
-    ``overlap_s[s]`` the seconds of an F or a B on stage s that an overlapped pair (see
-    :class:`Schedule`) hides under its partner's compute: its exchanges' exposed part.
+    what one micro-batch's forward leaves held on stage s until its backward ends, ``overlap_s[s]``
+    what a paired F or B on stage s hides under its partner's compute (its exposed exchanges).
     """
 
     forward_s: tuple[float, ...]
@@ -506,8 +469,7 @@ class _Replay:
         self.schedule, self.programs, self.p, self.S, self.m = schedule, programs, p, S, m
         self.fwd, self.bwd, self.wgt, self.p2p, self.act = costs.per_stage(S, schedule.split_backward)
         self.release = "W" if schedule.split_backward else "B"
-        self.paired = schedule.overlapped
-        self.hide = _floats(costs.overlap_s, S, "overlap_s") if self.paired else ()
+        self.paired, self.hide = schedule.overlapped, _floats(costs.overlap_s, S, "overlap_s")
         self.dev = [schedule.device_of(s) for s in range(S)]
         n = S * m
         self.f_in: list[float | None] = [0.0] * m + [None] * (n - m)    # activation arrives at (s, mb)

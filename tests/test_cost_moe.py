@@ -167,7 +167,8 @@ def test_dualpipev_hides_paired_exchanges_under_the_other_halfs_compute(node8):
     # beside another's backward (runtime/pp_overlap.py); the pairs' expert exchanges travel
     # under the partner's compute, still slowing it by comm_contention; unpaired actions and a
     # model without experts hide nothing
-    from autopar.cost.pp_sim import StageCosts, dualpipe_v
+    from autopar.cost.pp_dualpipe import dualpipe_v
+    from autopar.cost.pp_sim import StageCosts
     from autopar.cost.pp_sim import simulate as run
     w = load_workload("mixtral-8x7b", batch=1, seq=1024, overrides={"layers": "4"})
     facts = ModelFacts(capture_workload(w), seq=1024, dtype="bf16", moe_routing="dropless")

@@ -5,7 +5,7 @@ Parameter two stages scale; Llama) and pp=2 x ep=2 (``transformers`` Mixtral and
 dropless experts whose exchanges the paired forward sends on second groups), each trained
 against one process on the whole batch, float64. The pairs must really run: the forward half on
 the worker thread, its expert exchanges on the second groups. The schedule's order is torch's
-(asked of torch by cost/pp_sim.dualpipe_v and compared here with what the runtime ran), and the
+(asked of torch by cost/pp_dualpipe.dualpipe_v and compared here with what the runtime ran), and the
 build refuses what the two threads could not run exactly.
 """
 from __future__ import annotations
@@ -15,7 +15,8 @@ import torch
 
 import autopar
 from autopar.core.errors import UnsupportedError
-from autopar.cost.pp_sim import StageCosts, dualpipe_v, make, simulate
+from autopar.cost.pp_dualpipe import dualpipe_v
+from autopar.cost.pp_sim import StageCosts, make, simulate
 from autopar.runtime.launch import run_ranks
 from autopar.runtime.pp_overlap import SECOND_LANE_CALLS, PairRunner
 from tests import test_pp_equivalence as pp_eq
