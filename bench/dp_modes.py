@@ -2,7 +2,7 @@
 
 Command:  python bench/dp_modes.py [--world 4] [--steps 24] [--warmup 4] [--repeats 3]
                                    [--width 1024] [--layers 4] [--rows 16] [--sync-every 4]
-                                   [--variants ...] [--quick]
+                                   [--topk-ratio 0.001] [--randk-ratio 0.004] [--variants ...] [--quick]
 An MLP (``--layers`` Linear ``width x width`` + ReLU, float32; 4.2 M parameters by default),
 the same weights and inputs everywhere, ``--rows`` rows per rank, loss
 ``out.logsumexp(-1).mean()``, SGD lr 0.01 momentum 0.9, one thread per rank. In the same
@@ -11,8 +11,8 @@ processes it times a full training step (forward, backward, ``opt.step()``, zero
   ap-allreduce   ``autopar.parallelize(model, {"dp": n}, (x,), zero_stage=0)`` + ``autopar.optimizer``
   ap-local       dp_mode ``{"kind": "local_sgd", "sync_every": H}``
   ap-quantize    ``{"kind": "compressed", "compressor": "quantize", "levels": 5}``
-  ap-topk        ``{"kind": "compressed", "compressor": "topk", "ratio": 0.01}``
-  ap-randk       ``{"kind": "compressed", "compressor": "randk", "ratio": 0.01}``
+  ap-topk        ``{"kind": "compressed", "compressor": "topk", "ratio": R}`` (``--topk-ratio``, 0.001)
+  ap-randk       ``{"kind": "compressed", "compressor": "randk", "ratio": R}`` (``--randk-ratio``, 0.004)
   ap-gossip-ring ``{"kind": "gossip", "topology": "ring"}``
   ap-gossip-exp  ``{"kind": "gossip", "topology": "exponential"}``
   ap-async       ``{"kind": "async", "staleness": 1}``
@@ -71,12 +71,12 @@ COMPRESSION_PEERS = ("ddp-powersgd", "ddp-fp16")
 PUBLISHED_MS = {"allreduce": 278.0, "gossip": 150.0}
 
 
-def dp_mode_of(variant: str, sync_every: int):
+def dp_mode_of(variant: str, knobs: dict):
     return {"ap-allreduce": None,
-            "ap-local": {"kind": "local_sgd", "sync_every": sync_every},
+            "ap-local": {"kind": "local_sgd", "sync_every": knobs["sync_every"]},
             "ap-quantize": {"kind": "compressed", "compressor": "quantize", "levels": 5},
-            "ap-topk": {"kind": "compressed", "compressor": "topk", "ratio": 0.01},
-            "ap-randk": {"kind": "compressed", "compressor": "randk", "ratio": 0.01},
+            "ap-topk": {"kind": "compressed", "compressor": "topk", "ratio": knobs["topk_ratio"]},
+            "ap-randk": {"kind": "compressed", "compressor": "randk", "ratio": knobs["randk_ratio"]},
             "ap-gossip-ring": {"kind": "gossip", "topology": "ring"},
             "ap-gossip-exp": {"kind": "gossip", "topology": "exponential"},
             "ap-async": {"kind": "async", "staleness": 1}}[variant]
@@ -114,7 +114,7 @@ class Counter:
         dist.all_reduce = counted
 
 
-def make(variant: str, width: int, layers: int, x: torch.Tensor, world: int, sync_every: int):
+def make(variant: str, width: int, layers: int, x: torch.Tensor, world: int, knobs: dict):
     """(module, optimizer) of one variant, from the same seed."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -122,7 +122,7 @@ def make(variant: str, width: int, layers: int, x: torch.Tensor, world: int, syn
     if variant.startswith("ap-"):
         import autopar
         pm = autopar.parallelize(model, {"dp": world}, (x,), zero_stage=0,
-                                 options=autopar.DataOptions(dp_mode=dp_mode_of(variant, sync_every)))
+                                 options=autopar.DataOptions(dp_mode=dp_mode_of(variant, knobs)))
         return pm, autopar.optimizer(pm, torch.optim.SGD, lr=LR, momentum=MOMENTUM)
     grad_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     # powerSGD_hook with more than one bucket deadlocks on gloo here (its second all-reduce is
@@ -136,7 +136,7 @@ def make(variant: str, width: int, layers: int, x: torch.Tensor, world: int, syn
         ddp.register_comm_hook(PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=0,
                                                  post_local_gradient_allreduce=False), post_localSGD_hook)
         opt = PostLocalSGDOptimizer(torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM),
-                                    PeriodicModelAverager(period=sync_every, warmup_steps=0))
+                                    PeriodicModelAverager(period=knobs["sync_every"], warmup_steps=0))
         return ddp, opt
     if variant == "ddp-powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
@@ -163,7 +163,7 @@ def sent_so_far(variant: str, module, counter: Counter, steps_done: int, grad_by
 # -- one rank -----------------------------------------------------------------------------------
 
 def rank_work(rank: int, world: int, width: int, layers: int, rows: int, warmup: int, steps: int,
-              variants: tuple[str, ...], sync_every: int) -> dict:
+              variants: tuple[str, ...], knobs: dict) -> dict:
     import torch.distributed as dist
     torch.set_num_threads(1)
     torch.manual_seed(1)
@@ -173,7 +173,7 @@ def rank_work(rank: int, world: int, width: int, layers: int, rows: int, warmup:
     built, setup_s = {}, {}
     for v in variants:
         t0 = time.perf_counter()
-        built[v] = make(v, width, layers, x, world, sync_every)
+        built[v] = make(v, width, layers, x, world, knobs)
         setup_s[v] = time.perf_counter() - t0
     times: dict[str, list[float]] = {v: [] for v in variants}
     sent: dict[str, list[float]] = {v: [] for v in variants}
@@ -300,6 +300,10 @@ def args() -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=4, help="MLP Linear layers (default 4)")
     ap.add_argument("--rows", type=int, default=16, help="rows per rank (default 16)")
     ap.add_argument("--sync-every", type=int, default=4, help="local SGD period H (default 4)")
+    ap.add_argument("--topk-ratio", type=float, default=0.001,
+                    help="top-k's share of entries (default 0.001: at or under PowerSGD's bytes here)")
+    ap.add_argument("--randk-ratio", type=float, default=0.004,
+                    help="rand-k's share of entries (default 0.004: at or under PowerSGD's bytes here)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     ap.add_argument("--timeout", type=float, default=600.0, help="per-world timeout of run_ranks, s")
     ap.add_argument("--quick", action="store_true",
@@ -326,12 +330,14 @@ def main() -> int:
     print(f"machine: {common.machine_line()}\nload before: {load_before}")
     print(f"model: MLP {a.layers} x Linear({a.width}, {a.width}) ({n_params:,} params, {n_params * 4 / 1e6:.1f} MB "
           f"fp32), {a.rows} rows/rank, world {a.world}; SGD lr {LR} momentum {MOMENTUM}; H = {a.sync_every}; "
-          f"{a.warmup} warm-up + {a.steps} timed steps per variant, {a.repeats} repeat(s)", flush=True)
+          f"{a.warmup} warm-up + {a.steps} timed steps per variant, {a.repeats} repeat(s); top-k {a.topk_ratio:g}, "
+          f"rand-k {a.randk_ratio:g} of the entries", flush=True)
     repeats = []
     for rep in range(a.repeats):
         t0 = time.perf_counter()
         res = run_ranks(rank_work, a.world, a.width, a.layers, a.rows, a.warmup, a.steps, a.variants,
-                        a.sync_every, timeout_s=a.timeout)
+                        {"sync_every": a.sync_every, "topk_ratio": a.topk_ratio, "randk_ratio": a.randk_ratio},
+                        timeout_s=a.timeout)
         s = summarise(res, a.variants, a.steps, a.sync_every)
         repeats.append(s)
         print(f"repeat {rep + 1}: {time.perf_counter() - t0:.1f} s; "

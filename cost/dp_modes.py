@@ -24,8 +24,8 @@ allreduce       m x buckets all-reduces of G                     the planner's f
 local_sgd H     one all-reduce of P every H steps                all (after the optimizer step)
 compressed      m x topk: all-gathers of k values + k int32      the fraction all-reduce exposes
                 indices; randk: all-reduce of k values;          (same buckets, same overlap
-                quantize: all-gathers of an int8 per entry and   with backward); compression
-                one norm (k = ratio x entries)                   compute is not priced
+                quantize: all-reduces of an integer level per    with backward); compression
+                entry and a scale per 512 (k = ratio x entries)  compute is not priced
 gossip          P to each neighbour (point-to-point), per link   all (after the optimizer step)
                 of the slowest rank; every K steps (K > 0) an
                 all-reduce of P instead
@@ -50,7 +50,8 @@ from autopar.cost.comm import collective_time
 from autopar.cost.step_terms import DataBytes, bucket_count
 from autopar.core.dp_mode import DataMode
 from autopar.core.errors import ConfigError
-from autopar.runtime.data_modes import QUANT_CHUNK, allgather_bytes, keep_count, neighbours, ring_allreduce_bytes
+from autopar.runtime.data_modes import (QUANT_CHUNK, allgather_bytes, keep_count, level_dtype, neighbours,
+                                        ring_allreduce_bytes)
 
 DEFAULT_MODES: tuple[DataMode, ...] = (
     DataMode("local_sgd", sync_every=4), DataMode("local_sgd", sync_every=16),
@@ -196,11 +197,13 @@ def _price(mode: DataMode, lay: _Layout, m: int, grads: float, params: float, nu
                 f"gradients applied {mode.staleness} step(s) late; {UNMODELLED}", {})
     if mode.kind == "compressed":
         if mode.compressor == "quantize":
-            # an int8 per entry and an fp32 norm per QUANT_CHUNK entries (the runtime's accounting)
-            norms = 4.0 * math.ceil(numel / QUANT_CHUNK)
-            nbytes = allgather_bytes(numel + norms, dp)
-            comm = lay.coll("all_gather", dp * float(numel)) + lay.coll("all_gather", dp * norms)
-            calls, what = 2.0, f"{mode.levels} levels, an int8 per entry and a norm per {QUANT_CHUNK}"
+            # an integer level per entry (summed: level_dtype) and an fp32 scale per QUANT_CHUNK
+            # entries (a max all-reduce), the runtime's accounting
+            scales = 4.0 * math.ceil(numel / QUANT_CHUNK)
+            entries = float(numel) * level_dtype(dp, mode.levels).itemsize
+            nbytes = ring_allreduce_bytes(entries + scales, dp)
+            comm = lay.coll("all_reduce", entries) + lay.coll("all_reduce", scales)
+            calls, what = 2.0, f"{mode.levels} levels, an integer sum per entry and a scale per {QUANT_CHUNK}"
         elif mode.compressor == "topk":
             k = keep_count(numel, mode.ratio) if numel else 0
             nbytes = allgather_bytes(k * (width + 4), dp)    # values and int32 indices

@@ -7,8 +7,8 @@ bucket's gradients are ready in backward, ``grad_reduce_wait`` where they are ne
 they do is asked of the mode:
 
 - :meth:`ModeState.issue` starts a bucket's exchange: a plain all-reduce, a compressed
-  exchange (all-gather of top-k values and indices or of quantized entries, all-reduce of the
-  rand-k entries every rank drew alike), or nothing when the rank steps on its own gradient;
+  exchange (all-gather of top-k values and indices packed as bytes, all-reduce of the rand-k
+  entries every rank drew alike or of integer levels at scales every rank shares), or nothing when the rank steps on its own gradient;
 - :meth:`ModeState.finish` waits for it and returns the bucket's averaged (or local) flat
   gradient, or, under ``async``, queues the pending all-reduce for a later step and returns None;
 - the optimizer (``runtime/optim.py``) takes ``async``'s delayed gradients with
@@ -39,9 +39,29 @@ def keep_count(numel: int, ratio: float) -> int:
     return max(1, min(numel, math.ceil(ratio * numel - 1e-9)))
 
 
+SAMPLE = 4096        # entries a top-k's threshold is estimated from
+
+
 def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` entries of flat ``x`` with the largest magnitude: (values, int64 indices)."""
-    idx = torch.topk(x.abs(), k, sorted=False).indices
+    """The ``k`` entries of flat ``x`` with the largest magnitude: (values, int64 indices).
+
+    Exact, but without a selection over all of ``x`` where it can: a threshold below the k-th
+    largest magnitude is estimated from an evenly strided sample, the entries at or above it
+    are the candidates, and the top ``k`` of those are the top ``k`` of ``x`` whenever there
+    are at least ``k`` of them (else, or when they are too many to save time, the selection
+    runs over all of ``x``)."""
+    a = x.abs()
+    n = a.numel()
+    if n > 8 * SAMPLE and k * 8 <= n:
+        sample = a[::n // SAMPLE]
+        # the sample's entry at rank 2k/n of it: about twice k entries of x lie above it
+        rank = min(len(sample), max(1, (2 * k * len(sample)) // n + 1))
+        cut = torch.topk(sample, rank, sorted=True).values[-1]
+        cand = torch.nonzero(a >= cut).view(-1)
+        if k <= len(cand) <= 8 * k:
+            idx = cand[torch.topk(a[cand], k, sorted=False).indices]
+            return x[idx], idx
+    idx = torch.topk(a, k, sorted=False).indices
     return x[idx], idx
 
 
@@ -57,46 +77,65 @@ def randk_indices(numel: int, k: int, generator: torch.Generator) -> torch.Tenso
     return torch.randperm(numel, generator=generator)[:k].sort().values
 
 
-QUANT_CHUNK = 512     # entries per norm: QSGD's bucketed norms keep the rounding's variance small
+QUANT_CHUNK = 512     # entries per scale: a scale per chunk keeps the rounding's variance small
 
 
-def quantize(x: torch.Tensor, levels: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random rounding of ``|x| / ||chunk||`` to ``levels`` levels, chunk by chunk of
-    :data:`QUANT_CHUNK` entries: (one norm per chunk, int8 signed levels). An entry at ``a``
-    levels (``l <= a < l + 1``) becomes ``l + 1`` with probability ``a - l``, else ``l``, so
-    :func:`dequantize` is unbiased: its expectation is ``x``."""
+def level_dtype(n: int, levels: int) -> torch.dtype:
+    """The narrowest integer type that holds the sum over ``n`` ranks of levels in
+    ``[-levels, levels]``: what the quantized all-reduce sums in."""
+    top = n * levels
+    return torch.int8 if top <= 127 else torch.int16 if top <= 32767 else torch.int32
+
+
+def chunk_maxima(x: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude of each :data:`QUANT_CHUNK`-entry chunk of flat ``x`` (float32; the
+    last chunk may be partial)."""
     n = x.numel()
-    chunks = -(-n // QUANT_CHUNK)
+    full = n // QUANT_CHUNK
     v = x.reshape(-1)
-    if n != chunks * QUANT_CHUNK:          # zeros after the last entry fill the last chunk
-        v = torch.cat([v, v.new_zeros(chunks * QUANT_CHUNK - n)])
-    v = v.view(chunks, QUANT_CHUNK)
-    norms = torch.linalg.vector_norm(v, dim=1)
-    scale = torch.where(norms > 0, levels / norms, torch.zeros_like(norms))
-    a = v.abs().mul_(scale[:, None])       # levels, as a real number
-    # floor(a + u), u uniform in [0, 1): l + 1 with probability a - l, else l
-    a.add_(torch.rand(a.shape, generator=generator, dtype=a.dtype).to(x.device)).floor_()
-    return norms, a.clamp_(max=levels).copysign_(v).view(-1)[:n].to(torch.int8)
-
-
-def dequantize(norms: torch.Tensor, q: torch.Tensor, levels: int, dtype: torch.dtype) -> torch.Tensor:
-    """The values ``q`` (from :func:`quantize`, with its per-chunk ``norms``) stand for."""
-    return dequantize_sum(norms.reshape(1, -1), q.reshape(1, -1), levels, dtype)
-
-
-def dequantize_sum(norms: torch.Tensor, qs: torch.Tensor, levels: int, dtype: torch.dtype) -> torch.Tensor:
-    """The sum over rows (ranks, in order) of what each row of ``qs`` with its row of ``norms``
-    stands for: one multiply-add per rank, chunk by chunk."""
-    numel, c = qs.shape[1], QUANT_CHUNK
-    full = numel // c
-    out = torch.zeros(numel, dtype=dtype, device=qs.device)
-    body, tail = out[:full * c].view(full, c), out[full * c:]
-    for r in range(qs.shape[0]):
-        scale = norms[r].to(dtype) / levels
-        body.addcmul_(qs[r, :full * c].view(full, c).to(dtype), scale[:full, None])
-        if len(tail):
-            tail.add_(qs[r, full * c:].to(dtype) * scale[full])
+    out = v[:full * QUANT_CHUNK].view(full, QUANT_CHUNK).abs().amax(1).float()
+    if n > full * QUANT_CHUNK:
+        out = torch.cat([out, v[full * QUANT_CHUNK:].abs().amax().float().reshape(1)])
     return out
+
+
+def _per_entry(x: torch.Tensor, per_chunk: torch.Tensor, op) -> torch.Tensor:
+    """``op(chunk view, its per-chunk column)`` over flat ``x``'s whole chunks and its tail."""
+    n, c = x.numel(), QUANT_CHUNK
+    full = n // c
+    body = op(x[:full * c].view(full, c), per_chunk[:full, None]).reshape(-1)
+    if n == full * c:
+        return body
+    return torch.cat([body, op(x[full * c:], per_chunk[full])])
+
+
+def quantize(x: torch.Tensor, maxima: torch.Tensor, levels: int, generator: torch.Generator,
+             dtype: torch.dtype = torch.int8) -> torch.Tensor:
+    """Random rounding of flat ``x`` to ``levels`` levels of a scale per chunk: the entry ``b =
+    x / maxima[chunk] x levels`` (in ``[-levels, levels]`` when ``maxima`` bound the chunks'
+    magnitudes, as :func:`chunk_maxima` of ``x`` or its maximum over the ranks do) becomes
+    ``floor(b) + 1`` with probability ``b - floor(b)``, else ``floor(b)``, so :func:`dequantize`
+    is unbiased: its expectation is ``x``. Ranks that share ``maxima`` share the scale, so their
+    levels add up: the sum over ranks travels as one all-reduce of ``dtype``
+    (:func:`level_dtype`)."""
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32    # levels + u exact enough
+    scale = torch.where(maxima > 0, levels / maxima, torch.zeros_like(maxima)).to(work)
+    # u + levels + b >= 0, so truncation is floor; u uniform in [0, 1) from the generator
+    v, n, c = x.reshape(-1), x.numel(), QUANT_CHUNK
+    full = n // c
+    b = torch.rand(n, generator=generator, dtype=work).to(x.device).add_(levels)
+    b[:full * c].view(full, c).addcmul_(v[:full * c].view(full, c), scale[:full, None])
+    if n > full * c:
+        b[full * c:].addcmul_(v[full * c:], scale[full])
+    return b.to(dtype).sub_(levels)
+
+
+def dequantize(q: torch.Tensor, maxima: torch.Tensor, levels: int, dtype: torch.dtype) -> torch.Tensor:
+    """The values levels ``q`` (one rank's, or their sum over ranks) stand for at the chunks'
+    shared ``maxima``."""
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    out = _per_entry(q.reshape(-1).to(work), maxima.to(work) / levels, lambda v, s: v.mul_(s))
+    return out.to(dtype)
 
 
 # -- gossip topologies -----------------------------------------------------------------------
@@ -186,33 +225,36 @@ class ModeState:
         gen = torch.Generator().manual_seed((m.seed * 1_000_003 + bucket) * 1_000_003 + count)
         if m.error_feedback:
             have = self.memory.get(bucket)
-            p = buf if have is None else buf + have
+            p = buf if have is None else have.add_(buf)      # the residual's buffer takes the sum
         else:
             p = buf
         if m.compressor == "quantize":
-            norm, q = quantize(p, m.levels, gen)
-            norm = norm.to(torch.float32)       # as the others receive it: the residual is exact
-            sent = dequantize(norm, q, m.levels, p.dtype)
-            self._remember(bucket, p, sent)
-            self.sent_bytes += allgather_bytes(q.numel() + norm.numel() * 4, self.n)    # fp32 norms on the wire
-            return ("quantize", all_gather_start(norm.to(torch.float32), self.n, self.group_name),
-                    all_gather_start(q, self.n, self.group_name), p.numel(), p.dtype)
+            # a scale per chunk shared by every rank (the largest magnitude over the ranks), so the
+            # ranks' levels are summed by one integer all-reduce
+            maxima = chunk_maxima(p)
+            maxima = c10d.wait_tensor(c10d.all_reduce_(maxima, "max", self.group_name))
+            wide = level_dtype(self.n, m.levels)
+            q = quantize(p, maxima, m.levels, gen, wide)
+            if m.error_feedback:         # what was not sent stays (in the sum's buffer)
+                self.memory[bucket] = (buf.clone() if p is buf else p).sub_(dequantize(q, maxima, m.levels, p.dtype))
+            self.sent_bytes += (ring_allreduce_bytes(q.numel() * q.element_size(), self.n)
+                                + ring_allreduce_bytes(maxima.numel() * 4, self.n))
+            return ("quantize", c10d.all_reduce_(q, "sum", self.group_name), maxima, p.dtype)
         k = keep_count(p.numel(), m.ratio)
         if m.compressor == "randk":
             idx = randk_indices(p.numel(), k, gen).to(p.device)
             vals = p[idx]
-            self._remember(bucket, p, torch.zeros_like(p).index_copy_(0, idx, vals))
+            if m.error_feedback:         # what is not sent stays: p with the sent entries zeroed
+                self.memory[bucket] = (buf.clone() if p is buf else p).index_fill_(0, idx, 0)
             self.sent_bytes += ring_allreduce_bytes(vals.numel() * vals.element_size(), self.n)
             return ("randk", c10d.all_reduce_(vals.contiguous(), "sum", self.group_name), idx, p.numel())
         vals, idx = topk(p, k)
-        self._remember(bucket, p, torch.zeros_like(p).index_copy_(0, idx, vals))
+        if m.error_feedback:
+            self.memory[bucket] = (buf.clone() if p is buf else p).index_fill_(0, idx, 0)
         self.sent_bytes += allgather_bytes(k * (vals.element_size() + 4), self.n)   # int32 indices on the wire
-        return ("topk", all_gather_start(vals.contiguous(), self.n, self.group_name),
-                all_gather_start(idx.to(torch.int32), self.n, self.group_name), p.numel())
-
-    def _remember(self, bucket: int, p: torch.Tensor, sent: torch.Tensor) -> None:
-        if self.mode.error_feedback:
-            self.memory[bucket] = p - sent
+        # values and int32 indices travel as one byte string: one gather, not two
+        packed = torch.cat([vals.reshape(-1).view(torch.uint8), idx.to(torch.int32).view(torch.uint8)])
+        return ("topk", all_gather_start(packed, self.n, self.group_name), p.numel(), vals.dtype, k)
 
     def finish(self, handle: Any) -> torch.Tensor:
         """The bucket's flat gradient once ``handle``'s exchange is done: the sum over the axis
@@ -227,12 +269,14 @@ class ModeState:
             vals = c10d.wait_tensor(pending)
             return torch.zeros(numel, dtype=vals.dtype, device=vals.device).index_copy_(0, idx, vals)
         if kind == "topk":
-            _, vals, idx, numel = handle
-            vals, idx = all_gather_wait(vals), all_gather_wait(idx)
-            return torch.zeros(numel, dtype=vals.dtype, device=vals.device).index_add_(0, idx.long(), vals)
-        _, norms, qs, numel, dtype = handle
-        norms, qs = all_gather_wait(norms).view(self.n, -1), all_gather_wait(qs).view(self.n, numel)
-        return dequantize_sum(norms, qs, self.mode.levels, dtype)      # in rank order: alike everywhere
+            _, pending, numel, dtype, k = handle
+            rows = all_gather_wait(pending).view(self.n, -1)
+            width = k * torch.empty((), dtype=dtype).element_size()
+            vals = rows[:, :width].contiguous().view(dtype).reshape(-1)
+            idx = rows[:, width:].contiguous().view(torch.int32).reshape(-1)
+            return torch.zeros(numel, dtype=dtype, device=vals.device).index_add_(0, idx.long(), vals)
+        _, pending, maxima, dtype = handle
+        return dequantize(c10d.wait_tensor(pending), maxima, self.mode.levels, dtype)
 
     # -- async --------------------------------------------------------------------------------
     def defer(self, bucket: int, handle: Any) -> None:

@@ -56,7 +56,8 @@ def test_bytes_per_step_follow_the_runtimes_accounting():
     assert p["allreduce"].bytes_per_step == 2 * 3 / 4 * 4 * n             # ring all-reduce of fp32 entries
     assert p["compressed(topk, ratio=1)"].bytes_per_step == 3 * 8 * n     # all-gather of value + int32 index
     assert p["compressed(randk, ratio=0.01)"].bytes_per_step == 2 * 3 / 4 * 4 * 10
-    assert p["compressed(quantize, levels=5)"].bytes_per_step == 3 * (n + 4 * 2)   # an int8 each, a norm per 512
+    # all-reduces of an int8 level each (4 ranks x 5 levels fit) and of an fp32 scale per 512 entries
+    assert p["compressed(quantize, levels=5)"].bytes_per_step == 2 * 3 / 4 * (n + 4 * 2)
     assert p["compressed(topk, ratio=1)"].collectives_per_step == 2 and p["allreduce"].collectives_per_step == 1
     # top-k of everything over 256 ranks all-gathers far more than all-reduce moves: it must not look cheaper
     big = price(modes=[DataMode("compressed", compressor="topk", ratio=1.0)])

@@ -23,6 +23,24 @@ def test_topk_keeps_exactly_the_k_largest_magnitudes():
     assert dm.keep_count(1000, 0.01) == 10 and dm.keep_count(7, 0.01) == 1 and dm.keep_count(7, 1.0) == 7
 
 
+@pytest.mark.parametrize("shape", ["normal", "heavy", "ties", "sorted", "spike"])
+def test_topk_of_a_large_bucket_is_the_exact_selection(shape):
+    """Above ``8 x SAMPLE`` entries the selection starts from a sampled threshold; whatever the
+    entries look like, the set chosen is the k largest magnitudes."""
+    g = torch.Generator().manual_seed(1)
+    n, k = 200_003, 200
+    x = {"normal": lambda: torch.randn(n, generator=g),
+         "heavy": lambda: torch.randn(n, generator=g) ** 5,
+         "ties": lambda: torch.randint(-3, 4, (n,), generator=g).float(),
+         "sorted": lambda: torch.linspace(-1, 1, n),
+         "spike": lambda: torch.zeros(n).index_fill_(0, torch.arange(0, n, 997), 1.0)
+         * torch.randn(n, generator=g)}[shape]()
+    vals, idx = dm.topk(x, k)
+    assert len(idx) == k and len(set(idx.tolist())) == k and torch.equal(vals, x[idx])
+    want = torch.topk(x.abs(), k).values
+    assert torch.equal(vals.abs().sort(descending=True).values, want)      # the same magnitudes
+
+
 def test_randk_draws_distinct_indices_alike_for_the_same_seed():
     a = dm.randk_indices(100, 10, torch.Generator().manual_seed(3))
     b = dm.randk_indices(100, 10, torch.Generator().manual_seed(3))
@@ -36,20 +54,34 @@ def test_random_quantization_is_unbiased_and_on_its_levels():
     n, levels, draws = 2 * dm.QUANT_CHUNK + 100, 5, 3000        # two whole chunks and a partial one
     x = torch.randn(n, dtype=torch.float64)
     chunks = [x[i:i + dm.QUANT_CHUNK] for i in range(0, n, dm.QUANT_CHUNK)]
+    maxima = dm.chunk_maxima(x)
+    torch.testing.assert_close(maxima, torch.stack([c.abs().max() for c in chunks]).float())
+    shared = maxima * 1.5            # a larger shared scale (another rank's maxima) keeps it unbiased
     g = torch.Generator().manual_seed(0)
-    total = torch.zeros_like(x)
-    for i in range(draws):
-        norms, q = dm.quantize(x, levels, g)
-        total += dm.dequantize(norms, q, levels, torch.float64)
-        if i == 0:       # one norm per chunk; levels in [-levels, levels], signs kept
-            torch.testing.assert_close(norms, torch.stack([c.norm() for c in chunks]))
-            assert q.dtype == torch.int8 and q.abs().max() <= levels and bool((q * x.sign() >= 0).all())
-    # each entry's rounding has variance <= (its chunk's norm / levels)^2 / 4: 5 standard errors
-    bound = torch.cat([torch.full_like(c, 5 * c.norm().item() / levels / 2 / draws ** 0.5) for c in chunks])
-    assert bool(((total / draws - x).abs() < bound).all())
-    assert (dm.dequantize(*dm.quantize(x, levels, g), levels, torch.float64) - x).abs().max() > 0   # not exact
-    zero_norm, zero_q = dm.quantize(torch.zeros(4), levels, g)
-    assert zero_norm.item() == 0 and not zero_q.any()
+    for scale in (maxima, shared):
+        total = torch.zeros_like(x)
+        for i in range(draws):
+            q = dm.quantize(x, scale, levels, g)
+            total += dm.dequantize(q, scale, levels, torch.float64)
+            if i == 0:       # levels in [-levels, levels], signs kept, the chunk's largest entry at +-levels
+                assert q.dtype == torch.int8 and q.abs().max() <= levels and bool((q * x.sign() >= 0).all())
+        # each entry's rounding has variance <= (its chunk's scale / levels)^2 / 4: 5 standard errors
+        per = torch.cat([torch.full_like(c, s.item()) for c, s in zip(chunks, scale.double())])
+        assert bool(((total / draws - x).abs() < 5 * per / levels / 2 / draws ** 0.5).all())
+    q = dm.quantize(x, maxima, levels, g)
+    assert (dm.dequantize(q, maxima, levels, torch.float64) - x).abs().max() > 0   # not exact
+    big = torch.tensor([x.abs().max().item()], dtype=torch.float64)                 # the largest entry is exact
+    assert dm.quantize(big, big.float(), levels, g).item() == levels
+    assert not dm.quantize(torch.zeros(4), torch.zeros(1), levels, g).any()
+    # the sum over ranks of levels fits the integer type the all-reduce uses
+    assert dm.level_dtype(4, 5) == torch.int8 and dm.level_dtype(26, 5) == torch.int16
+    assert dm.level_dtype(7000, 5) == torch.int32
+    # a bfloat16 gradient rounds in float32: levels + u would lose the probabilities in bfloat16
+    xb = torch.full((dm.QUANT_CHUNK,), 0.3, dtype=torch.bfloat16)
+    mb = torch.ones(1)
+    ups = sum(int((dm.quantize(xb, mb, levels, g) == 2).sum()) for _ in range(20))
+    frac = ups / (20 * dm.QUANT_CHUNK)                # 0.3 (as bfloat16) x 5 = 1.5: half of them round up
+    assert abs(frac - (xb[0].float().item() * levels - 1)) < 0.03
 
 
 def test_randk_indices_stay_uniform():
@@ -72,8 +104,8 @@ def test_error_feedback_memory_keeps_exactly_what_was_not_sent(fake_world, compr
         state.finish(state.issue(0, buf.clone()))     # the fake group answers at once
         memory, p = state.memory[0], buf + carried      # p: the gradient with the carried residual
         sent = p - memory                                  # what the memory says was sent
-        if compressor == "quantize":    # whole multiples of ||p|| / levels, at most levels of them
-            steps = sent / (p.norm().float().double() / 5)      # one chunk of 40; its norm travels in fp32
+        if compressor == "quantize":    # whole multiples of max |p| / levels, at most levels of them
+            steps = sent / (p.abs().max().float().double() / 5)    # one chunk of 40; its scale is fp32
             torch.testing.assert_close(steps, steps.round(), rtol=0, atol=1e-9)
             assert steps.abs().max() <= 5 and (steps.round() != 0).any()
         else:                           # exactly k = 25 % of 40 entries, p's own values there
@@ -81,7 +113,7 @@ def test_error_feedback_memory_keeps_exactly_what_was_not_sent(fake_world, compr
             assert int(kept.sum()) == 10 and torch.equal(sent[kept], p[kept])
             if compressor == "topk":
                 assert p[kept].abs().min() >= p[~kept].abs().max()
-        carried = memory
+        carried = memory.clone()          # the next exchange adds into the residual's buffer
 
 
 @pytest.mark.parametrize("topology", ["ring", "grid", "exponential", "full"])

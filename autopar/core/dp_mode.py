@@ -10,7 +10,9 @@ optimisation (each rank's parameters may differ between synchronisations):
 - ``compressed``: gradients travel compressed: ``topk`` (the ``ratio`` largest magnitudes,
   values and indices), ``randk`` (``ratio`` of the entries at indices every rank draws alike,
   so they are summed with a small all-reduce) or ``quantize`` (random rounding to ``levels``
-  levels of the norm, unbiased: an int8 per entry and one norm). With ``error_feedback`` (on
+  levels of a scale per 512 entries that every rank shares, the largest magnitude over the
+  ranks; unbiased: the integer levels of all ranks are summed by one all-reduce, int8 while
+  ranks x levels <= 127). With ``error_feedback`` (on
   by default) what a compressor drops is kept and added to the next step's gradient.
 - ``gossip``: every rank steps on its own gradient, then averages its parameters with its
   neighbours on a ``topology`` (``ring``, 2-D torus ``grid``, ``exponential``: the ranks at
@@ -52,7 +54,7 @@ class DataMode:
     warmup: int = 0              # local_sgd: all-reduce steps first
     compressor: str = "topk"     # compressed: topk | randk | quantize
     ratio: float = 0.01          # compressed topk/randk: fraction of entries sent
-    levels: int = 5              # compressed quantize: levels of |x| / ||x||
+    levels: int = 5              # compressed quantize: levels of |x| / max |x|
     error_feedback: bool = True  # compressed: carry what was dropped into the next step
     seed: int = 0                # compressed randk/quantize: draws, alike on every rank
     topology: str = "ring"       # gossip: ring | grid | exponential | full
