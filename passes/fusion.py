@@ -10,6 +10,9 @@ they need, recognised in the ATen graph and replaced by the fused ops of
 - **RMSNorm**: transformers' ``w * (x32 * rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)``
   with ``x32 = x.to(float32)`` (each cast optional), every intermediate read only inside the
   pattern. Frees the normalised rows.
+- **A norm into its projections**: ``linear(y, w[, b])`` where ``y`` is an RMSNorm's (above) or
+  ``layer_norm``'s output and every reader of ``y`` is such a projection (q, k and v; gate and
+  up). Frees ``y``: each projection keeps the norm's input instead, which the norm keeps anyway.
 
 :func:`unkept` names, for the memory pass, the values the fused ops do not keep (so the planner
 and the simulator price the runtime's saved set); :func:`fuse` rewrites a graph. The final node
@@ -23,7 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.runtime.fused import autopar_gelu_linear, autopar_rms_norm, autopar_swiglu, autopar_swiglu_linear
+from autopar.runtime.fused import (autopar_gelu_linear, autopar_norm_linear, autopar_rms_norm, autopar_swiglu,
+                                   autopar_swiglu_linear)
 
 aten = torch.ops.aten
 _CHECKS = {aten._assert_tensor_metadata.default}
@@ -150,13 +154,46 @@ def _gelu_linear(lin: fx.Node) -> Match | None:
                  (a,), (a,))
 
 
+def _norm_recipe(y: fx.Node) -> tuple | None:
+    """``(kind, x, weight, bias, eps, shape, mid, out)`` of a norm whose output is ``y``: an
+    ``aten.layer_norm`` or transformers' RMSNorm (:func:`_rms_norm`), else None."""
+    if _call(y, aten.layer_norm.default) and not y.kwargs and isinstance(y.args[0], fx.Node):
+        a = [*y.args, *(None, None, None, None, 1e-5)[len(y.args):]]      # the defaults not written
+        return ("layer", a[0], a[2], a[3], a[4], list(a[1]), None, None)
+    rms = _rms_norm(y) if _call(y, aten.mul.Tensor) else None
+    if rms is not None:
+        x, w, eps, mid, out = rms.args
+        return ("rms", x, w, None, eps, None, mid, out)
+    return None
+
+
+def _projects(lin: fx.Node, y: fx.Node) -> bool:
+    """Whether ``lin`` is a plain projection of ``y``: ``linear(y, w[, b])``, ``y`` nowhere else."""
+    return (_call(lin, aten.linear.default) and not lin.kwargs and lin.args[0] is y
+            and all(a is not y for a in lin.args[1:]))
+
+
+def _norm_linear(lin: fx.Node) -> Match | None:
+    """``linear(norm(x), w[, b])`` where every reader of the norm's output is such a projection."""
+    if not _call(lin, aten.linear.default) or lin.kwargs or not isinstance(lin.args[0], fx.Node):
+        return None
+    y = lin.args[0]
+    if not all(_projects(u, y) for u in _readers(y)):
+        return None
+    recipe = _norm_recipe(y)
+    if recipe is None:
+        return None
+    bias = lin.args[2] if len(lin.args) > 2 else None
+    return Match(lin, autopar_norm_linear, (y, lin.args[1], bias, *recipe), (), (y,))
+
+
 def matches(gm: fx.GraphModule) -> list[Match]:
     """Every pattern of the module docstring in ``gm``."""
     out, inside = [], set()
     for n in reversed(list(gm.graph.nodes)):      # a down projection takes its SwiGLU in
         if n in inside:
             continue
-        m = _swiglu_linear(n) or _gelu_linear(n) or _swiglu(n) or _rms_norm(n)
+        m = _swiglu_linear(n) or _gelu_linear(n) or _norm_linear(n) or _swiglu(n) or _rms_norm(n)
         if m is not None:
             out.append(m)
             inside.update(m.absorbed)

@@ -14,6 +14,10 @@ ops, in the same order, so the results are the unfused model's bit for bit).
   writes it, ``w * (x.to(mid) * rsqrt(x.to(mid).pow(2).mean(-1, keepdim=True) + eps)).to(out)``.
   Eager autograd keeps ``x``, the per-row ``rsqrt`` and the normalised rows (for the weight's
   gradient); this keeps ``x`` and the per-row ``rsqrt`` and recomputes the normalised rows.
+- :func:`autopar_norm_linear`: a projection of a norm's output (RMSNorm as above, or
+  ``layer_norm``) when only projections read it (an attention block's q, k and v, an MLP's gate
+  and up). Eager keeps the norm's output for the weights' gradients; this keeps the norm's
+  input, which the norm itself keeps, and recomputes the output in backward.
 
 The graph pass that puts them in place is :mod:`autopar.passes.fusion`.
 """
@@ -99,17 +103,24 @@ def autopar_gelu_linear(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
     return _GeluLinear.apply(h, w, b, approximate)
 
 
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float, mid: torch.dtype | None,
+         out: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' RMSNorm as the model writes it: (output, per-row rsqrt)."""
+    xm = x.to(mid) if mid is not None else x
+    r = aten.rsqrt.default(aten.add.Tensor(aten.mean.dim(aten.pow.Tensor_Scalar(xm, 2), [-1], True), eps))
+    n = aten.mul.Tensor(xm, r)
+    nd = n.to(out) if out is not None else n
+    return aten.mul.Tensor(w, nd), r
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float, mid: torch.dtype | None,
                 out: torch.dtype | None) -> torch.Tensor:
-        xm = x.to(mid) if mid is not None else x
-        r = aten.rsqrt.default(aten.add.Tensor(aten.mean.dim(aten.pow.Tensor_Scalar(xm, 2), [-1], True), eps))
-        n = aten.mul.Tensor(xm, r)
-        nd = n.to(out) if out is not None else n
+        y, r = _rms(x, w, eps, mid, out)
         ctx.save_for_backward(x, w, r)
         ctx.mid, ctx.out = mid, out
-        return aten.mul.Tensor(w, nd)
+        return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -138,6 +149,49 @@ def autopar_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, mid: torch.dt
     return _RMSNorm.apply(x, w, eps, mid, out)
 
 
-FUSED_OPS = (autopar_swiglu, autopar_swiglu_linear, autopar_gelu_linear, autopar_rms_norm)
+def _norm_again(kind: str, x: torch.Tensor, nw: torch.Tensor | None, nb: torch.Tensor | None, eps: float,
+                shape: list[int] | None, mid: torch.dtype | None, out: torch.dtype | None) -> torch.Tensor:
+    """The norm's output, by the very ops its forward ran (so bit for bit the same)."""
+    if kind == "rms":
+        return _rms(x, nw, eps, mid, out)[0]
+    return aten.layer_norm.default(x, shape, nw, nb, eps)
 
-__all__ = ["autopar_swiglu", "autopar_swiglu_linear", "autopar_gelu_linear", "autopar_rms_norm", "FUSED_OPS"]
+
+class _NormLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kind: str, x: torch.Tensor,
+                nw: torch.Tensor | None, nb: torch.Tensor | None, eps: float, shape: list[int] | None,
+                mid: torch.dtype | None, out: torch.dtype | None) -> torch.Tensor:
+        ctx.save_for_backward(x, nw, nb, w)
+        ctx.has_bias, ctx.norm = b is not None, (kind, eps, shape, mid, out)
+        return aten.linear.default(y, w, b)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, nw, nb, w = ctx.saved_tensors
+        kind, eps, shape, mid, out = ctx.norm
+        grad2 = grad.reshape(-1, grad.shape[-1])
+        grad_y = grad2.mm(w).view(*grad.shape[:-1], w.shape[1]) if ctx.needs_input_grad[0] else None
+        grad_w = grad_b = None
+        if ctx.needs_input_grad[1]:
+            y = _norm_again(kind, x, nw, nb, eps, shape, mid, out)
+            grad_w = y.reshape(-1, y.shape[-1]).t().mm(grad2).t()
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad2.sum(0)
+        return grad_y, grad_w, grad_b, None, None, None, None, None, None, None, None
+
+
+def autopar_norm_linear(y: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kind: str, x: torch.Tensor,
+                        nw: torch.Tensor | None, nb: torch.Tensor | None, eps: float, shape: list[int] | None = None,
+                        mid: torch.dtype | None = None, out: torch.dtype | None = None) -> torch.Tensor:
+    """``linear(y, w, b)`` where ``y`` is a norm's output (``kind`` "rms": transformers' RMSNorm of
+    ``x`` with weight ``nw``; "layer": ``layer_norm(x, shape, nw, nb, eps)``) that only
+    projections read. Keeps the norm's input ``x`` (which the norm keeps anyway) instead of ``y``
+    and recomputes ``y`` for the weight's gradient; ``y``'s own gradient is the plain linear's."""
+    return _NormLinear.apply(y, w, b, kind, x, nw, nb, eps, shape, mid, out)
+
+
+FUSED_OPS = (autopar_swiglu, autopar_swiglu_linear, autopar_gelu_linear, autopar_rms_norm, autopar_norm_linear)
+
+__all__ = ["autopar_swiglu", "autopar_swiglu_linear", "autopar_gelu_linear", "autopar_rms_norm",
+           "autopar_norm_linear", "FUSED_OPS"]

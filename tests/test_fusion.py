@@ -23,7 +23,8 @@ import autopar
 from autopar.build.prepare import capture_model
 from autopar.core.meta import evaluate, info
 from autopar.passes.fusion import fuse, matches, unkept
-from autopar.runtime.fused import autopar_gelu_linear, autopar_rms_norm, autopar_swiglu, autopar_swiglu_linear
+from autopar.runtime.fused import (autopar_gelu_linear, autopar_norm_linear, autopar_rms_norm, autopar_swiglu,
+                                   autopar_swiglu_linear)
 from autopar.runtime.launch import run_ranks
 
 
@@ -37,7 +38,7 @@ def _grads(fn, *inputs):
         t.grad = None
     y = fn(*inputs)
     (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
-    return y.detach(), [t.grad.clone() for t in inputs]
+    return y.detach(), [None if t.grad is None else t.grad.clone() for t in inputs]
 
 
 @pytest.mark.parametrize("dt,wdt", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
@@ -62,6 +63,42 @@ def test_fused_ops_equal_the_unfused_bit_for_bit(dt, wdt):
         assert torch.equal(want[0], got[0]) and all(torch.equal(p, q) for p, q in zip(want[1], got[1])), fused
 
 
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float64])
+def test_projections_of_a_norm_equal_the_unfused_bit_for_bit(dt):
+    """Three projections of one norm's output (q, k, v), with and without a bias: the outputs and
+    every gradient (the norm's input and weights, the projections' weights) are the unfused
+    ones, and the norm's output is no longer kept."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16, dtype=dt, requires_grad=True)
+    nw, nb = torch.randn(16, dtype=dt, requires_grad=True), torch.randn(16, dtype=dt, requires_grad=True)
+    ws = [torch.randn(o, 16, dtype=dt, requires_grad=True) for o in (16, 8, 8)]
+    bias = torch.randn(16, dtype=dt, requires_grad=True)
+    norms = {"rms": (lambda a, w, b: _rms(a, w, 1e-6, dt), ("rms", 1e-6, None, torch.float32, dt)),
+             "layer": (lambda a, w, b: F.layer_norm(a, [16], w, b, 1e-5), ("layer", 1e-5, [16], None, None))}
+    for kind, (norm, (k, eps, shape, mid, out)) in norms.items():
+        def plain(a, w, b, q, kk, v, qb):
+            y = norm(a, w, b)
+            return torch.cat([F.linear(y, q, qb), F.linear(y, kk), F.linear(y, v)], -1)
+
+        outs = []
+
+        def fused(a, w, b, q, kk, v, qb):
+            y = norm(a, w, b)
+            outs.append(y.untyped_storage().data_ptr())
+            nb_ = b if k == "layer" else None
+            return torch.cat([autopar_norm_linear(y, wt, bb, k, a, w, nb_, eps, shape, mid, out)
+                              for wt, bb in ((q, qb), (kk, None), (v, None))], -1)
+        inputs = (x, nw, nb, *ws, bias)
+        want = _grads(plain, *inputs)
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+            got = _grads(fused, *inputs)
+        assert torch.equal(want[0], got[0]), kind
+        assert all((p is None and q is None) or torch.equal(p, q) for p, q in zip(want[1], got[1])), kind
+        assert (want[1][2] is None) == (k == "rms")          # the RMSNorm has no bias
+        assert kept and all(t.untyped_storage().data_ptr() != outs[0] for t in kept), kind   # y is not kept
+
+
 def _llama(layers: int = 2) -> torch.nn.Module:
     import transformers
     from tests.hf_tiny import Logits
@@ -78,12 +115,13 @@ def test_the_pass_finds_llamas_norms_and_mlps_and_the_memory_pass_prices_them():
     gm = capture_model(_llama(), (x,), {})
     found = matches(gm)
     kinds = sorted(m.target.__name__ for m in found)
-    # two layers: two norms each and the final one; each MLP's SwiGLU taken into its down projection
-    assert kinds == ["autopar_rms_norm"] * 5 + ["autopar_swiglu_linear"] * 2, kinds
+    # two layers: two norms each and the final one; each MLP's SwiGLU taken into its down
+    # projection; q, k, v and gate, up take their norm in
+    assert kinds == ["autopar_norm_linear"] * 10 + ["autopar_rms_norm"] * 5 + ["autopar_swiglu_linear"] * 2, kinds
     freed = unkept(gm)
     analyze(gm)
     assert freed and all(float(evaluate(info(n).saved_bytes, {})) == 0.0 for n in freed)
-    assert fuse(gm) == 7 and not matches(gm)
+    assert fuse(gm) == 17 and not matches(gm)
     assert not any(n.target is torch.ops.aten.silu.default for n in gm.graph.nodes)
 
 
