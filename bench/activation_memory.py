@@ -3,10 +3,14 @@
 For each model (the zoo GPT and ``transformers`` Llama, Qwen2, Gemma 2, Mixtral and
 DeepSeek-V3, small float32 configs of each), one forward of a batch of 2 x 256 tokens is run
 under ``torch.autograd.graph.saved_tensors_hooks`` twice: the plain model, and the same model
-through ``autopar.parallelize(model, {"dp": 1})`` with default options (one gloo rank). The bytes
-kept are counted by unique storage. Per layer: the difference between a 4-layer and a 2-layer
-build of the model, halved, so the embedding, the head and the loss drop out. Step time (one
-forward and backward, median of 5) is measured for both, in the same run.
+through ``autopar.parallelize(model, {"dp": 1})`` with default options (one gloo rank), and once
+more with the fusion pass (``passes/fusion.py``) left out. The bytes kept are counted by unique
+storage, less the storages of parameters and buffers (a matmul keeps its weight, which is held
+anyway): activations only. Per layer: the difference between a 4-layer and a 2-layer build of
+the model, halved, so the embedding, the head and the loss drop out. The hand count
+(:func:`hand_count`) is what a layer with fused norms, MLP and attention must keep, itemised per
+model. Step time (one forward and backward, median of 2 x 5, the three alternating) is measured
+for all three in the same run.
 
 Usage: ``python bench/activation_memory.py [--json]``.
 """
@@ -60,7 +64,15 @@ def _model(name: str, layers: int) -> torch.nn.Module:
     return _hf(name, layers)
 
 
-def _kept(fn) -> int:
+def _state_storages(module: torch.nn.Module) -> set[int]:
+    """The storages of ``module``'s parameters and buffers: held whether or not a step runs, so
+    not activations (a matmul's saved weight is one of them)."""
+    return {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
+
+
+def _kept(fn, state: set[int]) -> tuple[int, int]:
+    """(activation bytes, parameter and buffer bytes) autograd keeps for backward in one call of
+    ``fn``, by unique storage."""
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -70,7 +82,8 @@ def _kept(fn) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     del out
-    return sum(seen.values())
+    acts = sum(n for ptr, n in seen.items() if ptr not in state)
+    return acts, sum(seen.values()) - acts
 
 
 def _step_s(module, x: torch.Tensor) -> float:
@@ -83,19 +96,67 @@ def _step_s(module, x: torch.Tensor) -> float:
     return statistics.median(times)
 
 
+# -- the hand count: what one layer with fused norms, MLP and attention must keep ---------------
+# Elements per token, float32. Every matmul keeps its input (one copy when several read it); a
+# norm keeps its input and one statistic per row (LayerNorm two); attention keeps q, k, v, its
+# output and a log-sum-exp per head (no scores); SwiGLU / GeGLU keep both halves and GELU its
+# input (their products are recomputed); an expert layer keeps each routed slot's input, halves
+# and output (the routing weight's gradient reads the output) and the router's probabilities.
+H, HEADS, KV = 256, 8, 128           # hidden, query heads, key/value width (4 heads of 32)
+
+
+def _attention(hidden: int, q: int, k: int, v: int, heads: int, norm_stats: int = 1) -> int:
+    """Pre-norm attention block: norm input + stats, its output, q, k, v, output, log-sum-exp."""
+    return (hidden + norm_stats) + hidden + q + k + v + v + heads
+
+
+def hand_count(name: str) -> int:
+    """Elements per token per layer a fused layer of ``name`` keeps (the configs above)."""
+    if name == "gpt":                # LayerNorm (two statistics), 4h GELU MLP
+        return _attention(H, H, H, H, HEADS, norm_stats=2) + (H + 2) + H + 4 * H
+    block = _attention(H, H, KV, KV, HEADS)
+    mlp_norm = (H + 1) + H                                   # post-attention norm: input + stat, output
+    if name in ("llama", "qwen2"):
+        return block + mlp_norm + 2 * 688
+    if name == "gemma2":             # two more norms (after attention and after the MLP): input + stat
+        return block + mlp_norm + 2 * (H + 1) + 2 * 688
+    if name == "mixtral":            # 4 experts, top-2, expert width 344
+        return block + mlp_norm + 4 + 2 + 2 * (H + 2 * 344 + H)
+    if name == "deepseek_v3":        # hidden 32, 4 heads, latent 16, rope 8 + nope 8, v 8, 4 experts of 24, 1 shared
+        h = 32
+        attention = (h + 1) + h + (16 + 1) + 16 + 64 + 64 + 32 + 32 + 4    # norm, latent norm, q k v out, lse
+        return attention + (h + 1) + h + 4 + 2 + 2 * (h + 2 * 24 + h) + 2 * 24
+    raise KeyError(name)
+
+
 def _row(rank: int, world: int, name: str) -> dict:
+    import autopar.passes.fusion as fusion
     x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    kept, steps = {}, {}
+    kept: dict[int, dict[str, tuple[int, int]]] = {}
+    steps: dict[str, float] = {}
+    fuse = fusion.fuse
     for layers in (2, 4):
         plain = _model(name, layers)
         ours = autopar.parallelize(copy.deepcopy(plain), {"dp": 1}, (x,))
-        kept[layers] = (_kept(lambda: plain(x)), _kept(lambda: ours(x)))
+        fusion.fuse = lambda gm: 0                 # the same build with the fusion pass left out
+        try:
+            unfused = autopar.parallelize(copy.deepcopy(plain), {"dp": 1}, (x,))
+        finally:
+            fusion.fuse = fuse
+        kept[layers] = {k: _kept(lambda: m(x), _state_storages(m))
+                        for k, m in (("plain", plain), ("autopar", ours), ("unfused", unfused))}
         if layers == 4:
-            steps = {"plain": _step_s(plain, x), "autopar": _step_s(ours, x)}
-    eager = (kept[4][0] - kept[2][0]) / 2
-    mine = (kept[4][1] - kept[2][1]) / 2
-    return {"model": name, "eager_layer_mib": eager / 2**20, "autopar_layer_mib": mine / 2**20,
-            "ratio": mine / eager, "eager_step_s": steps["plain"], "autopar_step_s": steps["autopar"]}
+            for _ in range(2):                     # alternate, so drift in the machine reaches each alike
+                for k, m in (("plain", plain), ("autopar", ours), ("unfused", unfused)):
+                    steps.setdefault(k, []).append(_step_s(m, x))
+    per = {k: (kept[4][k][0] - kept[2][k][0]) / 2 / 2**20 for k in kept[4]}
+    state = {k: (kept[4][k][1] - kept[2][k][1]) / 2 / 2**20 for k in kept[4]}
+    hand = hand_count(name) * BATCH * SEQ * 4 / 2**20
+    return {"model": name, "eager_layer_mib": per["plain"], "autopar_layer_mib": per["autopar"],
+            "unfused_layer_mib": per["unfused"], "hand_layer_mib": hand, "ratio": per["autopar"] / per["plain"],
+            "vs_hand": per["autopar"] / hand, "weights_layer_mib": state["plain"],
+            **{f"{k}_step_s": statistics.median(v) for k, v in steps.items()},
+            "step_vs_unfused": statistics.median(steps["autopar"]) / statistics.median(steps["unfused"])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,13 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     names = args.only.split(",") if args.only else ["gpt", "llama", "qwen2", "gemma2", "mixtral", "deepseek_v3"]
     rows = []
-    print(f"{'model':<12} {'eager MiB/layer':>16} {'autopar MiB/layer':>18} {'ratio':>6} {'step eager':>11} "
-          f"{'step autopar':>13}")
+    print("| model | eager MiB | autopar MiB | ratio (goal <= 0.75) | hand count MiB | autopar / hand | "
+          "autopar unfused MiB | step eager / unfused / autopar (s) | autopar / unfused step (goal <= 1.03) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in names:
         r = run_ranks(_row, 1, name, timeout_s=900)[0]
         rows.append(r)
-        print(f"{name:<12} {r['eager_layer_mib']:>16.2f} {r['autopar_layer_mib']:>18.2f} {r['ratio']:>6.2f} "
-              f"{r['eager_step_s']:>10.3f}s {r['autopar_step_s']:>12.3f}s", flush=True)
+        print(f"| {name} | {r['eager_layer_mib']:.2f} | {r['autopar_layer_mib']:.2f} | {r['ratio']:.2f} | "
+              f"{r['hand_layer_mib']:.2f} | {r['vs_hand']:.2f} | {r['unfused_layer_mib']:.2f} | "
+              f"{r['plain_step_s']:.3f} / {r['unfused_step_s']:.3f} / {r['autopar_step_s']:.3f} | "
+              f"{r['step_vs_unfused']:.3f} |", flush=True)
     if args.json:
         print(json.dumps({"bench": "activation_memory", "rows": rows}))
     return 0

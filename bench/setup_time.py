@@ -5,6 +5,12 @@ Command:  python bench/setup_time.py [--layers 2 8 32] [--world 1 2] [--repeats 
                                      [--hidden 256] [--heads 4] [--vocab 1024] [--batch 4] [--seq 128]
                                      [--plan-layers 32] [--plan-hidden 2048] [--plan-ffn 5632]
           (--plan-layers 0: no planning line)
+          python bench/setup_time.py --matrix [--modes dp tp pp] [--arch llama,mamba] [--repeats 1]
+
+``--matrix`` times ``parallelize`` for every architecture of the model matrix
+(``tests/matrix_models.py``: tiny random-init ``transformers`` models, float32) at world 2, each
+mesh of ``--modes`` with the matrix's own options (``tests/matrix_run.MODES``), cold and warm, in
+fresh processes as below; the goal is every architecture under 5 s cold.
 
 Every measurement is a fresh Python process (``python bench/setup_time.py --child ...``), so
 nothing is reused in memory: *cold* gets a new, empty ``AUTOPAR_CACHE_DIR``; *warm* reuses
@@ -58,8 +64,30 @@ def _rank(rank: int, world: int, cfg: dict, system: str) -> dict:
     return {"setup": t1 - t0, "first_step": t2 - t0}
 
 
+def _matrix_rank(rank: int, world: int, cfg: dict) -> dict:
+    import torch
+    import autopar
+    from tests.matrix_models import architectures
+    from tests.matrix_run import MODES, SHARES, _share
+    e = architectures()[cfg["arch"]]
+    mesh, kw = MODES[cfg["mode"]]
+    model = e.build(torch.float32, 0)
+    batch = e.batch(4, 1)
+    mine = _share(batch, rank) if cfg["mode"] in SHARES else batch
+    torch.distributed.barrier()
+    t0 = time.perf_counter()
+    autopar.parallelize(model, mesh, example_kwargs=mine, **kw)
+    return {"setup": time.perf_counter() - t0, "first_step": float("nan")}
+
+
 def _child(a: argparse.Namespace) -> None:
     cfg = json.loads(a.child)
+    if cfg.get("arch"):
+        sys.path.insert(0, os.path.dirname(HERE))
+        from autopar.runtime.launch import run_ranks
+        out = run_ranks(_matrix_rank, 2, cfg, timeout_s=600)
+        print(json.dumps({"setup": max(r["setup"] for r in out)}))
+        return
     if cfg.get("plan"):
         import autopar
         from autopar import models
@@ -110,9 +138,15 @@ def main() -> None:
     ap.add_argument("--plan-layers", type=int, default=32)
     ap.add_argument("--plan-hidden", type=int, default=2048)
     ap.add_argument("--plan-ffn", type=int, default=5632)
+    ap.add_argument("--matrix", action="store_true", help="time every architecture of the model matrix")
+    ap.add_argument("--modes", nargs="+", default=["dp"], help="--matrix: meshes of tests/matrix_run.MODES")
+    ap.add_argument("--arch", help="--matrix: comma-separated architectures (default all)")
     a = ap.parse_args()
     if a.child:
         _child(a)
+        return
+    if a.matrix:
+        _matrix(a)
         return
     import _common as common
     print(common.machine_line(), f"| load {os.getloadavg()[0]:.2f}")
@@ -155,6 +189,31 @@ def main() -> None:
     print(f"\nautopar.plan of a {params / 1e9:.2f} B-parameter llama ({a.plan_layers} layers, hidden {a.plan_hidden}) "
           f"on the meta device, dp=2 x tp=4: cold {_med(runs['cold'], 'setup'):.2f} s, "
           f"warm {_med(runs['warm'], 'setup'):.2f} s (goal: cold < 10 s)")
+    print(f"load after: {os.getloadavg()[0]:.2f}")
+
+
+def _matrix(a: argparse.Namespace) -> None:
+    import _common as common
+    sys.path.insert(0, os.path.dirname(HERE))
+    from tests.matrix_models import architectures
+    names = a.arch.split(",") if a.arch else list(architectures())
+    print(common.machine_line(), f"| load {os.getloadavg()[0]:.2f}")
+    print(f"model matrix, world 2, float32; medians of {a.repeats} fresh processes a cell; seconds of parallelize\n")
+    print("| architecture | " + " | ".join(f"{m} cold / warm" for m in a.modes) + " |")
+    print("|---|" + "---|" * len(a.modes))
+    slowest = (0.0, "")
+    for name in names:
+        cells = []
+        for mode in a.modes:
+            if mode == "ep" and not architectures()[name].moe:
+                cells.append("-")
+                continue
+            runs = _cold_warm({"arch": name, "mode": mode}, a.repeats)
+            cold, warm = _med(runs["cold"], "setup"), _med(runs["warm"], "setup")
+            slowest = max(slowest, (cold, f"{name} {mode}"))
+            cells.append(f"{cold:.2f} / {warm:.2f}")
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+    print(f"\nslowest cold: {slowest[1]} {slowest[0]:.2f} s (goal < 5 s)")
     print(f"load after: {os.getloadavg()[0]:.2f}")
 
 
