@@ -28,6 +28,10 @@ import warnings
 warnings.filterwarnings("ignore")
 logging.getLogger("autopar").setLevel(logging.ERROR)
 
+import os  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))     # tests/ for the tiny configs
+
 import torch  # noqa: E402
 
 import autopar  # noqa: E402
@@ -97,34 +101,36 @@ def _step_s(module, x: torch.Tensor) -> float:
 
 
 # -- the hand count: what one layer with fused norms, MLP and attention must keep ---------------
-# Elements per token, float32. Every matmul keeps its input (one copy when several read it); a
-# norm keeps its input and one statistic per row (LayerNorm two); attention keeps q, k, v, its
-# output and a log-sum-exp per head (no scores); SwiGLU / GeGLU keep both halves and GELU its
-# input (their products are recomputed); an expert layer keeps each routed slot's input, halves
-# and output (the routing weight's gradient reads the output) and the router's probabilities.
+# Elements per token, float32. A norm keeps its input and one statistic per row (LayerNorm two);
+# its output is recomputed for the projections that read it (q, k, v; gate, up) unless another
+# op reads it too (a router beside the experts); every other matmul keeps its input; attention
+# keeps q, k, v, its output and a log-sum-exp per head (no scores); SwiGLU / GeGLU keep both
+# halves and GELU its input (their products are recomputed); an expert layer keeps each routed
+# slot's input, halves and output (the routing weight's gradient reads the output) and the
+# router's probabilities and weights.
 H, HEADS, KV = 256, 8, 128           # hidden, query heads, key/value width (4 heads of 32)
 
 
 def _attention(hidden: int, q: int, k: int, v: int, heads: int, norm_stats: int = 1) -> int:
-    """Pre-norm attention block: norm input + stats, its output, q, k, v, output, log-sum-exp."""
-    return (hidden + norm_stats) + hidden + q + k + v + v + heads
+    """Pre-norm attention block: norm input + stats, q, k, v, output, log-sum-exp."""
+    return (hidden + norm_stats) + q + k + v + v + heads
 
 
 def hand_count(name: str) -> int:
     """Elements per token per layer a fused layer of ``name`` keeps (the configs above)."""
     if name == "gpt":                # LayerNorm (two statistics), 4h GELU MLP
-        return _attention(H, H, H, H, HEADS, norm_stats=2) + (H + 2) + H + 4 * H
+        return _attention(H, H, H, H, HEADS, norm_stats=2) + (H + 2) + 4 * H
     block = _attention(H, H, KV, KV, HEADS)
-    mlp_norm = (H + 1) + H                                   # post-attention norm: input + stat, output
+    mlp_norm = H + 1                                          # post-attention norm: input + stat
     if name in ("llama", "qwen2"):
         return block + mlp_norm + 2 * 688
     if name == "gemma2":             # two more norms (after attention and after the MLP): input + stat
         return block + mlp_norm + 2 * (H + 1) + 2 * 688
-    if name == "mixtral":            # 4 experts, top-2, expert width 344
-        return block + mlp_norm + 4 + 2 + 2 * (H + 2 * 344 + H)
+    if name == "mixtral":            # 4 experts, top-2, expert width 344; the router reads the norm's output
+        return block + mlp_norm + H + 4 + 2 + 2 * (H + 2 * 344 + H)
     if name == "deepseek_v3":        # hidden 32, 4 heads, latent 16, rope 8 + nope 8, v 8, 4 experts of 24, 1 shared
         h = 32
-        attention = (h + 1) + h + (16 + 1) + 16 + 64 + 64 + 32 + 32 + 4    # norm, latent norm, q k v out, lse
+        attention = (h + 1) + (16 + 1) + 64 + 64 + 32 + 32 + 4    # norm, latent norm, q k v out, lse
         return attention + (h + 1) + h + 4 + 2 + 2 * (h + 2 * 24 + h) + 2 * 24
     raise KeyError(name)
 
@@ -166,13 +172,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     names = args.only.split(",") if args.only else ["gpt", "llama", "qwen2", "gemma2", "mixtral", "deepseek_v3"]
     rows = []
-    print("| model | eager MiB | autopar MiB | ratio (goal <= 0.75) | hand count MiB | autopar / hand | "
+    print("| model | eager MiB | autopar MiB | ratio (goal <= 0.75) | with weights | hand count MiB | autopar / hand | "
           "autopar unfused MiB | step eager / unfused / autopar (s) | autopar / unfused step (goal <= 1.03) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
         r = run_ranks(_row, 1, name, timeout_s=900)[0]
         rows.append(r)
         print(f"| {name} | {r['eager_layer_mib']:.2f} | {r['autopar_layer_mib']:.2f} | {r['ratio']:.2f} | "
+              f"{r['ratio_with_weights']:.2f} | "
               f"{r['hand_layer_mib']:.2f} | {r['vs_hand']:.2f} | {r['unfused_layer_mib']:.2f} | "
               f"{r['plain_step_s']:.3f} / {r['unfused_step_s']:.3f} / {r['autopar_step_s']:.3f} | "
               f"{r['step_vs_unfused']:.3f} |", flush=True)

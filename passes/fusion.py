@@ -4,7 +4,8 @@ they need, recognised in the ATen graph and replaced by the fused ops of
 
 - **SwiGLU**: ``mul(silu(g), u)`` whose ``silu`` has no other reader (transformers' Llama,
   Qwen2, Mistral, Mixtral and DeepSeek MLPs and experts). Frees ``silu(g)``; with the down
-  projection that alone reads it, ``linear(silu(g) * u, w)``, the product too.
+  projection that alone reads it, ``linear(silu(g) * u, w)`` (or transformers' grouped expert
+  matmul on a CPU), the product too.
 - **GELU into a projection**: ``linear(gelu(h), w[, b])`` where the projection alone reads the
   gelu (GPT MLPs). Frees ``gelu(h)``.
 - **RMSNorm**: transformers' ``w * (x32 * rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)``
@@ -27,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from autopar.runtime.fused import (autopar_gelu_linear, autopar_norm_linear, autopar_rms_norm, autopar_swiglu,
-                                   autopar_swiglu_linear)
+                                   autopar_swiglu_grouped_mm, autopar_swiglu_linear)
 
 aten = torch.ops.aten
 _CHECKS = {aten._assert_tensor_metadata.default}
@@ -88,6 +89,22 @@ def _swiglu_linear(lin: fx.Node) -> Match | None:
     g, u = inner.args
     bias = lin.args[2] if len(lin.args) > 2 else None
     return Match(lin, autopar_swiglu_linear, (g, u, lin.args[1], bias), (inner.node, *inner.absorbed),
+                 (inner.node, *inner.unkept))
+
+
+GROUPED_MM = "transformers.grouped_mm_fallback.default"     # transformers' expert matmul on a CPU
+
+
+def _swiglu_grouped_mm(mm: fx.Node) -> Match | None:
+    """``grouped_mm_fallback(swiglu, w, offs)`` where the matmul is the product's only reader."""
+    if mm.op != "call_function" or str(mm.target) != GROUPED_MM or mm.kwargs or len(mm.args) != 3 \
+            or not isinstance(mm.args[0], fx.Node):
+        return None
+    inner = _swiglu(mm.args[0])
+    if inner is None or not _only_reader(inner.node, mm):
+        return None
+    g, u = inner.args
+    return Match(mm, autopar_swiglu_grouped_mm, (g, u, mm.args[1], mm.args[2]), (inner.node, *inner.absorbed),
                  (inner.node, *inner.unkept))
 
 
@@ -184,7 +201,7 @@ def _norm_linear(lin: fx.Node) -> Match | None:
     if recipe is None:
         return None
     bias = lin.args[2] if len(lin.args) > 2 else None
-    return Match(lin, autopar_norm_linear, (y, lin.args[1], bias, *recipe), (), (y,))
+    return Match(lin, autopar_norm_linear, (y, lin.args[1], bias, *recipe, len(_readers(y))), (), (y,))
 
 
 def matches(gm: fx.GraphModule) -> list[Match]:
@@ -193,7 +210,8 @@ def matches(gm: fx.GraphModule) -> list[Match]:
     for n in reversed(list(gm.graph.nodes)):      # a down projection takes its SwiGLU in
         if n in inside:
             continue
-        m = _swiglu_linear(n) or _gelu_linear(n) or _norm_linear(n) or _swiglu(n) or _rms_norm(n)
+        m = (_swiglu_linear(n) or _swiglu_grouped_mm(n) or _gelu_linear(n) or _norm_linear(n) or _swiglu(n)
+             or _rms_norm(n))
         if m is not None:
             out.append(m)
             inside.update(m.absorbed)

@@ -47,10 +47,11 @@ def backend_of(compile: Any) -> str | None:
 
 
 def _traced(fn: Any) -> bool:
-    """Whether dynamo may trace into ``fn``: pure tensor code (autopar's local ops), not the
-    runtime functions with side effects."""
+    """Whether dynamo may trace into ``fn``: pure tensor code (autopar's local ops and its fused
+    ops, ``runtime/fused.py``), not the runtime functions with side effects."""
     from autopar.runtime.collectives import LOCAL_OPS
-    return fn in LOCAL_OPS.values()
+    from autopar.runtime.fused import FUSED_OPS
+    return fn in LOCAL_OPS.values() or fn in FUSED_OPS
 
 
 def eager_islands(gm: fx.GraphModule) -> fx.GraphModule:

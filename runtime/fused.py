@@ -8,6 +8,8 @@ ops, in the same order, so the results are the unfused model's bit for bit).
 - :func:`autopar_swiglu_linear` ``(g, u, w, b)``: ``linear(silu(g) * u, w, b)``, an MLP's down
   projection of its SwiGLU. Eager keeps the product too (the projection's weight gradient reads
   it); this keeps ``g`` and ``u`` and recomputes it.
+- :func:`autopar_swiglu_grouped_mm` ``(g, u, w, offs)``: the same for the experts' down
+  projection as transformers runs it on a CPU (its ``grouped_mm_fallback`` operator).
 - :func:`autopar_gelu_linear` ``(h, w, b, approximate)``: ``linear(gelu(h), w, b)``; eager keeps
   ``h`` (for gelu) and ``gelu(h)`` (for the weight gradient); this keeps ``h``.
 - :func:`autopar_rms_norm` ``(x, w, eps, mid, out)``: an RMSNorm written out as transformers
@@ -75,6 +77,29 @@ def autopar_swiglu_linear(g: torch.Tensor, u: torch.Tensor, w: torch.Tensor,
     """``linear(silu(g) * u, w, b)`` (an MLP's down projection of its SwiGLU), keeping ``g`` and
     ``u`` only: backward recomputes the product the projection's weight gradient reads."""
     return _SwiGLULinear.apply(g, u, w, b)
+
+
+class _SwiGLUGroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g: torch.Tensor, u: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(g, u, w, offs)
+        return torch.ops.transformers.grouped_mm_fallback(aten.mul.Tensor(aten.silu.default(g), u), w, offs)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        g, u, w, offs = ctx.saved_tensors
+        s = aten.silu.default(g)
+        # the grouped matmul's own backward (transformers registers it), on the recomputed product
+        grad_p, grad_w = torch.ops.transformers.grouped_mm_fallback_backward(aten.mul.Tensor(s, u), w, offs, grad)
+        grad_g = aten.silu_backward.default(grad_p * u, g) if ctx.needs_input_grad[0] else None
+        grad_u = grad_p * s if ctx.needs_input_grad[1] else None
+        return grad_g, grad_u, grad_w if ctx.needs_input_grad[2] else None, None
+
+
+def autopar_swiglu_grouped_mm(g: torch.Tensor, u: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """transformers' grouped expert matmul (``grouped_mm_fallback``, the experts' down projection)
+    of a SwiGLU, keeping ``g`` and ``u`` only: backward recomputes the product."""
+    return _SwiGLUGroupedMM.apply(g, u, w, offs)
 
 
 class _GeluLinear(torch.autograd.Function):
@@ -157,13 +182,45 @@ def _norm_again(kind: str, x: torch.Tensor, nw: torch.Tensor | None, nb: torch.T
     return aten.layer_norm.default(x, shape, nw, nb, eps)
 
 
+class _Shared:
+    """One norm output's recomputation, shared by the projections that read it: the first
+    backward to need it computes it, the last one to finish lets it go."""
+
+    def __init__(self, readers: int) -> None:
+        self.readers, self.value = readers, None
+
+    def take(self, make) -> torch.Tensor:
+        y = self.value if self.value is not None else make()
+        self.readers -= 1
+        self.value = y if self.readers > 0 else None
+        return y
+
+
+_SHARED: "dict[int, _Shared]" = {}      # id(norm output) -> its recomputation, while forward runs
+
+
 class _NormLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kind: str, x: torch.Tensor,
                 nw: torch.Tensor | None, nb: torch.Tensor | None, eps: float, shape: list[int] | None,
-                mid: torch.dtype | None, out: torch.dtype | None) -> torch.Tensor:
+                mid: torch.dtype | None, out: torch.dtype | None, readers: int) -> torch.Tensor:
         ctx.save_for_backward(x, nw, nb, w)
         ctx.has_bias, ctx.norm = b is not None, (kind, eps, shape, mid, out)
+        ctx.shared = None
+        if torch.compiler.is_compiling():    # traced: each recomputes (the compiler may share it)
+            return aten.linear.default(y, w, b)
+        # the projections of one output share one recomputation (keyed by the output's identity
+        # until the last of them has run forward)
+        key = id(y)
+        shared = _SHARED.get(key)
+        if shared is None or shared.owner is not y:
+            shared = _SHARED[key] = _Shared(readers)
+            shared.owner, shared.seen = y, 0
+        shared.seen += 1
+        if shared.seen >= readers:
+            del _SHARED[key]
+            shared.owner = None
+        ctx.shared = shared
         return aten.linear.default(y, w, b)
 
     @staticmethod
@@ -174,24 +231,28 @@ class _NormLinear(torch.autograd.Function):
         grad_y = grad2.mm(w).view(*grad.shape[:-1], w.shape[1]) if ctx.needs_input_grad[0] else None
         grad_w = grad_b = None
         if ctx.needs_input_grad[1]:
-            y = _norm_again(kind, x, nw, nb, eps, shape, mid, out)
+            make = lambda: _norm_again(kind, x, nw, nb, eps, shape, mid, out)      # noqa: E731
+            y = ctx.shared.take(make) if ctx.shared is not None else make()
             grad_w = y.reshape(-1, y.shape[-1]).t().mm(grad2).t()
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad2.sum(0)
-        return grad_y, grad_w, grad_b, None, None, None, None, None, None, None, None
+        return grad_y, grad_w, grad_b, None, None, None, None, None, None, None, None, None
 
 
 def autopar_norm_linear(y: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kind: str, x: torch.Tensor,
                         nw: torch.Tensor | None, nb: torch.Tensor | None, eps: float, shape: list[int] | None = None,
-                        mid: torch.dtype | None = None, out: torch.dtype | None = None) -> torch.Tensor:
+                        mid: torch.dtype | None = None, out: torch.dtype | None = None,
+                        readers: int = 1) -> torch.Tensor:
     """``linear(y, w, b)`` where ``y`` is a norm's output (``kind`` "rms": transformers' RMSNorm of
     ``x`` with weight ``nw``; "layer": ``layer_norm(x, shape, nw, nb, eps)``) that only
     projections read. Keeps the norm's input ``x`` (which the norm keeps anyway) instead of ``y``
-    and recomputes ``y`` for the weight's gradient; ``y``'s own gradient is the plain linear's."""
-    return _NormLinear.apply(y, w, b, kind, x, nw, nb, eps, shape, mid, out)
+    and recomputes ``y`` for the weight's gradient; ``y``'s own gradient is the plain linear's.
+    ``readers``: how many such projections read ``y``; they recompute it once between them."""
+    return _NormLinear.apply(y, w, b, kind, x, nw, nb, eps, shape, mid, out, readers)
 
 
-FUSED_OPS = (autopar_swiglu, autopar_swiglu_linear, autopar_gelu_linear, autopar_rms_norm, autopar_norm_linear)
+FUSED_OPS = (autopar_swiglu, autopar_swiglu_linear, autopar_swiglu_grouped_mm, autopar_gelu_linear, autopar_rms_norm,
+             autopar_norm_linear)
 
-__all__ = ["autopar_swiglu", "autopar_swiglu_linear", "autopar_gelu_linear", "autopar_rms_norm",
+__all__ = ["autopar_swiglu", "autopar_swiglu_linear", "autopar_swiglu_grouped_mm", "autopar_gelu_linear", "autopar_rms_norm",
            "autopar_norm_linear", "FUSED_OPS"]

@@ -24,7 +24,7 @@ from autopar.build.prepare import capture_model
 from autopar.core.meta import evaluate, info
 from autopar.passes.fusion import fuse, matches, unkept
 from autopar.runtime.fused import (autopar_gelu_linear, autopar_norm_linear, autopar_rms_norm, autopar_swiglu,
-                                   autopar_swiglu_linear)
+                                   autopar_swiglu_grouped_mm, autopar_swiglu_linear)
 from autopar.runtime.launch import run_ranks
 
 
@@ -86,7 +86,7 @@ def test_projections_of_a_norm_equal_the_unfused_bit_for_bit(dt):
             y = norm(a, w, b)
             outs.append(y.untyped_storage().data_ptr())
             nb_ = b if k == "layer" else None
-            return torch.cat([autopar_norm_linear(y, wt, bb, k, a, w, nb_, eps, shape, mid, out)
+            return torch.cat([autopar_norm_linear(y, wt, bb, k, a, w, nb_, eps, shape, mid, out, 3)
                               for wt, bb in ((q, qb), (kk, None), (v, None))], -1)
         inputs = (x, nw, nb, *ws, bias)
         want = _grads(plain, *inputs)
@@ -97,6 +97,18 @@ def test_projections_of_a_norm_equal_the_unfused_bit_for_bit(dt):
         assert all((p is None and q is None) or torch.equal(p, q) for p, q in zip(want[1], got[1])), kind
         assert (want[1][2] is None) == (k == "rms")          # the RMSNorm has no bias
         assert kept and all(t.untyped_storage().data_ptr() != outs[0] for t in kept), kind   # y is not kept
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.float64])
+def test_swiglu_into_transformers_grouped_expert_matmul_equals_the_unfused_bit_for_bit(dt):
+    import transformers.integrations.moe  # noqa: F401 - registers torch.ops.transformers.grouped_mm_fallback
+    torch.manual_seed(0)
+    g, u = (torch.randn(10, 12, dtype=dt, requires_grad=True) for _ in range(2))
+    w = torch.randn(3, 12, 7, dtype=dt, requires_grad=True)
+    offs = torch.tensor([4, 4, 10])                 # the second expert gets no rows
+    plain = lambda a, b, c: torch.ops.transformers.grouped_mm_fallback(F.silu(a) * b, c, offs)
+    want, got = _grads(plain, g, u, w), _grads(lambda a, b, c: autopar_swiglu_grouped_mm(a, b, c, offs), g, u, w)
+    assert torch.equal(want[0], got[0]) and all(torch.equal(p, q) for p, q in zip(want[1], got[1]))
 
 
 def _llama(layers: int = 2) -> torch.nn.Module:
