@@ -160,6 +160,7 @@ def _row(rank: int, world: int, name: str) -> dict:
     hand = hand_count(name) * BATCH * SEQ * 4 / 2**20
     return {"model": name, "eager_layer_mib": per["plain"], "autopar_layer_mib": per["autopar"],
             "unfused_layer_mib": per["unfused"], "hand_layer_mib": hand, "ratio": per["autopar"] / per["plain"],
+            "ratio_with_weights": (per["autopar"] + state["autopar"]) / (per["plain"] + state["plain"]),
             "vs_hand": per["autopar"] / hand, "weights_layer_mib": state["plain"],
             **{f"{k}_step_s": statistics.median(v) for k, v in steps.items()},
             "step_vs_unfused": statistics.median(steps["autopar"]) / statistics.median(steps["unfused"])}

@@ -208,7 +208,12 @@ def _matrix(a: argparse.Namespace) -> None:
             if mode == "ep" and not architectures()[name].moe:
                 cells.append("-")
                 continue
-            runs = _cold_warm({"arch": name, "mode": mode}, a.repeats)
+            try:
+                runs = _cold_warm({"arch": name, "mode": mode}, a.repeats)
+            except SystemExit as exc:          # a typed refusal (the matrix records it too)
+                why = [ln for ln in str(exc).splitlines() if "autopar.core.errors." in ln]
+                cells.append("refused (" + (why[-1].split("errors.")[1].split(":")[0] if why else "child failed") + ")")
+                continue
             cold, warm = _med(runs["cold"], "setup"), _med(runs["warm"], "setup")
             slowest = max(slowest, (cold, f"{name} {mode}"))
             cells.append(f"{cold:.2f} / {warm:.2f}")

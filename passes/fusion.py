@@ -96,16 +96,24 @@ GROUPED_MM = "transformers.grouped_mm_fallback.default"     # transformers' expe
 
 
 def _swiglu_grouped_mm(mm: fx.Node) -> Match | None:
-    """``grouped_mm_fallback(swiglu, w, offs)`` where the matmul is the product's only reader."""
+    """``grouped_mm_fallback(swiglu[.to(dtype)], w, offs)`` where the matmul (through the cast) is
+    the product's only reader."""
     if mm.op != "call_function" or str(mm.target) != GROUPED_MM or mm.kwargs or len(mm.args) != 3 \
             or not isinstance(mm.args[0], fx.Node):
         return None
-    inner = _swiglu(mm.args[0])
-    if inner is None or not _only_reader(inner.node, mm):
+    p, cast, absorbed = mm.args[0], None, ()
+    if _call(p, aten.to.dtype) and _cast(p) and _only_reader(p, mm):
+        (p, cast), absorbed = _cast(p), (p,)
+        if not isinstance(p, fx.Node) or not _only_reader(p, absorbed[0]):
+            return None
+    elif not _only_reader(p, mm):
+        return None
+    inner = _swiglu(p)
+    if inner is None:
         return None
     g, u = inner.args
-    return Match(mm, autopar_swiglu_grouped_mm, (g, u, mm.args[1], mm.args[2]), (inner.node, *inner.absorbed),
-                 (inner.node, *inner.unkept))
+    return Match(mm, autopar_swiglu_grouped_mm, (g, u, mm.args[1], mm.args[2], cast),
+                 (*absorbed, inner.node, *inner.absorbed), (*absorbed, inner.node, *inner.unkept))
 
 
 def _rms_norm(m: fx.Node) -> Match | None:

@@ -81,25 +81,33 @@ def autopar_swiglu_linear(g: torch.Tensor, u: torch.Tensor, w: torch.Tensor,
 
 class _SwiGLUGroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, g: torch.Tensor, u: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, g: torch.Tensor, u: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
+                cast: torch.dtype | None) -> torch.Tensor:
         ctx.save_for_backward(g, u, w, offs)
-        return torch.ops.transformers.grouped_mm_fallback(aten.mul.Tensor(aten.silu.default(g), u), w, offs)
+        ctx.cast = cast
+        p = aten.mul.Tensor(aten.silu.default(g), u)
+        return torch.ops.transformers.grouped_mm_fallback(p.to(cast) if cast is not None else p, w, offs)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         g, u, w, offs = ctx.saved_tensors
         s = aten.silu.default(g)
+        p = aten.mul.Tensor(s, u)
         # the grouped matmul's own backward (transformers registers it), on the recomputed product
-        grad_p, grad_w = torch.ops.transformers.grouped_mm_fallback_backward(aten.mul.Tensor(s, u), w, offs, grad)
+        grad_p, grad_w = torch.ops.transformers.grouped_mm_fallback_backward(
+            p.to(ctx.cast) if ctx.cast is not None else p, w, offs, grad)
+        grad_p = grad_p.to(p.dtype)                  # the cast's own backward
         grad_g = aten.silu_backward.default(grad_p * u, g) if ctx.needs_input_grad[0] else None
         grad_u = grad_p * s if ctx.needs_input_grad[1] else None
-        return grad_g, grad_u, grad_w if ctx.needs_input_grad[2] else None, None
+        return grad_g, grad_u, grad_w if ctx.needs_input_grad[2] else None, None, None
 
 
-def autopar_swiglu_grouped_mm(g: torch.Tensor, u: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def autopar_swiglu_grouped_mm(g: torch.Tensor, u: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
+                              cast: torch.dtype | None = None) -> torch.Tensor:
     """transformers' grouped expert matmul (``grouped_mm_fallback``, the experts' down projection)
-    of a SwiGLU, keeping ``g`` and ``u`` only: backward recomputes the product."""
-    return _SwiGLUGroupedMM.apply(g, u, w, offs)
+    of a SwiGLU (cast to ``cast`` first when given), keeping ``g`` and ``u`` only: backward
+    recomputes the product."""
+    return _SwiGLUGroupedMM.apply(g, u, w, offs, cast)
 
 
 class _GeluLinear(torch.autograd.Function):

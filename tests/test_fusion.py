@@ -109,6 +109,11 @@ def test_swiglu_into_transformers_grouped_expert_matmul_equals_the_unfused_bit_f
     plain = lambda a, b, c: torch.ops.transformers.grouped_mm_fallback(F.silu(a) * b, c, offs)
     want, got = _grads(plain, g, u, w), _grads(lambda a, b, c: autopar_swiglu_grouped_mm(a, b, c, offs), g, u, w)
     assert torch.equal(want[0], got[0]) and all(torch.equal(p, q) for p, q in zip(want[1], got[1]))
+    # transformers casts the product to the weights' dtype first (a no-op here, float32 -> float32)
+    cast = lambda a, b, c: torch.ops.transformers.grouped_mm_fallback((F.silu(a) * b).to(dt), c, offs)
+    want = _grads(cast, g, u, w)
+    got = _grads(lambda a, b, c: autopar_swiglu_grouped_mm(a, b, c, offs, dt), g, u, w)
+    assert torch.equal(want[0], got[0]) and all(torch.equal(p, q) for p, q in zip(want[1], got[1]))
 
 
 def _llama(layers: int = 2) -> torch.nn.Module:
