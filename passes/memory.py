@@ -131,6 +131,9 @@ def memory_pass(gm: fx.GraphModule) -> fx.GraphModule:
             if info(base).kind not in ("param", "buffer", "constant"):
                 saved.add(base)
     saved -= unkept(gm)       # what the runtime's fused ops recompute instead (passes/fusion.py)
+    from autopar.runtime.recompute import eager_attention_cores
+    cores = eager_attention_cores(gm)      # recomputed whatever the mode: their scores are never kept
+    saved -= {n for n in cores if all(u in cores for u in n.users)}
     for node in gm.graph.nodes:
         rec = info(node)
         t = template_of(node)

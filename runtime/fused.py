@@ -215,8 +215,13 @@ class _NormLinear(torch.autograd.Function):
         ctx.save_for_backward(x, nw, nb, w)
         ctx.has_bias, ctx.norm = b is not None, (kind, eps, shape, mid, out)
         ctx.shared = None
+        result = aten.linear.default(y, w, b)
+        # under autocast the linear ran in another dtype than y's and w's: backward mirrors the casts
+        ctx.dtypes = (result.dtype, y.dtype, w.dtype, b.dtype if b is not None else None)
+        dev = x.device.type
+        ctx.amp = (dev, torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
         if torch.compiler.is_compiling():    # traced: each recomputes (the compiler may share it)
-            return aten.linear.default(y, w, b)
+            return result
         # the projections of one output share one recomputation (keyed by the output's identity
         # until the last of them has run forward)
         key = id(y)
@@ -229,21 +234,26 @@ class _NormLinear(torch.autograd.Function):
             del _SHARED[key]
             shared.owner = None
         ctx.shared = shared
-        return aten.linear.default(y, w, b)
+        return result
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, nw, nb, w = ctx.saved_tensors
         kind, eps, shape, mid, out = ctx.norm
+        dt, y_dt, w_dt, b_dt = ctx.dtypes
         grad2 = grad.reshape(-1, grad.shape[-1])
-        grad_y = grad2.mm(w).view(*grad.shape[:-1], w.shape[1]) if ctx.needs_input_grad[0] else None
+        grad_y = grad2.mm(w.to(dt)).view(*grad.shape[:-1], w.shape[1]).to(y_dt) if ctx.needs_input_grad[0] else None
         grad_w = grad_b = None
         if ctx.needs_input_grad[1]:
-            make = lambda: _norm_again(kind, x, nw, nb, eps, shape, mid, out)      # noqa: E731
-            y = ctx.shared.take(make) if ctx.shared is not None else make()
-            grad_w = y.reshape(-1, y.shape[-1]).t().mm(grad2).t()
+            def make() -> torch.Tensor:        # the norm as forward ran it (under its autocast, if any)
+                if ctx.amp is None:
+                    return _norm_again(kind, x, nw, nb, eps, shape, mid, out)
+                with torch.autocast(ctx.amp[0], dtype=ctx.amp[1]):
+                    return _norm_again(kind, x, nw, nb, eps, shape, mid, out)
+            y = (ctx.shared.take(make) if ctx.shared is not None else make()).to(dt)
+            grad_w = y.reshape(-1, y.shape[-1]).t().mm(grad2).t().to(w_dt)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad2.sum(0)
+            grad_b = grad2.sum(0).to(b_dt)
         return grad_y, grad_w, grad_b, None, None, None, None, None, None, None, None, None
 
 

@@ -155,7 +155,7 @@ class StageModule(nn.Module):
         for i in self._mutated:          # a received activation is a leaf the schedule owns: write a copy
             call[i] = call[i].clone()
         with self.autocast():
-            if self._recompute:
+            if self._recompute and (getattr(self, "_compiled", None) is None or self.recompute != "none"):
                 from autopar.runtime.recompute import run
                 outs = run(self.graph_module, call, self._recompute, mode=self.recompute)
             elif getattr(self, "_compiled", None) is not None:

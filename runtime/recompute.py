@@ -9,6 +9,9 @@ its matmuls and attention are kept from forward (backward's recomputation takes 
 running those ops again) and everything else (norms, activations, rotary, casts, gathers) runs
 again. ``selective`` checkpoints only the attention cores (a fused attention op, or the run of
 score ops between the two attention matmuls), which hold the ``[b, heads, s, s]`` scores.
+``none`` still checkpoints an attention the model writes out eagerly, from its scores' matmul
+to its values' matmul (:func:`eager_attention_cores`), as a fused attention kernel recomputes
+its scores: the scores are never kept.
 Regions are runs of consecutive graph nodes; each runs under ``torch.utils.checkpoint``
 (non-reentrant, RNG state preserved) as a function of the tensors it reads from outside, and
 hands on the values read after it. Collectives inside a region run again in the recomputation,
@@ -50,7 +53,7 @@ def regions(gm: fx.GraphModule, mode: str, members: Sequence[str] | None = None)
     count = recompute_layers(mode)
     out: dict[fx.Node, int] = {}
     if mode == "none":
-        return out
+        return eager_attention_cores(gm)
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     if mode in ("full", "pointwise") or count is not None:
         if members is None:
@@ -78,6 +81,76 @@ def regions(gm: fx.GraphModule, mode: str, members: Sequence[str] | None = None)
                 out[n] = rid
                 rid += 1
     return out
+
+
+_MATMULS = {"bmm", "matmul", "baddbmm"}
+_THROUGH = {"mul", "div", "tanh", "add", "sub", "to", "_to_copy", "clone", "view", "_unsafe_view", "reshape",
+            "expand", "contiguous", "masked_fill", "where", "dropout", "native_dropout", "alias", "detach",
+            "_softmax", "softmax", "_safe_softmax"}
+
+
+def _tensor_args(n: fx.Node) -> list[fx.Node]:
+    return [a for a in n.all_input_nodes if info(a).values]
+
+
+def eager_attention_cores(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    """Node -> region of each attention a model writes out eagerly (transformers' eager
+    attention: Gemma 2's soft-capped scores, DeepSeek's latent attention): the batched matmul
+    of queries and keys into ``[.., s, s]`` scores, the ops on the scores (scale, soft cap,
+    mask, softmax, casts, dropout) and the batched matmul of the probabilities with the values;
+    and an attention call whose queries and values differ in width (the math kernel, which keeps
+    the scores, is the only one that takes it).
+    Under ``recompute="none"`` such a core runs checkpointed, as a fused attention kernel does:
+    forward keeps its inputs (queries, keys, values, mask), not the scores, and backward runs
+    the same ops again (so the gradients are bit for bit the eager model's)."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    at = {n: i for i, n in enumerate(nodes)}
+    out: dict[fx.Node, int] = {}
+    for soft in nodes:
+        if _name(soft) not in ("_softmax", "softmax", "_safe_softmax") or not _square_last(soft):
+            continue
+        start, n = None, soft                     # back to the scores' matmul
+        for _ in range(16):
+            ins = [a for a in _tensor_args(n) if a in at]
+            if not ins:
+                break
+            n = max(ins, key=lambda a: at[a])     # the latest input: the scores, not the mask
+            if _name(n) in _MATMULS:
+                start = n
+                break
+            if _name(n) not in _THROUGH:
+                break
+        end, n = None, soft                       # on to the values' matmul
+        for _ in range(16):
+            users = [u for u in n.users if u in at]
+            if len(users) != 1:
+                break
+            n = users[0]
+            if _name(n) in _MATMULS:
+                end = n
+                break
+            if _name(n) not in _THROUGH:
+                break
+        if start is None or end is None or any(m in out for m in nodes[at[start]:at[end] + 1]):
+            continue
+        rid = len(set(out.values()))
+        for m in nodes[at[start]:at[end] + 1]:
+            out[m] = rid
+    for n in nodes:      # an attention call no kernel that keeps log-sum-exp takes: the math one keeps scores
+        if _name(n) in ("scaled_dot_product_attention", "graph_sdpa") and n not in out and _math_only(n):
+            out[n] = len(set(out.values()))
+    return out
+
+
+def _math_only(n: fx.Node) -> bool:
+    """Whether ``n`` (a ``scaled_dot_product_attention`` call) runs the math kernel, which keeps
+    the scores: queries and values of other head widths (DeepSeek's latent attention), which the
+    flash kernels do not take."""
+    try:
+        q, v = info(n.args[0]).values[0], info(n.args[2]).values[0]
+        return str(q.shape[-1]) != str(v.shape[-1])
+    except (IndexError, AttributeError, TypeError):
+        return False
 
 
 def layer_members(gm: fx.GraphModule) -> list[str]:

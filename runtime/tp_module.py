@@ -258,9 +258,9 @@ class ParallelModule(nn.Module):
         ZeRO-3 the regions take the gathered whole parameters as tokens and gather them again
         when backward recomputes them."""
         where = getattr(self, "_recompute", None)
-        if not where:
-            compiled = getattr(self, "_compiled", None)
-            return compiled(*call) if compiled is not None else gm(*call)
+        compiled = getattr(self, "_compiled", None)
+        if not where or (compiled is not None and getattr(self, "recompute", "none") == "none"):
+            return compiled(*call) if compiled is not None else gm(*call)     # compiled: the compiler's own saved set
         from autopar.runtime.recompute import run
         return run(gm, call, where, [rt for rt in self._dps if rt.stage == 3], getattr(self, "recompute", "full"))
 

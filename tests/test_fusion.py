@@ -173,3 +173,42 @@ def test_parallelize_keeps_at_most_three_quarters_of_eager_activations():
     assert r["fused"] >= 9, r                         # 4 layers x (2 norms + MLP) + the final norm
     assert r["ours"] <= 0.75 * r["eager"], r
     assert r["out"] == 0.0 and r["grad"] < 1e-6, r
+
+
+def _gemma2_cores(rank: int, world: int) -> dict:
+    import transformers
+    from tests.hf_tiny import Logits
+    torch.manual_seed(0)
+    cfg = transformers.Gemma2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, vocab_size=64, max_position_embeddings=64,
+                                    sliding_window=8)
+    model = Logits(transformers.AutoModelForCausalLM.from_config(cfg)).double()
+    ref = copy.deepcopy(model)
+    x = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    pm = autopar.parallelize(model, {"dp": 1}, (x,))
+    shapes: list[tuple] = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        got = pm(x)
+    want = ref(x)
+    want.pow(2).mean().backward()
+    got.pow(2).mean().backward()
+    grads = dict(ref.named_parameters())
+    from autopar.runtime.recompute import eager_attention_cores
+    return {"scores": sum(1 for s in shapes if len(s) == 4 and s[1] == 4 and s[-1] == s[-2] == 24),   # [b, heads, s, s]
+            "cores": len(set(eager_attention_cores(pm.graph_module).values())),
+            "out": (want - got).abs().max().item(),
+            "grad": max((p.grad - grads[k].grad).abs().max().item() for k, p in pm.named_parameters())}
+
+
+def test_an_eager_soft_capped_attention_keeps_no_scores_and_trains_as_eager():
+    """transformers' Gemma 2 writes its attention out (scale, soft cap, sliding-window mask,
+    softmax): each layer's core runs checkpointed, so no [b, heads, s, s] tensor is kept for
+    backward (the [b, 1, s, s] masks are, once each), and outputs and gradients are the eager model's bit for bit (float64)."""
+    r = run_ranks(_gemma2_cores, 1, timeout_s=300)[0]
+    assert r["cores"] == 2, r
+    assert r["scores"] == 0, r
+    assert r["out"] == 0.0 and r["grad"] == 0.0, r

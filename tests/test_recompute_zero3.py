@@ -75,9 +75,9 @@ def _marked(run_region):
 
 def _recomputed(seen: collections.Counter, mode: str, projections: int) -> int:
     """How many layers' forward ops ``mode`` checkpoints ran again during backward: layer norms
-    (two a layer) under ``full``, ``pointwise`` and ``layers:K``, less the one each fused
-    projection of a norm runs to recompute its input (``projections``: runtime/fused.py), the
-    attention op under ``selective``."""
+    (two a layer) under ``full``, ``pointwise`` and ``layers:K``, less the one the fused
+    projections of each norm run to recompute its output (``projections``: runtime/fused.py),
+    the attention op under ``selective``."""
     if mode != "selective":
         return (seen["native_layer_norm"] - projections) // 2
     return sum(k for name, k in seen.items() if "scaled_dot_product" in name and "backward" not in name)
@@ -116,7 +116,8 @@ def _train(mesh: dict, mode: str, dtype: torch.dtype) -> dict:
     pm = autopar.parallelize(model, mesh, local, zero_stage=3, recompute=mode, bucket_bytes=2048,
                              memory_budget=budget)
     from autopar.runtime.fused import autopar_norm_linear
-    projections = sum(n.target is autopar_norm_linear for n in pm.graph_module.graph.nodes)
+    # the norms whose output fused projections read: backward recomputes each once
+    projections = len({n.args[0] for n in pm.graph_module.graph.nodes if n.target is autopar_norm_linear})
     rt = pm.dp_runtime
     fulls: list[weakref.ref] = []
     unpacked = [0]

@@ -17,9 +17,8 @@ from autopar.runtime.recompute import layer_members, regions
 def recompute_step(s: BuildState) -> None:
     mode = s.request.recompute
     if s.request.pipelined:
-        if mode != "none":
-            layers = layer_members(s.gm) if mode in ("full", "pointwise") or recompute_layers(mode) else ()
-            for st in s.stages:
-                st.set_recompute(mode, layers)
+        layers = layer_members(s.gm) if mode in ("full", "pointwise") or recompute_layers(mode) else ()
+        for st in s.stages:
+            st.set_recompute(mode, layers)      # "none": the eager attention cores only
         return
     s.regions = regions(s.gm, mode)
