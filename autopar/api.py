@@ -150,7 +150,8 @@ def parallelize(model: nn.Module, mesh: Any = None, example_inputs: Any = (), *,
     :func:`autopar.optimizer`: a torch optimizer built on ``model.parameters()`` raises an
     :class:`~autopar.core.errors.OptimizerError` at its first ``step()``.
 
-    ``recompute``: ``"none"``, ``"selective"`` (attention cores re-run in backward),
+    ``recompute``: ``"none"`` (only an attention the model writes out eagerly re-runs in
+    backward, its scores never kept), ``"selective"`` (attention cores re-run in backward),
     ``"full"`` (every layer re-run in backward; forward keeps only each layer's inputs) or
     ``"layers:K"`` (the first K layers of every pipeline stage, of the model without a pipeline,
     re-run so; the others keep their activations).
