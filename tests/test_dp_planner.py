@@ -248,7 +248,7 @@ def test_cli_plan_text(capsys):
 
 
 def test_cli_plan_infeasible_exits_2_naming_what_fits(capsys):
-    code = main([*_CLI, "--memory-budget", "0.015", "-q"])
+    code = main([*_CLI, "--memory-budget", "0.012", "-q"])
     err = capsys.readouterr().err
     assert code == 2
     assert re.search(r"(\d+) devices would fit global batch 8", err), err
