@@ -194,8 +194,9 @@ class _Shared:
     """One norm output's recomputation, shared by the projections that read it: the first
     backward to need it computes it, the last one to finish lets it go."""
 
-    def __init__(self, readers: int) -> None:
-        self.readers, self.value = readers, None
+    def __init__(self, owner: torch.Tensor, readers: int) -> None:
+        self.owner: torch.Tensor | None = owner      # held until every reader has run forward
+        self.readers, self.seen, self.value = readers, 0, None
 
     def take(self, make) -> torch.Tensor:
         y = self.value if self.value is not None else make()
@@ -227,8 +228,7 @@ class _NormLinear(torch.autograd.Function):
         key = id(y)
         shared = _SHARED.get(key)
         if shared is None or shared.owner is not y:
-            shared = _SHARED[key] = _Shared(readers)
-            shared.owner, shared.seen = y, 0
+            shared = _SHARED[key] = _Shared(y, readers)
         shared.seen += 1
         if shared.seen >= readers:
             del _SHARED[key]
