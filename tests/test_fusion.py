@@ -84,7 +84,7 @@ def test_projections_of_a_norm_equal_the_unfused_bit_for_bit(dt):
 
         def fused(a, w, b, q, kk, v, qb):
             y = norm(a, w, b)
-            outs.append(y.untyped_storage().data_ptr())
+            outs.append(y)          # held, so no later tensor can take its address
             nb_ = b if k == "layer" else None
             return torch.cat([autopar_norm_linear(y, wt, bb, k, a, w, nb_, eps, shape, mid, out, 3)
                               for wt, bb in ((q, qb), (kk, None), (v, None))], -1)
@@ -96,7 +96,8 @@ def test_projections_of_a_norm_equal_the_unfused_bit_for_bit(dt):
         assert torch.equal(want[0], got[0]), kind
         assert all((p is None and q is None) or torch.equal(p, q) for p, q in zip(want[1], got[1])), kind
         assert (want[1][2] is None) == (k == "rms")          # the RMSNorm has no bias
-        assert kept and all(t.untyped_storage().data_ptr() != outs[0] for t in kept), kind   # y is not kept
+        y_at = outs[0].untyped_storage().data_ptr()
+        assert kept and all(t.untyped_storage().data_ptr() != y_at for t in kept), kind   # y is not kept
 
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.float64])
