@@ -32,6 +32,7 @@ from autopar.core.errors import InputMismatchError, UnsupportedError
 from autopar.passes import capture_cache, replicate
 from autopar.passes.autograd_functions import opaque_functions
 from autopar.passes.library_equivalents import equivalents
+from autopar.passes.capture_guards import pinned_sizes_fail_fast
 from autopar.passes.capture_errors import capture_error, describe, module_tracker, source_of, user_line
 from autopar.passes.capture_key import capture_key
 from autopar.core.meta import META_KEY, GraphInfo, NodeInfo, graph_info, set_info, symbol
@@ -117,7 +118,9 @@ def _export(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], flat_dims:
                 warnings.simplefilter("ignore")
                 # a model's own autograd.Functions keep their backward; library loops over data-sized
                 # ranges trace their fixed-range equivalents (passes/library_equivalents.py)
-                with opaque_functions(), equivalents(model):
+                with opaque_functions(), equivalents(model), \
+                        pinned_sizes_fail_fast(_by_name(model, args, kwargs, flat_dims)) if dynamic_shapes is not None \
+                        else contextlib.nullcontext():
                     ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         except UnsupportedError:  # autopar's own refusal during the trace (a Function it cannot carry)
             raise
@@ -178,6 +181,12 @@ def flat_labels(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
                                  expected=f"positions or names among {names}", got=str(sorted(map(str, dims))),
                                  fix="label only the inputs given in example_inputs / example_kwargs")
     return [dict(dims.get(key) or {}) for key in keys]
+
+
+def _by_name(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
+             flat_dims: list[dict[int, str]] | None) -> dict[str, dict[int, str]]:
+    """Input name -> labelled dims (the names export's sources use)."""
+    return dict(zip(_positional_names(model, len(args)) + list(kwargs), flat_dims or []))
 
 
 def _positional_names(model: nn.Module, count: int) -> list[str]:

@@ -115,3 +115,41 @@ def test_a_failed_capture_prints_autopar_error_only(capsys):
     assert "data" in err.value.fix
     printed = capsys.readouterr()
     assert "def forward" not in printed.err and "def forward" not in printed.out
+
+
+class _Chunked(nn.Module):
+    """Pads the sequence to a multiple of 4, as a chunked scan does, then runs layers the trace
+    reaches only after that (``_TRACED`` counts how often their code runs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pad = (4 - x.shape[1] % 4) % 4
+        h = self.inp(torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad > 0 else x)
+        h = h.reshape(x.shape[0], -1, 4, 8).sum(2)
+        _TRACED.append(1)
+        return self.out(h)
+
+
+_TRACED: list[int] = []
+
+
+def test_a_size_the_model_pins_stops_the_symbolic_capture_at_its_guard():
+    """The model's code branches on seq % 4: every seq in the labelled range is not one graph, so
+    the symbolic capture is refused (as torch.export refuses it after its whole trace), but at the
+    guard itself: the code after it is never traced. The message names the guard and a size it
+    fails at; the fixed-size capture of the same model works."""
+    model, x = _Chunked(), torch.randn(2, 8, 8)
+    _TRACED.clear()
+    with pytest.raises(CaptureError) as err:
+        capture(model, (x,), dims=({0: "batch", 1: "seq"},), cache=None)
+    msg = str(err.value)
+    assert "Constraints violated" in msg and "fails at" in msg and "inside the labelled range" in msg, msg
+    assert not _TRACED
+    gm = capture(model, (x,), cache=None)
+    assert len(_TRACED) == 1 and not graph_info(gm).symbols
+    # a model that only reads a size as a whole is captured with it symbolic, as before
+    assert set(graph_info(capture(TwoLayer(), (torch.randn(3, 8),), dims=({0: "batch"},), cache=None)).symbols) \
+        == {"batch"}
