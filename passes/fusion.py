@@ -3,14 +3,15 @@ they need, recognised in the ATen graph and replaced by the fused ops of
 :mod:`autopar.runtime.fused` (same values and gradients, bit for bit; fewer tensors kept).
 
 - **SwiGLU**: ``mul(silu(g), u)`` whose ``silu`` has no other reader (transformers' Llama,
-  Qwen2, Mistral, Mixtral and DeepSeek MLPs and experts). Frees ``silu(g)``; with the down
+  Qwen2, Mistral, Mixtral and DeepSeek MLPs and experts); GeGLU's ``mul(gelu(g), u)`` alike
+  (Gemma). Frees ``silu(g)``; with the down
   projection that alone reads it, ``linear(silu(g) * u, w)`` (or transformers' grouped expert
   matmul on a CPU), the product too.
 - **GELU into a projection**: ``linear(gelu(h), w[, b])`` where the projection alone reads the
   gelu (GPT MLPs). Frees ``gelu(h)``.
 - **RMSNorm**: transformers' ``w * (x32 * rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)``
   with ``x32 = x.to(float32)`` (each cast optional), every intermediate read only inside the
-  pattern. Frees the normalised rows.
+  pattern, or Gemma's ``((x32 * rsqrt(...)) * (1 + w)).type_as(x)``. Frees the normalised rows.
 - **A norm into its projections**: ``linear(y, w[, b])`` where ``y`` is an RMSNorm's (above) or
   ``layer_norm``'s output and every reader of ``y`` is such a projection (q, k and v; gate and
   up). Frees ``y``: each projection keeps the norm's input instead, which the norm keeps anyway.
@@ -67,15 +68,25 @@ def _cast(n: fx.Node) -> tuple[fx.Node, torch.dtype] | None:
     return None
 
 
+def _gate(s: object) -> str | None:
+    """The gate activation ``s`` is (:data:`autopar.runtime.fused.GATES`), else None."""
+    if _call(s, aten.silu.default) and len(s.args) == 1 and not s.kwargs:
+        return "silu"
+    if _call(s, aten.gelu.default) and len(s.args) == 1 and set(s.kwargs) <= {"approximate"}:
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(s.kwargs.get("approximate", "none"))
+    return None
+
+
 def _swiglu(m: fx.Node) -> Match | None:
     if not _call(m, aten.mul.Tensor) or len(m.args) != 2 or m.kwargs:
         return None
     for i in (0, 1):
         s, u = m.args[i], m.args[1 - i]
-        if _call(s, aten.silu.default) and isinstance(u, fx.Node) and _only_reader(s, m) and len(s.args) == 1:
+        act = _gate(s)
+        if act is not None and isinstance(u, fx.Node) and _only_reader(s, m):
             g = s.args[0]
             if isinstance(g, fx.Node) and _same_shape(g, u):
-                return Match(m, autopar_swiglu, (g, u), (s,), (s,))
+                return Match(m, autopar_swiglu, (g, u, act), (s,), (s,))
     return None
 
 
@@ -86,9 +97,9 @@ def _swiglu_linear(lin: fx.Node) -> Match | None:
     inner = _swiglu(lin.args[0])
     if inner is None or not _only_reader(inner.node, lin):
         return None
-    g, u = inner.args
+    g, u, act = inner.args
     bias = lin.args[2] if len(lin.args) > 2 else None
-    return Match(lin, autopar_swiglu_linear, (g, u, lin.args[1], bias), (inner.node, *inner.absorbed),
+    return Match(lin, autopar_swiglu_linear, (g, u, lin.args[1], bias, act), (inner.node, *inner.absorbed),
                  (inner.node, *inner.unkept))
 
 
@@ -109,9 +120,9 @@ def _swiglu_grouped_mm(mm: fx.Node) -> Match | None:
     elif not _only_reader(p, mm):
         return None
     inner = _swiglu(p)
-    if inner is None:
+    if inner is None or inner.args[2] != "silu":
         return None
-    g, u = inner.args
+    g, u, _ = inner.args
     return Match(mm, autopar_swiglu_grouped_mm, (g, u, mm.args[1], mm.args[2], cast),
                  (*absorbed, inner.node, *inner.absorbed), (*absorbed, inner.node, *inner.unkept))
 
@@ -156,6 +167,28 @@ def _rms_norm(m: fx.Node) -> Match | None:
     return None
 
 
+def _rms_norm_cast(c: fx.Node) -> Match | None:
+    """An RMSNorm (:func:`_rms_norm`) cast after its weight, the cast its product's only reader:
+    ``(n * (1 + w)).type_as(x)`` (Gemma) or ``.to(dtype)``."""
+    if _call(c, aten.type_as.default) and len(c.args) == 2 and not c.kwargs:
+        post = _dtype(c.args[1])
+    elif _call(c, aten.to.dtype) and _cast(c):
+        post = _cast(c)[1]
+    else:
+        return None
+    y = c.args[0]
+    inner = _rms_norm(y) if post is not None and _call(y, aten.mul.Tensor) and _only_reader(y, c) else None
+    if inner is None:
+        return None
+    return Match(c, autopar_rms_norm, (*inner.args[:5], post), (y, *inner.absorbed), inner.unkept)
+
+
+def _dtype(n: object) -> torch.dtype | None:
+    from autopar.core.meta import info
+    vals = info(n).values if isinstance(n, fx.Node) else None
+    return getattr(vals[0], "dtype", None) if vals else None
+
+
 def _same_shape(a: fx.Node, b: fx.Node) -> bool:
     from autopar.core.meta import info
     va, vb = info(a).values, info(b).values
@@ -180,15 +213,15 @@ def _gelu_linear(lin: fx.Node) -> Match | None:
 
 
 def _norm_recipe(y: fx.Node) -> tuple | None:
-    """``(kind, x, weight, bias, eps, shape, mid, out)`` of a norm whose output is ``y``: an
+    """``(kind, x, weight, bias, eps, shape, mid, out, post)`` of a norm whose output is ``y``: an
     ``aten.layer_norm`` or transformers' RMSNorm (:func:`_rms_norm`), else None."""
     if _call(y, aten.layer_norm.default) and not y.kwargs and isinstance(y.args[0], fx.Node):
         a = [*y.args, *(None, None, None, None, 1e-5)[len(y.args):]]      # the defaults not written
-        return ("layer", a[0], a[2], a[3], a[4], list(a[1]), None, None)
-    rms = _rms_norm(y) if _call(y, aten.mul.Tensor) else None
+        return ("layer", a[0], a[2], a[3], a[4], list(a[1]), None, None, None)
+    rms = _rms_norm(y) if _call(y, aten.mul.Tensor) else _rms_norm_cast(y)
     if rms is not None:
-        x, w, eps, mid, out = rms.args
-        return ("rms", x, w, None, eps, None, mid, out)
+        x, w, eps, mid, out, post = (*rms.args, None)[:6]
+        return ("rms", x, w, None, eps, None, mid, out, post)
     return None
 
 
@@ -209,7 +242,8 @@ def _norm_linear(lin: fx.Node) -> Match | None:
     if recipe is None:
         return None
     bias = lin.args[2] if len(lin.args) > 2 else None
-    return Match(lin, autopar_norm_linear, (y, lin.args[1], bias, *recipe, len(_readers(y))), (), (y,))
+    *recipe, post = recipe
+    return Match(lin, autopar_norm_linear, (y, lin.args[1], bias, *recipe, len(_readers(y)), post), (), (y,))
 
 
 def matches(gm: fx.GraphModule) -> list[Match]:
@@ -219,7 +253,7 @@ def matches(gm: fx.GraphModule) -> list[Match]:
         if n in inside:
             continue
         m = (_swiglu_linear(n) or _swiglu_grouped_mm(n) or _gelu_linear(n) or _norm_linear(n) or _swiglu(n)
-             or _rms_norm(n))
+             or _rms_norm_cast(n) or _rms_norm(n))
         if m is not None:
             out.append(m)
             inside.update(m.absorbed)

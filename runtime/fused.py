@@ -2,9 +2,9 @@
 same values and gradients (each backward runs the very formulas autograd runs for the unfused
 ops, in the same order, so the results are the unfused model's bit for bit).
 
-- :func:`autopar_swiglu` ``(g, u)``: ``silu(g) * u``. Eager autograd keeps ``g`` (for silu),
-  ``silu(g)`` and ``u`` (for the product); this keeps ``g`` and ``u`` and recomputes ``silu(g)``
-  in backward (one elementwise op).
+- :func:`autopar_swiglu` ``(g, u, act)``: ``silu(g) * u`` (or GeGLU's ``gelu(g) * u``). Eager
+  autograd keeps ``g`` (for the activation), ``silu(g)`` and ``u`` (for the product); this keeps
+  ``g`` and ``u`` and recomputes ``silu(g)`` in backward (one elementwise op).
 - :func:`autopar_swiglu_linear` ``(g, u, w, b)``: ``linear(silu(g) * u, w, b)``, an MLP's down
   projection of its SwiGLU. Eager keeps the product too (the projection's weight gradient reads
   it); this keeps ``g`` and ``u`` and recomputes it.
@@ -12,8 +12,9 @@ ops, in the same order, so the results are the unfused model's bit for bit).
   projection as transformers runs it on a CPU (its ``grouped_mm_fallback`` operator).
 - :func:`autopar_gelu_linear` ``(h, w, b, approximate)``: ``linear(gelu(h), w, b)``; eager keeps
   ``h`` (for gelu) and ``gelu(h)`` (for the weight gradient); this keeps ``h``.
-- :func:`autopar_rms_norm` ``(x, w, eps, mid, out)``: an RMSNorm written out as transformers
-  writes it, ``w * (x.to(mid) * rsqrt(x.to(mid).pow(2).mean(-1, keepdim=True) + eps)).to(out)``.
+- :func:`autopar_rms_norm` ``(x, w, eps, mid, out, post)``: an RMSNorm written out as transformers
+  writes it, ``w * (x.to(mid) * rsqrt(x.to(mid).pow(2).mean(-1, keepdim=True) + eps)).to(out)``
+  (Gemma's: ``((x * rsqrt(...)) * (1 + w)).to(post)``, its ``1 + w`` taken as the weight).
   Eager autograd keeps ``x``, the per-row ``rsqrt`` and the normalised rows (for the weight's
   gradient); this keeps ``x`` and the per-row ``rsqrt`` and recomputes the normalised rows.
 - :func:`autopar_norm_linear`: a projection of a norm's output (RMSNorm as above, or
@@ -30,53 +31,73 @@ import torch
 aten = torch.ops.aten
 
 
+GATES = ("silu", "gelu", "gelu_tanh")        # the gate activations of a gated MLP the ops take
+
+
+def _gate(g: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "silu":
+        return aten.silu.default(g)
+    return aten.gelu.default(g, approximate="tanh" if act == "gelu_tanh" else "none")
+
+
+def _gate_backward(grad: torch.Tensor, g: torch.Tensor, act: str) -> torch.Tensor:
+    """The activation's backward as autograd runs it."""
+    if act == "silu":
+        return aten.silu_backward.default(grad, g)
+    return aten.gelu_backward.default(grad, g, approximate="tanh" if act == "gelu_tanh" else "none")
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tensor:
         ctx.save_for_backward(g, u)
-        return aten.mul.Tensor(aten.silu.default(g), u)
+        ctx.act = act
+        return aten.mul.Tensor(_gate(g, act), u)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         g, u = ctx.saved_tensors
-        s = aten.silu.default(g)
+        s = _gate(g, ctx.act)
         grad_u = grad * s if ctx.needs_input_grad[1] else None
-        grad_g = aten.silu_backward.default(grad * u, g) if ctx.needs_input_grad[0] else None
-        return grad_g, grad_u
+        grad_g = _gate_backward(grad * u, g, ctx.act) if ctx.needs_input_grad[0] else None
+        return grad_g, grad_u, None
 
 
-def autopar_swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``silu(g) * u``, keeping ``g`` and ``u`` only (graph node; module docstring)."""
-    return _SwiGLU.apply(g, u)
+def autopar_swiglu(g: torch.Tensor, u: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """``silu(g) * u`` (``act`` "gelu" / "gelu_tanh": GeGLU's ``gelu(g) * u``), keeping ``g`` and
+    ``u`` only (graph node; module docstring)."""
+    return _SwiGLU.apply(g, u, act)
 
 
 class _SwiGLULinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, g: torch.Tensor, u: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx, g: torch.Tensor, u: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                act: str) -> torch.Tensor:
         ctx.save_for_backward(g, u, w)
-        ctx.has_bias = b is not None
-        return aten.linear.default(aten.mul.Tensor(aten.silu.default(g), u), w, b)
+        ctx.has_bias, ctx.act = b is not None, act
+        return aten.linear.default(aten.mul.Tensor(_gate(g, act), u), w, b)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         g, u, w = ctx.saved_tensors
-        s = aten.silu.default(g)
+        s = _gate(g, ctx.act)
         p = aten.mul.Tensor(s, u)
         # linear's own backward as autograd runs it (rows flattened, one mm each way)
         flat, grad2 = p.reshape(-1, p.shape[-1]), grad.reshape(-1, grad.shape[-1])
         grad_p = grad2.mm(w).view(p.shape) if any(ctx.needs_input_grad[:2]) else None
         grad_w = flat.t().mm(grad2).t() if ctx.needs_input_grad[2] else None
         grad_b = grad2.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
-        grad_g = aten.silu_backward.default(grad_p * u, g) if ctx.needs_input_grad[0] else None
+        grad_g = _gate_backward(grad_p * u, g, ctx.act) if ctx.needs_input_grad[0] else None
         grad_u = grad_p * s if ctx.needs_input_grad[1] else None
-        return grad_g, grad_u, grad_w, grad_b
+        return grad_g, grad_u, grad_w, grad_b, None
 
 
 def autopar_swiglu_linear(g: torch.Tensor, u: torch.Tensor, w: torch.Tensor,
-                          b: torch.Tensor | None = None) -> torch.Tensor:
-    """``linear(silu(g) * u, w, b)`` (an MLP's down projection of its SwiGLU), keeping ``g`` and
-    ``u`` only: backward recomputes the product the projection's weight gradient reads."""
-    return _SwiGLULinear.apply(g, u, w, b)
+                          b: torch.Tensor | None = None, act: str = "silu") -> torch.Tensor:
+    """``linear(silu(g) * u, w, b)`` (an MLP's down projection of its SwiGLU; ``act`` as in
+    :func:`autopar_swiglu`), keeping ``g`` and ``u`` only: backward recomputes the product the
+    projection's weight gradient reads."""
+    return _SwiGLULinear.apply(g, u, w, b, act)
 
 
 class _SwiGLUGroupedMM(torch.autograd.Function):
@@ -137,27 +158,30 @@ def autopar_gelu_linear(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float, mid: torch.dtype | None,
-         out: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' RMSNorm as the model writes it: (output, per-row rsqrt)."""
+         out: torch.dtype | None, post: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' RMSNorm as the model writes it: (output, per-row rsqrt). ``post``: the cast
+    after the weight (Gemma's ``(n * (1 + w)).type_as(x)``)."""
     xm = x.to(mid) if mid is not None else x
     r = aten.rsqrt.default(aten.add.Tensor(aten.mean.dim(aten.pow.Tensor_Scalar(xm, 2), [-1], True), eps))
     n = aten.mul.Tensor(xm, r)
     nd = n.to(out) if out is not None else n
-    return aten.mul.Tensor(w, nd), r
+    y = aten.mul.Tensor(w, nd)
+    return (y.to(post) if post is not None else y), r
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float, mid: torch.dtype | None,
-                out: torch.dtype | None) -> torch.Tensor:
+                out: torch.dtype | None, post: torch.dtype | None) -> torch.Tensor:
         y, r = _rms(x, w, eps, mid, out)
         ctx.save_for_backward(x, w, r)
-        ctx.mid, ctx.out = mid, out
-        return y
+        ctx.mid, ctx.out, ctx.y_dtype = mid, out, y.dtype
+        return y.to(post) if post is not None else y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, w, r = ctx.saved_tensors
+        grad = grad.to(ctx.y_dtype)                  # the post cast's backward (none without one)
         xm = x.to(ctx.mid) if ctx.mid is not None else x
         n = aten.mul.Tensor(xm, r)
         nd = n.to(ctx.out) if ctx.out is not None else n
@@ -165,7 +189,7 @@ class _RMSNorm(torch.autograd.Function):
         # (autograd hands each input its gradient in that input's dtype)
         grad_w = (grad * nd).sum_to_size(w.shape).to(w.dtype) if ctx.needs_input_grad[1] else None
         if not ctx.needs_input_grad[0]:
-            return None, grad_w, None, None, None
+            return None, grad_w, None, None, None, None
         grad_n = (grad * w).to(nd.dtype).to(n.dtype)
         # n = xm * r; r = rsqrt(mean(xm ** 2) + eps)
         grad_a = grad_n * r
@@ -173,20 +197,21 @@ class _RMSNorm(torch.autograd.Function):
         grad_v = -0.5 * grad_r * r.pow(3)
         grad_p = grad_v.expand(xm.shape) / xm.shape[-1]
         grad_b = grad_p * (2 * xm.pow(1))
-        return (grad_a + grad_b).to(x.dtype), grad_w, None, None, None
+        return (grad_a + grad_b).to(x.dtype), grad_w, None, None, None, None
 
 
 def autopar_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, mid: torch.dtype | None,
-                     out: torch.dtype | None) -> torch.Tensor:
+                     out: torch.dtype | None, post: torch.dtype | None = None) -> torch.Tensor:
     """An RMSNorm keeping its input and per-row scale only (graph node; module docstring)."""
-    return _RMSNorm.apply(x, w, eps, mid, out)
+    return _RMSNorm.apply(x, w, eps, mid, out, post)
 
 
 def _norm_again(kind: str, x: torch.Tensor, nw: torch.Tensor | None, nb: torch.Tensor | None, eps: float,
-                shape: list[int] | None, mid: torch.dtype | None, out: torch.dtype | None) -> torch.Tensor:
+                shape: list[int] | None, mid: torch.dtype | None, out: torch.dtype | None,
+                post: torch.dtype | None = None) -> torch.Tensor:
     """The norm's output, by the very ops its forward ran (so bit for bit the same)."""
     if kind == "rms":
-        return _rms(x, nw, eps, mid, out)[0]
+        return _rms(x, nw, eps, mid, out, post)[0]
     return aten.layer_norm.default(x, shape, nw, nb, eps)
 
 
@@ -212,9 +237,10 @@ class _NormLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kind: str, x: torch.Tensor,
                 nw: torch.Tensor | None, nb: torch.Tensor | None, eps: float, shape: list[int] | None,
-                mid: torch.dtype | None, out: torch.dtype | None, readers: int) -> torch.Tensor:
+                mid: torch.dtype | None, out: torch.dtype | None, readers: int,
+                post: torch.dtype | None) -> torch.Tensor:
         ctx.save_for_backward(x, nw, nb, w)
-        ctx.has_bias, ctx.norm = b is not None, (kind, eps, shape, mid, out)
+        ctx.has_bias, ctx.norm = b is not None, (kind, eps, shape, mid, out, post)
         ctx.shared = None
         result = aten.linear.default(y, w, b)
         # under autocast the linear ran in another dtype than y's and w's: backward mirrors the casts
@@ -239,7 +265,7 @@ class _NormLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, nw, nb, w = ctx.saved_tensors
-        kind, eps, shape, mid, out = ctx.norm
+        kind, eps, shape, mid, out, post = ctx.norm
         dt, y_dt, w_dt, b_dt = ctx.dtypes
         grad2 = grad.reshape(-1, grad.shape[-1])
         grad_y = grad2.mm(w.to(dt)).view(*grad.shape[:-1], w.shape[1]).to(y_dt) if ctx.needs_input_grad[0] else None
@@ -247,26 +273,27 @@ class _NormLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             def make() -> torch.Tensor:        # the norm as forward ran it (under its autocast, if any)
                 if ctx.amp is None:
-                    return _norm_again(kind, x, nw, nb, eps, shape, mid, out)
+                    return _norm_again(kind, x, nw, nb, eps, shape, mid, out, post)
                 with torch.autocast(ctx.amp[0], dtype=ctx.amp[1]):
-                    return _norm_again(kind, x, nw, nb, eps, shape, mid, out)
+                    return _norm_again(kind, x, nw, nb, eps, shape, mid, out, post)
             y = (ctx.shared.take(make) if ctx.shared is not None else make()).to(dt)
             grad_w = y.reshape(-1, y.shape[-1]).t().mm(grad2).t().to(w_dt)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad2.sum(0).to(b_dt)
-        return grad_y, grad_w, grad_b, None, None, None, None, None, None, None, None, None
+        return grad_y, grad_w, grad_b, None, None, None, None, None, None, None, None, None, None
 
 
 def autopar_norm_linear(y: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kind: str, x: torch.Tensor,
                         nw: torch.Tensor | None, nb: torch.Tensor | None, eps: float, shape: list[int] | None = None,
                         mid: torch.dtype | None = None, out: torch.dtype | None = None,
-                        readers: int = 1) -> torch.Tensor:
+                        readers: int = 1, post: torch.dtype | None = None) -> torch.Tensor:
     """``linear(y, w, b)`` where ``y`` is a norm's output (``kind`` "rms": transformers' RMSNorm of
     ``x`` with weight ``nw``; "layer": ``layer_norm(x, shape, nw, nb, eps)``) that only
     projections read. Keeps the norm's input ``x`` (which the norm keeps anyway) instead of ``y``
     and recomputes ``y`` for the weight's gradient; ``y``'s own gradient is the plain linear's.
-    ``readers``: how many such projections read ``y``; they recompute it once between them."""
-    return _NormLinear.apply(y, w, b, kind, x, nw, nb, eps, shape, mid, out, readers)
+    ``readers``: how many such projections read ``y``; they recompute it once between them.
+    ``post``: an RMSNorm's cast after its weight (:func:`autopar_rms_norm`)."""
+    return _NormLinear.apply(y, w, b, kind, x, nw, nb, eps, shape, mid, out, readers, post)
 
 
 FUSED_OPS = (autopar_swiglu, autopar_swiglu_linear, autopar_swiglu_grouped_mm, autopar_gelu_linear, autopar_rms_norm,

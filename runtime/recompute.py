@@ -133,13 +133,34 @@ def eager_attention_cores(gm: fx.GraphModule) -> dict[fx.Node, int]:
                 break
         if start is None or end is None or any(m in out for m in nodes[at[start]:at[end] + 1]):
             continue
+        first = _repeats_before(nodes, at, at[start], at[end], out)
         rid = len(set(out.values()))
-        for m in nodes[at[start]:at[end] + 1]:
+        for m in nodes[first:at[end] + 1]:
             out[m] = rid
     for n in nodes:      # an attention call no kernel that keeps log-sum-exp takes: the math one keeps scores
         if _name(n) in ("scaled_dot_product_attention", "graph_sdpa") and n not in out and _math_only(n):
             out[n] = len(set(out.values()))
     return out
+
+
+_LAYOUT = {"expand", "unsqueeze", "reshape", "view", "_unsafe_view", "clone", "contiguous", "transpose", "permute",
+           "alias", "t"}
+
+
+def _repeats_before(nodes: list[fx.Node], at: dict[fx.Node, int], first: int, last: int,
+                    taken: dict[fx.Node, int]) -> int:
+    """Where a core starts once the layout ops just before its scores' matmul join it: transformers'
+    ``repeat_kv`` (keys and values expanded to every query head and copied) and the keys'
+    transpose. The core then keeps the keys and values as the model made them, not their copies
+    per query head."""
+    inside = set(nodes[first:last + 1])
+    while first > 0:
+        n = nodes[first - 1]
+        if _name(n) not in _LAYOUT or n in taken or not n.users or not all(u in inside for u in n.users):
+            break
+        first -= 1
+        inside.add(n)
+    return first
 
 
 def _math_only(n: fx.Node) -> bool:

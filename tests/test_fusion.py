@@ -23,14 +23,19 @@ import autopar
 from autopar.build.prepare import capture_model
 from autopar.core.meta import evaluate, info
 from autopar.passes.fusion import fuse, matches, unkept
-from autopar.runtime.fused import (autopar_gelu_linear, autopar_norm_linear, autopar_rms_norm, autopar_swiglu,
-                                   autopar_swiglu_grouped_mm, autopar_swiglu_linear)
+from autopar.runtime.fused import (FUSED_OPS, autopar_gelu_linear, autopar_norm_linear, autopar_rms_norm,
+                                   autopar_swiglu, autopar_swiglu_grouped_mm, autopar_swiglu_linear)
 from autopar.runtime.launch import run_ranks
 
 
 def _rms(x, w, eps, out):
     xm = x.to(torch.float32)
     return w * (xm * torch.rsqrt(xm.pow(2).mean(-1, keepdim=True) + eps)).to(out)
+
+
+def _gemma_rms(x, w, eps):
+    xm = x.float()
+    return ((xm * torch.rsqrt(xm.pow(2).mean(-1, keepdim=True) + eps)) * (1.0 + w.float())).type_as(x)
 
 
 def _grads(fn, *inputs):
@@ -50,6 +55,10 @@ def test_fused_ops_equal_the_unfused_bit_for_bit(dt, wdt):
     want, got = _grads(lambda a, b: _rms(a, b, 1e-6, dt), x, w), _grads(
         lambda a, b: autopar_rms_norm(a, b, 1e-6, torch.float32, dt), x, w)
     assert torch.equal(want[0], got[0]) and all(torch.equal(p, q) for p, q in zip(want[1], got[1]))
+    # Gemma's: float32 rows times (1 + w), cast back to the input's dtype after the weight
+    want, got = _grads(lambda a, b: _gemma_rms(a, b, 1e-6), x, w), _grads(
+        lambda a, b: autopar_rms_norm(a, (1.0 + b.float()), 1e-6, torch.float32, None, a.dtype), x, w)
+    assert torch.equal(want[0], got[0]) and all(torch.equal(p, q) for p, q in zip(want[1], got[1]))
     g, u = (torch.randn(2, 5, 12, dtype=dt, requires_grad=True) for _ in range(2))
     down, bias = torch.randn(7, 12, dtype=dt, requires_grad=True), torch.randn(7, dtype=dt, requires_grad=True)
     pairs = [(lambda a, b: F.silu(a) * b, autopar_swiglu, (g, u)),
@@ -57,7 +66,11 @@ def test_fused_ops_equal_the_unfused_bit_for_bit(dt, wdt):
              (lambda a, b, c: F.linear(F.silu(a) * b, c), autopar_swiglu_linear, (g, u, down)),
              (lambda a, c, d: F.linear(F.gelu(a), c, d), autopar_gelu_linear, (g, down, bias)),
              (lambda a, c: F.linear(F.gelu(a, approximate="tanh"), c),
-              lambda a, c: autopar_gelu_linear(a, c, None, "tanh"), (g, down))]
+              lambda a, c: autopar_gelu_linear(a, c, None, "tanh"), (g, down)),
+             # GeGLU (Gemma's MLP): the gate through gelu, exact or tanh
+             (lambda a, b: F.gelu(a) * b, lambda a, b: autopar_swiglu(a, b, "gelu"), (g, u)),
+             (lambda a, b, c, d: F.linear(F.gelu(a, approximate="tanh") * b, c, d),
+              lambda a, b, c, d: autopar_swiglu_linear(a, b, c, d, "gelu_tanh"), (g, u, down, bias))]
     for plain, fused, inputs in pairs:
         want, got = _grads(plain, *inputs), _grads(fused, *inputs)
         assert torch.equal(want[0], got[0]) and all(torch.equal(p, q) for p, q in zip(want[1], got[1])), fused
@@ -188,9 +201,12 @@ def _gemma2_cores(rank: int, world: int) -> dict:
     x = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
     pm = autopar.parallelize(model, {"dp": 1}, (x,))
     shapes: list[tuple] = []
+    per_head: set[tuple] = set()       # distinct storages kept in [b, heads, ., .] form
 
     def pack(t):
         shapes.append(tuple(t.shape))
+        if t.dim() == 4 and t.shape[0] == 2 and t.shape[-1] != t.shape[-2]:
+            per_head.add((t.untyped_storage().data_ptr(), t.shape[1]))
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         got = pm(x)
@@ -199,7 +215,11 @@ def _gemma2_cores(rank: int, world: int) -> dict:
     got.pow(2).mean().backward()
     grads = dict(ref.named_parameters())
     from autopar.runtime.recompute import eager_attention_cores
+    fused = [(n.target.__name__, n.args[-1] if isinstance(n.args[-1], (str, torch.dtype)) else None)
+             for n in pm.graph_module.graph.nodes if n.target in FUSED_OPS]
     return {"scores": sum(1 for s in shapes if len(s) == 4 and s[1] == 4 and s[-1] == s[-2] == 24),   # [b, heads, s, s]
+            "fused": sorted(set(fused)), "count": len(fused),
+            "per_head": sorted(h for _, h in per_head),
             "cores": len(set(eager_attention_cores(pm.graph_module).values())),
             "out": (want - got).abs().max().item(),
             "grad": max((p.grad - grads[k].grad).abs().max().item() for k, p in pm.named_parameters())}
@@ -208,8 +228,16 @@ def _gemma2_cores(rank: int, world: int) -> dict:
 def test_an_eager_soft_capped_attention_keeps_no_scores_and_trains_as_eager():
     """transformers' Gemma 2 writes its attention out (scale, soft cap, sliding-window mask,
     softmax): each layer's core runs checkpointed, so no [b, heads, s, s] tensor is kept for
-    backward (the [b, 1, s, s] masks are, once each), and outputs and gradients are the eager model's bit for bit (float64)."""
+    backward (the [b, 1, s, s] masks are, once each), and outputs and gradients are the eager
+    model's bit for bit (float64). The core starts before the keys and values are repeated to the
+    query heads: they are kept with their 2 heads, the queries with 4. Gemma's norms
+    (``(1 + w)``, cast after the weight) and its GeGLU MLP are fused like Llama's."""
     r = run_ranks(_gemma2_cores, 1, timeout_s=300)[0]
     assert r["cores"] == 2, r
     assert r["scores"] == 0, r
+    assert r["per_head"] == [2, 2, 2, 2, 4, 4], r
+    # per layer: 2 norms into projections (q, k, v; gate, up), 2 more norms, the GeGLU down
+    # projection; and the final norm
+    assert r["fused"] == [("autopar_norm_linear", torch.float64), ("autopar_rms_norm", torch.float64),
+                          ("autopar_swiglu_linear", "gelu_tanh")] and r["count"] == 2 * (5 + 4 + 1) + 1, r
     assert r["out"] == 0.0 and r["grad"] == 0.0, r
