@@ -13,7 +13,7 @@ they need, recognised in the ATen graph and replaced by the fused ops of
   with ``x32 = x.to(float32)`` (each cast optional), every intermediate read only inside the
   pattern, or Gemma's ``((x32 * rsqrt(...)) * (1 + w)).type_as(x)``. Frees the normalised rows.
 - **A norm into its projections**: ``linear(y, w[, b])`` where ``y`` is an RMSNorm's (above) or
-  ``layer_norm``'s output and every reader of ``y`` is such a projection (q, k and v; gate and
+  ``layer_norm``'s output (or a view of it) and every reader of ``y`` is such a projection (q, k and v; gate and
   up). Frees ``y``: each projection keeps the norm's input instead, which the norm keeps anyway.
 
 :func:`unkept` names, for the memory pass, the values the fused ops do not keep (so the planner
@@ -238,7 +238,11 @@ def _norm_linear(lin: fx.Node) -> Match | None:
     y = lin.args[0]
     if not all(_projects(u, y) for u in _readers(y)):
         return None
-    recipe = _norm_recipe(y)
+    base = y            # a view of the norm's output (DeepSeek's latent norm into its projection)
+    if _call(y, aten.view.default, aten.reshape.default) and isinstance(y.args[0], fx.Node) \
+            and _readers(y.args[0]) == [y]:
+        base = y.args[0]
+    recipe = _norm_recipe(base)
     if recipe is None:
         return None
     bias = lin.args[2] if len(lin.args) > 2 else None

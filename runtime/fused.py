@@ -18,7 +18,7 @@ ops, in the same order, so the results are the unfused model's bit for bit).
   Eager autograd keeps ``x``, the per-row ``rsqrt`` and the normalised rows (for the weight's
   gradient); this keeps ``x`` and the per-row ``rsqrt`` and recomputes the normalised rows.
 - :func:`autopar_norm_linear`: a projection of a norm's output (RMSNorm as above, or
-  ``layer_norm``) when only projections read it (an attention block's q, k and v, an MLP's gate
+  ``layer_norm``; or a view of it) when only projections read it (an attention block's q, k and v, an MLP's gate
   and up). Eager keeps the norm's output for the weights' gradients; this keeps the norm's
   input, which the norm itself keeps, and recomputes the output in backward.
 
@@ -241,6 +241,7 @@ class _NormLinear(torch.autograd.Function):
                 post: torch.dtype | None) -> torch.Tensor:
         ctx.save_for_backward(x, nw, nb, w)
         ctx.has_bias, ctx.norm = b is not None, (kind, eps, shape, mid, out, post)
+        ctx.y_shape = y.shape               # y may be a view of the norm's output
         ctx.shared = None
         result = aten.linear.default(y, w, b)
         # under autocast the linear ran in another dtype than y's and w's: backward mirrors the casts
@@ -276,7 +277,7 @@ class _NormLinear(torch.autograd.Function):
                     return _norm_again(kind, x, nw, nb, eps, shape, mid, out, post)
                 with torch.autocast(ctx.amp[0], dtype=ctx.amp[1]):
                     return _norm_again(kind, x, nw, nb, eps, shape, mid, out, post)
-            y = (ctx.shared.take(make) if ctx.shared is not None else make()).to(dt)
+            y = (ctx.shared.take(make) if ctx.shared is not None else make()).reshape(ctx.y_shape).to(dt)
             grad_w = y.reshape(-1, y.shape[-1]).t().mm(grad2).t().to(w_dt)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad2.sum(0).to(b_dt)

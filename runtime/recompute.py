@@ -133,34 +133,52 @@ def eager_attention_cores(gm: fx.GraphModule) -> dict[fx.Node, int]:
                 break
         if start is None or end is None or any(m in out for m in nodes[at[start]:at[end] + 1]):
             continue
-        first = _repeats_before(nodes, at, at[start], at[end], out)
+        first = _feeds_before(nodes, at, at[start], at[end], out)
         rid = len(set(out.values()))
         for m in nodes[first:at[end] + 1]:
             out[m] = rid
     for n in nodes:      # an attention call no kernel that keeps log-sum-exp takes: the math one keeps scores
         if _name(n) in ("scaled_dot_product_attention", "graph_sdpa") and n not in out and _math_only(n):
-            out[n] = len(set(out.values()))
+            rid = len(set(out.values()))
+            for m in nodes[_feeds_before(nodes, at, at[n], at[n], out):at[n] + 1]:
+                out[m] = rid
     return out
 
 
 _LAYOUT = {"expand", "unsqueeze", "reshape", "view", "_unsafe_view", "clone", "contiguous", "transpose", "permute",
-           "alias", "t"}
+           "alias", "t", "split", "split_with_sizes", "getitem", "slice", "select", "new_empty", "copy_"}
+_VIEWS = {"expand", "unsqueeze", "view", "_unsafe_view", "transpose", "permute", "alias", "t", "slice", "select"}
 
 
-def _repeats_before(nodes: list[fx.Node], at: dict[fx.Node, int], first: int, last: int,
-                    taken: dict[fx.Node, int]) -> int:
-    """Where a core starts once the layout ops just before its scores' matmul join it: transformers'
-    ``repeat_kv`` (keys and values expanded to every query head and copied) and the keys'
-    transpose. The core then keeps the keys and values as the model made them, not their copies
-    per query head."""
+def _feeds_before(nodes: list[fx.Node], at: dict[fx.Node, int], first: int, last: int,
+                  taken: dict[fx.Node, int]) -> int:
+    """Where a core starts once the layout ops just before it that only feed it join it:
+    transformers' ``repeat_kv`` (keys and values expanded to every query head and copied), the
+    keys' transpose, DeepSeek's keys assembled from the latent projection's output and the
+    rotary part. These ops copy or view, so the core then keeps what they read (the keys and
+    values as the model made them) instead of their per-head copies. An in-place copy joins
+    only with the tensor it writes."""
     inside = set(nodes[first:last + 1])
-    while first > 0:
-        n = nodes[first - 1]
-        if _name(n) not in _LAYOUT or n in taken or not n.users or not all(u in inside for u in n.users):
+    start = first
+    while start > 0:
+        n = nodes[start - 1]
+        if _name(n) not in _LAYOUT or n in taken or not all(u in inside for u in n.users):
             break
-        first -= 1
+        if not n.users and not _name(n).endswith("_"):
+            break
+        start -= 1
         inside.add(n)
-    return first
+    cut = True
+    while cut:                            # an in-place write into a tensor made outside: start after it
+        cut, region = False, set(nodes[start:last + 1])
+        for n in nodes[start:first]:
+            root = n.args[0] if not n.users else None
+            while isinstance(root, fx.Node) and root in region and _name(root) in _VIEWS:
+                root = root.args[0]
+            if not n.users and root not in region:
+                start, cut = at[n] + 1, True
+                break
+    return start
 
 
 def _math_only(n: fx.Node) -> bool:

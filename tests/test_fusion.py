@@ -189,14 +189,18 @@ def test_parallelize_keeps_at_most_three_quarters_of_eager_activations():
     assert r["out"] == 0.0 and r["grad"] < 1e-6, r
 
 
-def _gemma2_cores(rank: int, world: int) -> dict:
+def _eager_cores(rank: int, world: int, name: str) -> dict:
     import transformers
     from tests.hf_tiny import Logits
     torch.manual_seed(0)
-    cfg = transformers.Gemma2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                    num_key_value_heads=2, head_dim=16, vocab_size=64, max_position_embeddings=64,
-                                    sliding_window=8)
-    model = Logits(transformers.AutoModelForCausalLM.from_config(cfg)).double()
+    if name == "gemma2":
+        cfg = transformers.Gemma2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=64,
+                                        max_position_embeddings=64, sliding_window=8)
+        model = Logits(transformers.AutoModelForCausalLM.from_config(cfg)).double()
+    else:           # tests/test_ep_hf.py's small DeepSeek-V3: latent attention, queries 16 wide, values 8
+        from tests.test_ep_hf import build
+        model = build("deepseek_v3", torch.float64, num_hidden_layers=2, first_k_dense_replace=0)
     ref = copy.deepcopy(model)
     x = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
     pm = autopar.parallelize(model, {"dp": 1}, (x,))
@@ -232,7 +236,7 @@ def test_an_eager_soft_capped_attention_keeps_no_scores_and_trains_as_eager():
     model's bit for bit (float64). The core starts before the keys and values are repeated to the
     query heads: they are kept with their 2 heads, the queries with 4. Gemma's norms
     (``(1 + w)``, cast after the weight) and its GeGLU MLP are fused like Llama's."""
-    r = run_ranks(_gemma2_cores, 1, timeout_s=300)[0]
+    r = run_ranks(_eager_cores, 1, "gemma2", timeout_s=300)[0]
     assert r["cores"] == 2, r
     assert r["scores"] == 0, r
     assert r["per_head"] == [2, 2, 2, 2, 4, 4], r
@@ -240,4 +244,18 @@ def test_an_eager_soft_capped_attention_keeps_no_scores_and_trains_as_eager():
     # projection; and the final norm
     assert r["fused"] == [("autopar_norm_linear", torch.float64), ("autopar_rms_norm", torch.float64),
                           ("autopar_swiglu_linear", "gelu_tanh")] and r["count"] == 2 * (5 + 4 + 1) + 1, r
+    assert r["out"] == 0.0 and r["grad"] == 0.0, r
+
+
+def test_a_latent_attention_core_keeps_the_latent_projection_not_its_keys_and_values():
+    """DeepSeek-V3's attention call takes queries 16 wide and values 8 (only the math kernel, which
+    keeps the scores, takes it): it runs checkpointed from the ops that assemble its keys (the
+    latent projection's output split, its rotary part expanded, both copied into one tensor):
+    per layer the core keeps the queries (4 heads) and the projection's output and rotary part
+    (1 head each), not keys and values per head; its latent norm's output, read through a view
+    by that projection, is recomputed. Outputs and gradients are the eager model's bit for bit
+    (float64)."""
+    r = run_ranks(_eager_cores, 1, "deepseek_v3", timeout_s=300)[0]
+    assert r["cores"] == 2 and r["scores"] == 0, r
+    assert r["per_head"] == [1, 1, 1, 1, 4, 4], r
     assert r["out"] == 0.0 and r["grad"] == 0.0, r
