@@ -117,17 +117,41 @@ def quantize(x: torch.Tensor, maxima: torch.Tensor, levels: int, generator: torc
     ``floor(b) + 1`` with probability ``b - floor(b)``, else ``floor(b)``, so :func:`dequantize`
     is unbiased: its expectation is ``x``. Ranks that share ``maxima`` share the scale, so their
     levels add up: the sum over ranks travels as one all-reduce of ``dtype``
-    (:func:`level_dtype`)."""
+    (:func:`level_dtype`).
+
+    The uniform number each entry is rounded with is ``frac(u + d_i)``: ``u`` drawn from
+    ``generator`` once per chunk, ``d_i`` the fractional part of ``i`` times the golden ratio for
+    the entry's place ``i`` in its chunk. For every entry it is uniform on ``[0, 1)`` as a draw of
+    its own would be (so the rounding has the same probabilities, and variance), at one draw per
+    chunk instead of one per entry (the draws were most of the cost); within a chunk the
+    roundings are spread evenly rather than independently."""
     work = torch.float64 if x.dtype == torch.float64 else torch.float32    # levels + u exact enough
     scale = torch.where(maxima > 0, levels / maxima, torch.zeros_like(maxima)).to(work)
-    # u + levels + b >= 0, so truncation is floor; u uniform in [0, 1) from the generator
     v, n, c = x.reshape(-1), x.numel(), QUANT_CHUNK
     full = n // c
-    b = torch.rand(n, generator=generator, dtype=work).to(x.device).add_(levels)
-    b[:full * c].view(full, c).addcmul_(v[:full * c].view(full, c), scale[:full, None])
+    chunks = full + (n > full * c)
+    shift = torch.rand(chunks, generator=generator, dtype=work).to(x.device)
+    d = _golden(work, x.device)
+    b = torch.empty(n, dtype=work, device=x.device)
+    # u + levels + b >= 0, so truncation is floor
+    b[:full * c].view(full, c).copy_(d.expand(full, c)).add_(shift[:full, None]).frac_().add_(levels) \
+        .addcmul_(v[:full * c].view(full, c), scale[:full, None])
     if n > full * c:
-        b[full * c:].addcmul_(v[full * c:], scale[full])
-    return b.to(dtype).sub_(levels)
+        b[full * c:].copy_(d[:n - full * c]).add_(shift[full]).frac_().add_(levels).addcmul_(v[full * c:], scale[full])
+    # u + levels rounds to levels + 1 for u within a rounding step of 1: keep the top level
+    return b.to(dtype).sub_(levels).clamp_(-levels, levels)
+
+
+_GOLDEN: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _golden(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``frac(i x golden ratio)`` for the places ``i`` of a chunk: evenly spread offsets."""
+    key = (dtype, device)
+    if key not in _GOLDEN:
+        i = torch.arange(QUANT_CHUNK, dtype=torch.float64)
+        _GOLDEN[key] = torch.frac(i * ((5 ** 0.5 - 1) / 2)).to(dtype=dtype, device=device)
+    return _GOLDEN[key]
 
 
 def dequantize(q: torch.Tensor, maxima: torch.Tensor, levels: int, dtype: torch.dtype) -> torch.Tensor:
@@ -192,6 +216,19 @@ def allgather_bytes(local_nbytes: float, n: int) -> float:
 
 # -- the per-axis state ------------------------------------------------------------------------
 
+class _Quantized:
+    """One bucket's quantized exchange: its gradient (``p``, the residual's buffer with error
+    feedback), its chunks' scales (the max all-reduce in flight, then its result) and, once
+    rounded, its levels' all-reduce."""
+
+    __slots__ = ("bucket", "buf", "p", "maxima", "gen", "levels")
+
+    def __init__(self, bucket: int, buf: torch.Tensor, p: torch.Tensor, maxima: torch.Tensor,
+                 gen: torch.Generator) -> None:
+        self.bucket, self.buf, self.p, self.maxima, self.gen = bucket, buf, p, maxima, gen
+        self.levels: torch.Tensor | None = None
+
+
 class ModeState:
     """One data axis's mode: step count, error-feedback memory, queued async reductions and the
     bytes this rank sent (``sent_bytes``, cumulative: benchmarks read it)."""
@@ -203,6 +240,7 @@ class ModeState:
         self.memory: dict[int, torch.Tensor] = {}          # bucket -> error-feedback residual
         self.issued: dict[int, int] = {}                   # bucket -> exchanges so far (seeds draws)
         self.queued: list[tuple[int, int, Any]] = []       # async: (step, bucket, pending all-reduce)
+        self.unsent: list[_Quantized] = []                 # quantize: buckets whose scales are in flight
         self.sent_bytes = 0.0
 
     # -- in the graph ---------------------------------------------------------------------
@@ -230,16 +268,14 @@ class ModeState:
             p = buf
         if m.compressor == "quantize":
             # a scale per chunk shared by every rank (the largest magnitude over the ranks), so the
-            # ranks' levels are summed by one integer all-reduce
-            maxima = chunk_maxima(p)
-            maxima = c10d.wait_tensor(c10d.all_reduce_(maxima, "max", self.group_name))
-            wide = level_dtype(self.n, m.levels)
-            q = quantize(p, maxima, m.levels, gen, wide)
-            if m.error_feedback:         # what was not sent stays (in the sum's buffer)
-                self.memory[bucket] = (buf.clone() if p is buf else p).sub_(dequantize(q, maxima, m.levels, p.dtype))
-            self.sent_bytes += (ring_allreduce_bytes(q.numel() * q.element_size(), self.n)
-                                + ring_allreduce_bytes(maxima.numel() * 4, self.n))
-            return ("quantize", c10d.all_reduce_(q, "sum", self.group_name), maxima, p.dtype)
+            # ranks' levels are summed by one integer all-reduce. The scales' all-reduce is only
+            # started here; the bucket is rounded and its levels sent when the next bucket comes
+            # (or its result is wanted), so backward does not wait for the other ranks to reach
+            # this bucket. Earlier buckets' levels go first: every rank issues in one order.
+            self._send_quantized()
+            job = _Quantized(bucket, buf, p, c10d.all_reduce_(chunk_maxima(p), "max", self.group_name), gen)
+            self.unsent.append(job)
+            return ("quantize", job)
         k = keep_count(p.numel(), m.ratio)
         if m.compressor == "randk":
             idx = randk_indices(p.numel(), k, gen).to(p.device)
@@ -275,8 +311,28 @@ class ModeState:
             vals = rows[:, :width].contiguous().view(dtype).reshape(-1)
             idx = rows[:, width:].contiguous().view(torch.int32).reshape(-1)
             return torch.zeros(numel, dtype=dtype, device=vals.device).index_add_(0, idx.long(), vals)
-        _, pending, maxima, dtype = handle
-        return dequantize(c10d.wait_tensor(pending), maxima, self.mode.levels, dtype)
+        job = handle[1]
+        if job.levels is None:
+            self._send_quantized(job)
+        return dequantize(c10d.wait_tensor(job.levels), job.maxima, self.mode.levels, job.p.dtype)
+
+    def _send_quantized(self, upto: "_Quantized | None" = None) -> None:
+        """Round the buckets whose scales are in flight (in the order they came, up to ``upto``)
+        and start the all-reduces of their levels."""
+        m = self.mode
+        wide = level_dtype(self.n, m.levels)
+        while self.unsent:
+            job = self.unsent.pop(0)
+            job.maxima = maxima = c10d.wait_tensor(job.maxima)
+            q = quantize(job.p, maxima, m.levels, job.gen, wide)
+            if m.error_feedback:         # what was not sent stays (in the sum's buffer)
+                self.memory[job.bucket] = (job.buf.clone() if job.p is job.buf else job.p).sub_(
+                    dequantize(q, maxima, m.levels, job.p.dtype))
+            self.sent_bytes += (ring_allreduce_bytes(q.numel() * q.element_size(), self.n)
+                                + ring_allreduce_bytes(maxima.numel() * 4, self.n))
+            job.levels = c10d.all_reduce_(q, "sum", self.group_name)
+            if job is upto:
+                return
 
     # -- async --------------------------------------------------------------------------------
     def defer(self, bucket: int, handle: Any) -> None:

@@ -116,6 +116,29 @@ def test_error_feedback_memory_keeps_exactly_what_was_not_sent(fake_world, compr
         carried = memory.clone()          # the next exchange adds into the residual's buffer
 
 
+def test_a_quantized_bucket_is_rounded_and_sent_when_the_next_one_comes(fake_world):
+    """``issue`` only starts a bucket's scales; its levels are rounded and sent when the next
+    bucket is issued (or its result is wanted), in the order the buckets came, and each result is
+    what rounding the bucket at once would give."""
+    fake_world(2)
+    state = dm.ModeState(DataMode("compressed", compressor="quantize", levels=5), n=2, rank=0,
+                         group_name=dist.group.WORLD.group_name)
+    a, b = torch.randn(1000, dtype=torch.float64), torch.randn(700, dtype=torch.float64)
+    ha = state.issue(0, a.clone())
+    assert state.unsent == [ha[1]] and 0 not in state.memory
+    hb = state.issue(1, b.clone())
+    assert state.unsent == [hb[1]] and 0 in state.memory and ha[1].levels is not None
+    got = [state.finish(ha), state.finish(hb)]
+    assert not state.unsent and 1 in state.memory
+
+    def at_once(x: torch.Tensor, bucket: int) -> torch.Tensor:      # the fake group's sum is the rank's own
+        gen = torch.Generator().manual_seed((state.mode.seed * 1_000_003 + bucket) * 1_000_003)
+        maxima = dm.chunk_maxima(x)
+        return dm.dequantize(dm.quantize(x, maxima, 5, gen), maxima, 5, x.dtype)
+    assert torch.equal(got[0], at_once(a, 0)) and torch.equal(got[1], at_once(b, 1))
+    assert torch.equal(state.memory[0], a - got[0])
+
+
 @pytest.mark.parametrize("topology", ["ring", "grid", "exponential", "full"])
 @pytest.mark.parametrize("n", [2, 3, 4, 6, 8, 9, 16])
 def test_every_topology_mixes_with_a_symmetric_doubly_stochastic_matrix(topology, n):
