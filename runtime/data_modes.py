@@ -46,14 +46,16 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` entries of flat ``x`` with the largest magnitude: (values, int64 indices).
 
     Exact, but without a selection over all of ``x`` where it can: a threshold below the k-th
-    largest magnitude is estimated from an evenly strided sample, the entries at or above it
-    are the candidates, and the top ``k`` of those are the top ``k`` of ``x`` whenever there
-    are at least ``k`` of them (else, or when they are too many to save time, the selection
-    runs over all of ``x``)."""
+    largest magnitude is estimated from a sample at fixed random places, the entries at or
+    above it are the candidates, and the top ``k`` of those are the top ``k`` of ``x`` whenever
+    there are at least ``k`` of them (else, or when they are too many to save time, the
+    selection runs over all of ``x``). Random places, not a stride: a weight gradient's
+    magnitude follows its columns (a ReLU's zeros), which a stride dividing the row length
+    would sample two of."""
     a = x.abs()
     n = a.numel()
     if n > 8 * SAMPLE and k * 8 <= n:
-        sample = a[::n // SAMPLE]
+        sample = a[_sample_places(n, a.device)]
         # the sample's entry at rank 2k/n of it: about twice k entries of x lie above it
         rank = min(len(sample), max(1, (2 * k * len(sample)) // n + 1))
         cut = torch.topk(sample, rank, sorted=True).values[-1]
@@ -63,6 +65,17 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
             return x[idx], idx
     idx = torch.topk(a, k, sorted=False).indices
     return x[idx], idx
+
+
+_PLACES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _sample_places(n: int, device: torch.device) -> torch.Tensor:
+    """:data:`SAMPLE` places of ``n``, drawn once per size (the same on every rank)."""
+    key = (n, device)
+    if key not in _PLACES:
+        _PLACES[key] = torch.randint(n, (SAMPLE,), generator=torch.Generator().manual_seed(n)).to(device)
+    return _PLACES[key]
 
 
 def randk_indices(numel: int, k: int, generator: torch.Generator) -> torch.Tensor:

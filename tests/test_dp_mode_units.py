@@ -84,6 +84,23 @@ def test_random_quantization_is_unbiased_and_on_its_levels():
     assert abs(frac - (xb[0].float().item() * levels - 1)) < 0.03
 
 
+def test_topk_of_a_weight_gradient_with_dead_columns_selects_from_candidates(monkeypatch):
+    """A weight gradient's magnitude follows its columns (an input a ReLU zeroed gives a zero
+    column). The threshold's sample sits at random places, so it sees the live columns too and
+    the selection runs over the candidates, not over the whole bucket (a stride dividing the
+    row length sampled only dead columns here, and every call fell back to the full selection)."""
+    g = torch.Generator().manual_seed(0)
+    rows, width = 2048, 1024
+    live = (torch.arange(width) % 512 != 0) & (torch.rand(width, generator=g) < 0.5)
+    x = (torch.randn(rows, 1, generator=g) * torch.randn(1, width, generator=g) * live).reshape(-1)
+    sizes: list[int] = []
+    real = torch.topk
+    monkeypatch.setattr(torch, "topk", lambda t, *a, **kw: (sizes.append(t.numel()), real(t, *a, **kw))[1])
+    vals, idx = dm.topk(x, 2048)
+    assert torch.equal(idx.sort().values, real(x.abs(), 2048).indices.sort().values)
+    assert sizes and max(sizes) < x.numel() // 100, sizes
+
+
 def test_randk_indices_stay_uniform():
     g = torch.Generator().manual_seed(0)
     hits = torch.zeros(1000)
