@@ -134,6 +134,10 @@ def memory_pass(gm: fx.GraphModule) -> fx.GraphModule:
     from autopar.runtime.recompute import eager_attention_cores
     cores = eager_attention_cores(gm)      # recomputed whatever the mode: their scores are never kept
     saved -= {n for n in cores if all(u in cores for u in n.users)}
+    # and a core keeps what it reads (checkpoint's inputs): the keys and values as the model made
+    # them, a mask
+    saved |= {b for n in cores for a in n.all_input_nodes if a not in cores and info(a).values
+              for b in (_base(a),) if info(b).kind not in ("param", "buffer", "constant")}
     for node in gm.graph.nodes:
         rec = info(node)
         t = template_of(node)

@@ -27,17 +27,24 @@ The graph pass that puts them in place is :mod:`autopar.passes.fusion`.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 aten = torch.ops.aten
 
 
-GATES = ("silu", "gelu", "gelu_tanh")        # the gate activations of a gated MLP the ops take
+GATES = ("silu", "gelu", "gelu_tanh")
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` in ``dtype`` (None: as it is): a cast only where one changes something, since each
+    no-op call costs as much as a small op's dispatch in these backwards."""
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)        # the gate activations of a gated MLP the ops take
 
 
 def _gate(g: torch.Tensor, act: str) -> torch.Tensor:
     if act == "silu":
-        return aten.silu.default(g)
-    return aten.gelu.default(g, approximate="tanh" if act == "gelu_tanh" else "none")
+        return F.silu(g)
+    return F.gelu(g, approximate="tanh" if act == "gelu_tanh" else "none")
 
 
 def _gate_backward(grad: torch.Tensor, g: torch.Tensor, act: str) -> torch.Tensor:
@@ -52,7 +59,7 @@ class _SwiGLU(torch.autograd.Function):
     def forward(ctx, g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tensor:
         ctx.save_for_backward(g, u)
         ctx.act = act
-        return aten.mul.Tensor(_gate(g, act), u)
+        return _gate(g, act) * u
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -75,17 +82,17 @@ class _SwiGLULinear(torch.autograd.Function):
                 act: str) -> torch.Tensor:
         ctx.save_for_backward(g, u, w)
         ctx.has_bias, ctx.act = b is not None, act
-        return aten.linear.default(aten.mul.Tensor(_gate(g, act), u), w, b)
+        return F.linear(_gate(g, act) * u, w, b)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         g, u, w = ctx.saved_tensors
         s = _gate(g, ctx.act)
-        p = aten.mul.Tensor(s, u)
+        p = s * u
         # linear's own backward as autograd runs it (rows flattened, one mm each way)
         flat, grad2 = p.reshape(-1, p.shape[-1]), grad.reshape(-1, grad.shape[-1])
         grad_p = grad2.mm(w).view(p.shape) if any(ctx.needs_input_grad[:2]) else None
-        grad_w = flat.t().mm(grad2).t() if ctx.needs_input_grad[2] else None
+        grad_w = grad2.t().mm(flat) if ctx.needs_input_grad[2] else None
         grad_b = grad2.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
         grad_g = _gate_backward(grad_p * u, g, ctx.act) if ctx.needs_input_grad[0] else None
         grad_u = grad_p * s if ctx.needs_input_grad[1] else None
@@ -106,14 +113,14 @@ class _SwiGLUGroupedMM(torch.autograd.Function):
                 cast: torch.dtype | None) -> torch.Tensor:
         ctx.save_for_backward(g, u, w, offs)
         ctx.cast = cast
-        p = aten.mul.Tensor(aten.silu.default(g), u)
+        p = F.silu(g) * u
         return torch.ops.transformers.grouped_mm_fallback(p.to(cast) if cast is not None else p, w, offs)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         g, u, w, offs = ctx.saved_tensors
-        s = aten.silu.default(g)
-        p = aten.mul.Tensor(s, u)
+        s = F.silu(g)
+        p = s * u
         # the grouped matmul's own backward (transformers registers it), on the recomputed product
         grad_p, grad_w = torch.ops.transformers.grouped_mm_fallback_backward(
             p.to(ctx.cast) if ctx.cast is not None else p, w, offs, grad)
@@ -136,16 +143,16 @@ class _GeluLinear(torch.autograd.Function):
     def forward(ctx, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, approximate: str) -> torch.Tensor:
         ctx.save_for_backward(h, w)
         ctx.has_bias, ctx.approximate = b is not None, approximate
-        return aten.linear.default(aten.gelu.default(h, approximate=approximate), w, b)
+        return F.linear(F.gelu(h, approximate=approximate), w, b)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         h, w = ctx.saved_tensors
-        a = aten.gelu.default(h, approximate=ctx.approximate)
+        a = F.gelu(h, approximate=ctx.approximate)
         flat, grad2 = a.reshape(-1, a.shape[-1]), grad.reshape(-1, grad.shape[-1])
         grad_h = aten.gelu_backward.default(grad2.mm(w).view(a.shape), h, approximate=ctx.approximate) \
             if ctx.needs_input_grad[0] else None
-        grad_w = flat.t().mm(grad2).t() if ctx.needs_input_grad[1] else None
+        grad_w = grad2.t().mm(flat) if ctx.needs_input_grad[1] else None
         grad_b = grad2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_h, grad_w, grad_b, None
 
@@ -161,12 +168,11 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float, mid: torch.dtype | None,
          out: torch.dtype | None, post: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' RMSNorm as the model writes it: (output, per-row rsqrt). ``post``: the cast
     after the weight (Gemma's ``(n * (1 + w)).type_as(x)``)."""
-    xm = x.to(mid) if mid is not None else x
-    r = aten.rsqrt.default(aten.add.Tensor(aten.mean.dim(aten.pow.Tensor_Scalar(xm, 2), [-1], True), eps))
-    n = aten.mul.Tensor(xm, r)
-    nd = n.to(out) if out is not None else n
-    y = aten.mul.Tensor(w, nd)
-    return (y.to(post) if post is not None else y), r
+    xm = _as(x, mid)
+    r = torch.rsqrt(xm.pow(2).mean(-1, keepdim=True) + eps)
+    n = xm * r
+    y = w * _as(n, out)
+    return _as(y, post), r
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -176,28 +182,28 @@ class _RMSNorm(torch.autograd.Function):
         y, r = _rms(x, w, eps, mid, out)
         ctx.save_for_backward(x, w, r)
         ctx.mid, ctx.out, ctx.y_dtype = mid, out, y.dtype
-        return y.to(post) if post is not None else y
+        return _as(y, post)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, w, r = ctx.saved_tensors
         grad = grad.to(ctx.y_dtype)                  # the post cast's backward (none without one)
-        xm = x.to(ctx.mid) if ctx.mid is not None else x
-        n = aten.mul.Tensor(xm, r)
-        nd = n.to(ctx.out) if ctx.out is not None else n
+        xm = _as(x, ctx.mid)
+        n = xm * r
+        nd = _as(n, ctx.out)
         # y = w * nd
         # (autograd hands each input its gradient in that input's dtype)
-        grad_w = (grad * nd).sum_to_size(w.shape).to(w.dtype) if ctx.needs_input_grad[1] else None
+        grad_w = _as((grad * nd).sum_to_size(w.shape), w.dtype) if ctx.needs_input_grad[1] else None
         if not ctx.needs_input_grad[0]:
             return None, grad_w, None, None, None, None
-        grad_n = (grad * w).to(nd.dtype).to(n.dtype)
+        grad_n = _as(_as(grad * w, nd.dtype), n.dtype)
         # n = xm * r; r = rsqrt(mean(xm ** 2) + eps)
         grad_a = grad_n * r
         grad_r = (grad_n * xm).sum_to_size(r.shape)
         grad_v = -0.5 * grad_r * r.pow(3)
         grad_p = grad_v.expand(xm.shape) / xm.shape[-1]
         grad_b = grad_p * (2 * xm.pow(1))
-        return (grad_a + grad_b).to(x.dtype), grad_w, None, None, None, None
+        return _as(grad_a + grad_b, x.dtype), grad_w, None, None, None, None
 
 
 def autopar_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, mid: torch.dtype | None,
@@ -235,15 +241,14 @@ _SHARED: "dict[int, _Shared]" = {}      # id(norm output) -> its recomputation, 
 
 class _NormLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kind: str, x: torch.Tensor,
-                nw: torch.Tensor | None, nb: torch.Tensor | None, eps: float, shape: list[int] | None,
-                mid: torch.dtype | None, out: torch.dtype | None, readers: int,
-                post: torch.dtype | None) -> torch.Tensor:
+    def forward(ctx, y: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor,
+                nw: torch.Tensor | None, nb: torch.Tensor | None, norm: tuple, readers: int) -> torch.Tensor:
+        # norm: (kind, eps, shape, mid, out, post), one argument (each argument of apply costs)
         ctx.save_for_backward(x, nw, nb, w)
-        ctx.has_bias, ctx.norm = b is not None, (kind, eps, shape, mid, out, post)
+        ctx.has_bias, ctx.norm = b is not None, norm
         ctx.y_shape = y.shape               # y may be a view of the norm's output
         ctx.shared = None
-        result = aten.linear.default(y, w, b)
+        result = F.linear(y, w, b)
         # under autocast the linear ran in another dtype than y's and w's: backward mirrors the casts
         ctx.dtypes = (result.dtype, y.dtype, w.dtype, b.dtype if b is not None else None)
         dev = x.device.type
@@ -269,7 +274,7 @@ class _NormLinear(torch.autograd.Function):
         kind, eps, shape, mid, out, post = ctx.norm
         dt, y_dt, w_dt, b_dt = ctx.dtypes
         grad2 = grad.reshape(-1, grad.shape[-1])
-        grad_y = grad2.mm(w.to(dt)).view(*grad.shape[:-1], w.shape[1]).to(y_dt) if ctx.needs_input_grad[0] else None
+        grad_y = _as(grad2.mm(_as(w, dt)).view(*grad.shape[:-1], w.shape[1]), y_dt) if ctx.needs_input_grad[0] else None
         grad_w = grad_b = None
         if ctx.needs_input_grad[1]:
             def make() -> torch.Tensor:        # the norm as forward ran it (under its autocast, if any)
@@ -277,11 +282,11 @@ class _NormLinear(torch.autograd.Function):
                     return _norm_again(kind, x, nw, nb, eps, shape, mid, out, post)
                 with torch.autocast(ctx.amp[0], dtype=ctx.amp[1]):
                     return _norm_again(kind, x, nw, nb, eps, shape, mid, out, post)
-            y = (ctx.shared.take(make) if ctx.shared is not None else make()).reshape(ctx.y_shape).to(dt)
-            grad_w = y.reshape(-1, y.shape[-1]).t().mm(grad2).t().to(w_dt)
+            y = _as((ctx.shared.take(make) if ctx.shared is not None else make()).reshape(ctx.y_shape), dt)
+            grad_w = _as(grad2.t().mm(y.reshape(-1, y.shape[-1])), w_dt)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad2.sum(0).to(b_dt)
-        return grad_y, grad_w, grad_b, None, None, None, None, None, None, None, None, None, None
+            grad_b = _as(grad2.sum(0), b_dt)
+        return grad_y, grad_w, grad_b, None, None, None, None, None
 
 
 def autopar_norm_linear(y: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kind: str, x: torch.Tensor,
@@ -294,7 +299,7 @@ def autopar_norm_linear(y: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
     and recomputes ``y`` for the weight's gradient; ``y``'s own gradient is the plain linear's.
     ``readers``: how many such projections read ``y``; they recompute it once between them.
     ``post``: an RMSNorm's cast after its weight (:func:`autopar_rms_norm`)."""
-    return _NormLinear.apply(y, w, b, kind, x, nw, nb, eps, shape, mid, out, readers, post)
+    return _NormLinear.apply(y, w, b, x, nw, nb, (kind, eps, shape, mid, out, post), readers)
 
 
 FUSED_OPS = (autopar_swiglu, autopar_swiglu_linear, autopar_swiglu_grouped_mm, autopar_gelu_linear, autopar_rms_norm,
