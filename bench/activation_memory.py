@@ -9,7 +9,7 @@ storage, less the storages of parameters and buffers (a matmul keeps its weight,
 anyway): activations only. Per layer: the difference between a 4-layer and a 2-layer build of
 the model, halved, so the embedding, the head and the loss drop out. The hand count
 (:func:`hand_count`) is what a layer with fused norms, MLP and attention must keep, itemised per
-model. Step time (one forward and backward, median of 2 x 5, the three alternating) is measured
+model. Step time (one forward and backward, median of 6 x 5, the three alternating) is measured
 for all three in the same run.
 
 Usage: ``python bench/activation_memory.py [--json]``.
@@ -152,7 +152,7 @@ def _row(rank: int, world: int, name: str) -> dict:
         kept[layers] = {k: _kept(lambda: m(x), _state_storages(m))
                         for k, m in (("plain", plain), ("autopar", ours), ("unfused", unfused))}
         if layers == 4:
-            for _ in range(2):                     # alternate, so drift in the machine reaches each alike
+            for _ in range(6):                     # alternate, so drift in the machine reaches each alike
                 for k, m in (("plain", plain), ("autopar", ours), ("unfused", unfused)):
                     steps.setdefault(k, []).append(_step_s(m, x))
     per = {k: (kept[4][k][0] - kept[2][k][0]) / 2 / 2**20 for k in kept[4]}

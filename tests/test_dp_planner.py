@@ -253,3 +253,5 @@ def test_cli_plan_infeasible_exits_2_naming_what_fits(capsys):
     assert code == 2
     assert re.search(r"(\d+) devices would fit global batch 8", err), err
     assert "per-rank batch" in err
+    # a budget under 1 GB is printed with the digits that tell it apart, not as 0.0
+    assert "fits in 0.012 GB per device" in err and "0.0 GB" not in err, err

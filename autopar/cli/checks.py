@@ -61,6 +61,13 @@ def _why(high: int) -> str:
            "32-bit indexing)" if high == MAX_SIZE else ""
 
 
+def gb_text(nbytes: float) -> str:
+    """Bytes as GB for a message: one decimal from 1 GB up, three significant digits below (a
+    12 MB budget reads 0.012, not 0.0)."""
+    g = nbytes / 1e9
+    return f"{g:.1f}" if g >= 1 else f"{g:.3g}"
+
+
 def gigabytes(flag: str) -> Callable[[str], float]:
     """An argparse ``type=`` for a finite, positive number (decimal GB)."""
     def parse(text: str) -> float:

@@ -385,11 +385,11 @@ def _infeasible(args: argparse.Namespace, cluster, result) -> DoesNotFitError:
     fewer = (f"on {result.devices} devices a per-rank batch of at most {mb} fits (dp={at[0]} tp={at[1]})" if mb
              else f"on {result.devices} devices not even a per-rank batch of 1 fits")
     return DoesNotFitError(f"no dp x tp x ZeRO configuration of {args.model} fits in "
-                           f"{result.memory_budget / 1e9:.1f} GB per device on {cluster.name}", where="autopar plan",
+                           f"{checks.gb_text(result.memory_budget)} GB per device on {cluster.name}", where="autopar plan",
                            smallest_devices=result.smallest_devices,
-                           expected=f"per-device memory <= {result.memory_budget / 1e9:.1f} GB",
+                           expected=f"per-device memory <= {checks.gb_text(result.memory_budget)} GB",
                            got=f"the leanest (dp={leanest.dp} tp={leanest.tp} ZeRO-{leanest.zero_stage}) needs "
-                               f"{leanest.memory.total / 1e9:.1f} GB",
+                               f"{checks.gb_text(leanest.memory.total)} GB",
                            fix=f"{more}; {fewer}" + ("; or raise --memory-budget" if args.dtype != "fp32"
                                                       else "; or raise --memory-budget, or train with --dtype bf16"))
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from autopar.core.saved_plan import SavedPlan
 from autopar.core.errors import ConfigError, DoesNotFitError
+from autopar.cli.checks import gb_text
 
 
 _HYBRID_HELP = "the simulator's figures (cost/hybrid.py)"
@@ -277,11 +278,11 @@ def plan_command(args: argparse.Namespace, w, planned, cluster, start: float) ->
     if best is None:
         smallest = smallest_cluster(facts, cluster, batch=args.batch, budget=_budget(args, cluster))
         lean = leanest(facts, cluster, batch=args.batch, **space)
-        raise DoesNotFitError(f"no configuration of {w.name} fits in {_budget(args, cluster) / 1e9:.1f} GB per "
+        raise DoesNotFitError(f"no configuration of {w.name} fits in {gb_text(_budget(args, cluster))} GB per "
                               f"device on {cluster.name}", where="autopar plan", smallest_devices=smallest,
-                              expected=f"per-device memory <= {_budget(args, cluster) / 1e9:.1f} GB",
+                              expected=f"per-device memory <= {gb_text(_budget(args, cluster))} GB",
                               got=f"the leanest, {config_line(lean.config, lean.microbatches)}, needs "
-                                  f"{lean.peak_memory_bytes / 1e9:.1f} GB"
+                                  f"{gb_text(lean.peak_memory_bytes)} GB"
                               if lean is not None else "no configuration divides the batch and layers",
                               fix=(f"{smallest} devices (whole nodes of {cluster.devices_per_node}) would fit"
                                    if smallest else "no cluster up to 65536 devices fits")
