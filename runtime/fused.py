@@ -26,6 +26,8 @@ The graph pass that puts them in place is :mod:`autopar.passes.fusion`.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -226,7 +228,9 @@ class _Shared:
     backward to need it computes it, the last one to finish lets it go."""
 
     def __init__(self, owner: torch.Tensor, readers: int) -> None:
-        self.owner: torch.Tensor | None = owner      # held until every reader has run forward
+        # the output, weakly: a forward that stops between the readers (an exception) must not
+        # keep it alive; a dead owner means the entry is stale (its id may name a new tensor)
+        self.owner = weakref.ref(owner)
         self.readers, self.seen, self.value = readers, 0, None
 
     def take(self, make) -> torch.Tensor:
@@ -259,12 +263,14 @@ class _NormLinear(torch.autograd.Function):
         # until the last of them has run forward)
         key = id(y)
         shared = _SHARED.get(key)
-        if shared is None or shared.owner is not y:
+        if shared is None or shared.owner() is not y:
+            if len(_SHARED) > 64:            # entries a stopped forward left behind
+                for k in [k for k, v in _SHARED.items() if v.owner() is None]:
+                    del _SHARED[k]
             shared = _SHARED[key] = _Shared(y, readers)
         shared.seen += 1
         if shared.seen >= readers:
             del _SHARED[key]
-            shared.owner = None
         ctx.shared = shared
         return result
 

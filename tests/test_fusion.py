@@ -76,6 +76,26 @@ def test_fused_ops_equal_the_unfused_bit_for_bit(dt, wdt):
         assert torch.equal(want[0], got[0]) and all(torch.equal(p, q) for p, q in zip(want[1], got[1])), fused
 
 
+def test_a_forward_stopped_between_a_norms_projections_does_not_keep_its_output():
+    """Projections of one norm output share its recomputation through an entry keyed by the
+    output; if the forward stops after the first of three (an exception in the model), the entry
+    must not keep the output alive."""
+    import gc
+    import weakref
+    x, nw, w = torch.randn(2, 5, 16), torch.randn(16), torch.randn(8, 16)
+    y = _rms(x, nw, 1e-6, torch.float32)
+    autopar_norm_linear(y, w, None, "rms", x, nw, None, 1e-6, None, torch.float32, torch.float32, 3)
+    alive = weakref.ref(y)
+    del y
+    gc.collect()
+    assert alive() is None
+    # and the next output, even at a reused address, gets its own entry: three readers run alike
+    y2 = _rms(x, nw, 1e-6, torch.float32)
+    outs = [autopar_norm_linear(y2, w, None, "rms", x, nw, None, 1e-6, None, torch.float32, torch.float32, 3)
+            for _ in range(3)]
+    assert all(torch.equal(o, F.linear(y2, w)) for o in outs)
+
+
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float64])
 def test_projections_of_a_norm_equal_the_unfused_bit_for_bit(dt):
     """Three projections of one norm's output (q, k, v), with and without a bias: the outputs and
