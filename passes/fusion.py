@@ -4,17 +4,17 @@ they need, recognised in the ATen graph and replaced by the fused ops of
 
 - **SwiGLU**: ``mul(silu(g), u)`` whose ``silu`` has no other reader (transformers' Llama,
   Qwen2, Mistral, Mixtral and DeepSeek MLPs and experts); GeGLU's ``mul(gelu(g), u)`` alike
-  (Gemma). Frees ``silu(g)``; with the down
-  projection that alone reads it, ``linear(silu(g) * u, w)`` (or transformers' grouped expert
-  matmul on a CPU), the product too.
+  (Gemma). Frees ``silu(g)``; with the down projection that alone reads it, ``linear(silu(g) *
+  u, w)`` (or transformers' grouped expert matmul on a CPU), the product too.
 - **GELU into a projection**: ``linear(gelu(h), w[, b])`` where the projection alone reads the
   gelu (GPT MLPs). Frees ``gelu(h)``.
 - **RMSNorm**: transformers' ``w * (x32 * rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)``
   with ``x32 = x.to(float32)`` (each cast optional), every intermediate read only inside the
   pattern, or Gemma's ``((x32 * rsqrt(...)) * (1 + w)).type_as(x)``. Frees the normalised rows.
 - **A norm into its projections**: ``linear(y, w[, b])`` where ``y`` is an RMSNorm's (above) or
-  ``layer_norm``'s output (or a view of it) and every reader of ``y`` is such a projection (q, k and v; gate and
-  up). Frees ``y``: each projection keeps the norm's input instead, which the norm keeps anyway.
+  ``layer_norm``'s output (or a view of it) and every reader of ``y`` is such a projection (q, k
+  and v; gate and up). Frees ``y``: each projection keeps the norm's input instead, which the
+  norm keeps anyway.
 
 :func:`unkept` names, for the memory pass, the values the fused ops do not keep (so the planner
 and the simulator price the runtime's saved set); :func:`fuse` rewrites a graph. The final node
@@ -247,7 +247,8 @@ def _norm_linear(lin: fx.Node) -> Match | None:
         return None
     bias = lin.args[2] if len(lin.args) > 2 else None
     *recipe, post = recipe
-    return Match(lin, autopar_norm_linear, (y, lin.args[1], bias, *recipe, len(_readers(y)), post), (), (y,))
+    return Match(lin, autopar_norm_linear, (y, lin.args[1], bias, *recipe, len(_readers(y)), post), (),
+                 (y,) if base is y else (y, base))
 
 
 def matches(gm: fx.GraphModule) -> list[Match]:

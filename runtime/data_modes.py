@@ -150,7 +150,8 @@ def quantize(x: torch.Tensor, maxima: torch.Tensor, levels: int, generator: torc
     b[:full * c].view(full, c).copy_(d.expand(full, c)).add_(shift[:full, None]).frac_().add_(levels) \
         .addcmul_(v[:full * c].view(full, c), scale[:full, None])
     if n > full * c:
-        b[full * c:].copy_(d[:n - full * c]).add_(shift[full]).frac_().add_(levels).addcmul_(v[full * c:], scale[full])
+        b[full * c:].copy_(d[:n - full * c]).add_(shift[full]).frac_().add_(levels) \
+            .addcmul_(v[full * c:], scale[full])
     # u + levels rounds to levels + 1 for u within a rounding step of 1: keep the top level
     return b.to(dtype).sub_(levels).clamp_(-levels, levels)
 

@@ -34,13 +34,13 @@ import torch.nn.functional as F
 aten = torch.ops.aten
 
 
-GATES = ("silu", "gelu", "gelu_tanh")
+GATES = ("silu", "gelu", "gelu_tanh")        # the gate activations of a gated MLP the ops take
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """``t`` in ``dtype`` (None: as it is): a cast only where one changes something, since each
     no-op call costs as much as a small op's dispatch in these backwards."""
-    return t if dtype is None or t.dtype == dtype else t.to(dtype)        # the gate activations of a gated MLP the ops take
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
 
 def _gate(g: torch.Tensor, act: str) -> torch.Tensor:
