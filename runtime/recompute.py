@@ -9,9 +9,11 @@ its matmuls and attention are kept from forward (backward's recomputation takes 
 running those ops again) and everything else (norms, activations, rotary, casts, gathers) runs
 again. ``selective`` checkpoints only the attention cores (a fused attention op, or the run of
 score ops between the two attention matmuls), which hold the ``[b, heads, s, s]`` scores.
-``none`` still checkpoints an attention the model writes out eagerly, from its scores' matmul
-to its values' matmul (:func:`eager_attention_cores`), as a fused attention kernel recomputes
-its scores: the scores are never kept.
+``none`` still checkpoints an attention the model writes out eagerly, from the layout ops that
+only feed it (keys and values repeated per query head) through its scores' matmul to its values'
+matmul (:func:`eager_attention_cores`), as a fused attention kernel recomputes its scores: the
+scores are never kept. ``selective`` checkpoints such a core whole too, and ``layers:K`` each one
+outside its K recomputed layers.
 Regions are runs of consecutive graph nodes; each runs under ``torch.utils.checkpoint``
 (non-reentrant, RNG state preserved) as a function of the tensors it reads from outside, and
 hands on the values read after it. Collectives inside a region run again in the recomputation,
@@ -52,8 +54,9 @@ def regions(gm: fx.GraphModule, mode: str, members: Sequence[str] | None = None)
     first K of them that ``gm`` holds."""
     count = recompute_layers(mode)
     out: dict[fx.Node, int] = {}
+    cores = eager_attention_cores(gm)
     if mode == "none":
-        return eager_attention_cores(gm)
+        return cores
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     if mode in ("full", "pointwise") or count is not None:
         if members is None:
@@ -66,9 +69,16 @@ def regions(gm: fx.GraphModule, mode: str, members: Sequence[str] | None = None)
             m = info(n).block_member
             if m in index:
                 out[n] = index[m]
+        if count is not None:      # the layers not recomputed still run their eager cores checkpointed
+            _add_cores(out, cores)
         return out
-    rid = 0
+    # selective: an eager core as a whole (its scores' matmul too, so no [b, heads, s, s] tensor
+    # is kept), the score ops of the other attentions
+    _add_cores(out, cores)
+    rid = len(set(out.values()))
     for i, n in enumerate(nodes):
+        if n in cores:
+            continue
         name = _name(n)
         if "scaled_dot_product" in name:
             out[n] = rid
@@ -91,6 +101,18 @@ _THROUGH = {"mul", "div", "tanh", "add", "sub", "to", "_to_copy", "clone", "view
 
 def _tensor_args(n: fx.Node) -> list[fx.Node]:
     return [a for a in n.all_input_nodes if info(a).values]
+
+
+def _add_cores(out: dict[fx.Node, int], cores: dict[fx.Node, int]) -> None:
+    """Add each eager core none of whose nodes is in a region of ``out`` yet, as regions of their own."""
+    members: dict[int, list[fx.Node]] = {}
+    for n, r in cores.items():
+        members.setdefault(r, []).append(n)
+    base = max(out.values(), default=-1) + 1
+    for r, ns in members.items():
+        if not any(n in out for n in ns):
+            for n in ns:
+                out[n] = base + r
 
 
 def eager_attention_cores(gm: fx.GraphModule) -> dict[fx.Node, int]:

@@ -209,7 +209,7 @@ def test_parallelize_keeps_at_most_three_quarters_of_eager_activations():
     assert r["out"] == 0.0 and r["grad"] < 1e-6, r
 
 
-def _eager_cores(rank: int, world: int, name: str) -> dict:
+def _eager_cores(rank: int, world: int, name: str, recompute: str = "none") -> dict:
     import transformers
     from tests.hf_tiny import Logits
     torch.manual_seed(0)
@@ -223,7 +223,7 @@ def _eager_cores(rank: int, world: int, name: str) -> dict:
         model = build("deepseek_v3", torch.float64, num_hidden_layers=2, first_k_dense_replace=0)
     ref = copy.deepcopy(model)
     x = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
-    pm = autopar.parallelize(model, {"dp": 1}, (x,))
+    pm = autopar.parallelize(model, {"dp": 1}, (x,), recompute=recompute)
     shapes: list[tuple] = []
     per_head: set[tuple] = set()       # distinct storages kept in [b, heads, ., .] form
 
@@ -278,4 +278,15 @@ def test_a_latent_attention_core_keeps_the_latent_projection_not_its_keys_and_va
     r = run_ranks(_eager_cores, 1, "deepseek_v3", timeout_s=300)[0]
     assert r["cores"] == 2 and r["scores"] == 0, r
     assert r["per_head"] == [1, 1, 1, 1, 4, 4], r
+    assert r["out"] == 0.0 and r["grad"] == 0.0, r
+
+
+@pytest.mark.parametrize("recompute", ["selective", "layers:1"])
+def test_an_eager_attention_keeps_no_scores_under_the_other_recompute_modes(recompute):
+    """Selective recomputation runs an eager attention's whole core again (its scores' matmul
+    too, not only the ops on the scores, whose input would be the [b, heads, s, s] scores), and
+    under ``layers:1`` the layer not recomputed still runs its core checkpointed: no scores kept
+    in either, as the memory pass prices them; exact against eager (float64)."""
+    r = run_ranks(_eager_cores, 1, "gemma2", recompute, timeout_s=300)[0]
+    assert r["scores"] == 0, r
     assert r["out"] == 0.0 and r["grad"] == 0.0, r
