@@ -20,7 +20,9 @@ Compressors are plain functions of a flat tensor, tested against their definitio
 """
 from __future__ import annotations
 
+import logging
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -30,6 +32,7 @@ from autopar.core.dp_mode import DataMode
 from autopar.runtime.collectives import all_gather_start, all_gather_wait
 
 c10d = torch.ops._c10d_functional
+log = logging.getLogger("autopar.data_modes")
 
 
 # -- compressors ------------------------------------------------------------------------------
@@ -100,60 +103,120 @@ def level_dtype(n: int, levels: int) -> torch.dtype:
     return torch.int8 if top <= 127 else torch.int16 if top <= 32767 else torch.int32
 
 
-def chunk_maxima(x: torch.Tensor) -> torch.Tensor:
-    """The largest magnitude of each :data:`QUANT_CHUNK`-entry chunk of flat ``x`` (float32; the
-    last chunk may be partial)."""
-    n = x.numel()
-    full = n // QUANT_CHUNK
-    v = x.reshape(-1)
-    out = v[:full * QUANT_CHUNK].view(full, QUANT_CHUNK).abs().amax(1).float()
-    if n > full * QUANT_CHUNK:
-        out = torch.cat([out, v[full * QUANT_CHUNK:].abs().amax().float().reshape(1)])
+# Buckets of at least this many entries run quantize's per-entry work as kernels that
+# ``torch.compile`` fuses: one pass over the bucket for the scales, one for rounding and the
+# residual, one for decoding (eager torch makes about ten, each a full read and write). Smaller
+# buckets, and every bucket once compiling has failed, run the same functions eagerly. Eager and
+# compiled arithmetic can differ in the last bit (a fused multiply-add), so an entry within a
+# rounding step of a level boundary may round the other way: both are the same random rounding.
+FUSE_MIN = 1 << 18
+
+_KERNELS: dict[Any, Any] = {}
+
+
+def _kernel(fn, numel: int):
+    """``fn`` compiled (shapes dynamic) for a bucket of ``numel`` entries from :data:`FUSE_MIN`
+    on, else ``fn`` itself."""
+    if numel < FUSE_MIN or _KERNELS.get(fn) is False:
+        return fn
+    if fn not in _KERNELS:
+        log.info("autopar: compiling the quantize kernel %s (once per process)", fn.__name__)
+        _KERNELS[fn] = torch.compile(fn, dynamic=True)
+    compiled = _KERNELS[fn]
+
+    def run(*args):
+        try:
+            return compiled(*args)
+        except Exception as e:       # no C++ compiler or Triton: the same function runs eagerly
+            warnings.warn(f"autopar: compiling the quantize kernels failed ({type(e).__name__}: {e}); "
+                          "they run eagerly (same results, slower)", RuntimeWarning, stacklevel=2)
+            _KERNELS[fn] = False
+            return fn(*args)
+    return run
+
+
+def _rows(x: torch.Tensor) -> list[torch.Tensor]:
+    """Flat ``x`` as its whole :data:`QUANT_CHUNK`-entry chunks (a ``[full, chunk]`` view) and,
+    when the last chunk is partial, that chunk as a ``[1, rest]`` view."""
+    c = QUANT_CHUNK
+    v, full = x.reshape(-1), x.numel() // c
+    out = [v[:full * c].view(full, c)]
+    if x.numel() > full * c:
+        out.append(v[full * c:].view(1, -1))
     return out
 
 
-def _per_entry(x: torch.Tensor, per_chunk: torch.Tensor, op) -> torch.Tensor:
-    """``op(chunk view, its per-chunk column)`` over flat ``x``'s whole chunks and its tail."""
-    n, c = x.numel(), QUANT_CHUNK
-    full = n // c
-    body = op(x[:full * c].view(full, c), per_chunk[:full, None]).reshape(-1)
-    if n == full * c:
-        return body
-    return torch.cat([body, op(x[full * c:], per_chunk[full])])
+def _row_maxima(v: torch.Tensor, add: torch.Tensor | None, divide: float) -> torch.Tensor:
+    v = v if divide == 1 else v / divide
+    return (v if add is None else v + add).abs().amax(1).float()
+
+
+def chunk_maxima(x: torch.Tensor, add: torch.Tensor | None = None, divide: float = 1) -> torch.Tensor:
+    """The largest magnitude of each :data:`QUANT_CHUNK`-entry chunk of flat ``x / divide +
+    add`` (float32; the last chunk may be partial)."""
+    xs, adds = _rows(x), [None, None] if add is None else _rows(add)
+    out = [_kernel(_row_maxima, x.numel())(xs[0], adds[0], divide)]
+    out += [_row_maxima(v, a, divide) for v, a in zip(xs[1:], adds[1:])]
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def _round_rows(v: torch.Tensor, add: torch.Tensor | None, divide: float, maxima: torch.Tensor,
+                shift: torch.Tensor, d: torch.Tensor, levels: int, q_out: torch.Tensor,
+                r_out: torch.Tensor | None) -> None:
+    """:func:`quantize` of the chunks ``v / divide + add`` (``[rows, width]``, scales ``maxima`` and
+    draws ``shift`` per row, offsets ``d`` per place) into ``q_out``, and what the levels leave
+    out into ``r_out`` when given."""
+    work = shift.dtype
+    v = v if divide == 1 else v / divide
+    if add is not None:
+        v = v + add
+    scale = torch.where(maxima > 0, levels / maxima, torch.zeros_like(maxima)).to(work)
+    # frac(u + d) + levels + b >= 0, so truncation is floor
+    b = (d + shift[:, None]).frac_().add_(levels).addcmul_(v, scale[:, None])
+    wide = torch.int8 if 2 * levels < 127 else torch.int16 if 2 * levels < 32767 else torch.int32
+    # u + levels rounds to levels + 1 for u within a rounding step of 1: keep the top level
+    q = b.to(wide).sub_(levels).clamp_(-levels, levels)
+    q_out.copy_(q)
+    if r_out is not None:
+        r_out.copy_(v - q.to(work).mul_((maxima.to(work) / levels)[:, None]).to(v.dtype))
 
 
 def quantize(x: torch.Tensor, maxima: torch.Tensor, levels: int, generator: torch.Generator,
-             dtype: torch.dtype = torch.int8) -> torch.Tensor:
+             dtype: torch.dtype = torch.int8, residual: bool = False, add: torch.Tensor | None = None,
+             divide: float = 1):
     """Random rounding of flat ``x`` to ``levels`` levels of a scale per chunk: the entry ``b =
     x / maxima[chunk] x levels`` (in ``[-levels, levels]`` when ``maxima`` bound the chunks'
     magnitudes, as :func:`chunk_maxima` of ``x`` or its maximum over the ranks do) becomes
     ``floor(b) + 1`` with probability ``b - floor(b)``, else ``floor(b)``, so :func:`dequantize`
     is unbiased: its expectation is ``x``. Ranks that share ``maxima`` share the scale, so their
     levels add up: the sum over ranks travels as one all-reduce of ``dtype``
-    (:func:`level_dtype`).
+    (:func:`level_dtype`). With ``divide`` and ``add``, rounds ``x / divide + add`` (in the
+    same pass). With
+    ``residual``, returns the levels and what they leave out (``x - dequantize(levels)``, error
+    feedback's memory) from the same pass.
 
     The uniform number each entry is rounded with is ``frac(u + d_i)``: ``u`` drawn from
     ``generator`` once per chunk, ``d_i`` the fractional part of ``i`` times the golden ratio for
     the entry's place ``i`` in its chunk. For every entry it is uniform on ``[0, 1)`` as a draw of
     its own would be (so the rounding has the same probabilities, and variance), at one draw per
     chunk instead of one per entry (the draws were most of the cost); within a chunk the
-    roundings are spread evenly rather than independently."""
+    roundings are spread evenly rather than independently.
+
+    Buckets from :data:`FUSE_MIN` entries on round in one compiled pass (reading ``x`` and
+    ``add``, writing the levels and the residual)."""
     work = torch.float64 if x.dtype == torch.float64 else torch.float32    # levels + u exact enough
-    scale = torch.where(maxima > 0, levels / maxima, torch.zeros_like(maxima)).to(work)
-    v, n, c = x.reshape(-1), x.numel(), QUANT_CHUNK
-    full = n // c
-    chunks = full + (n > full * c)
-    shift = torch.rand(chunks, generator=generator, dtype=work).to(x.device)
-    d = _golden(work, x.device)
-    b = torch.empty(n, dtype=work, device=x.device)
-    # u + levels + b >= 0, so truncation is floor
-    b[:full * c].view(full, c).copy_(d.expand(full, c)).add_(shift[:full, None]).frac_().add_(levels) \
-        .addcmul_(v[:full * c].view(full, c), scale[:full, None])
-    if n > full * c:
-        b[full * c:].copy_(d[:n - full * c]).add_(shift[full]).frac_().add_(levels) \
-            .addcmul_(v[full * c:], scale[full])
-    # u + levels rounds to levels + 1 for u within a rounding step of 1: keep the top level
-    return b.to(dtype).sub_(levels).clamp_(-levels, levels)
+    n, c = x.numel(), QUANT_CHUNK
+    shift = torch.rand(-(-n // c), generator=generator, dtype=work).to(x.device)
+    d, maxima = _golden(work, x.device), maxima.to(x.device)
+    q = torch.empty(n, dtype=dtype, device=x.device)
+    r = torch.empty(n, dtype=x.dtype, device=x.device) if residual else None
+    xs, adds, qs = _rows(x), [None, None] if add is None else _rows(add), _rows(q)
+    rs = [None, None] if r is None else _rows(r)
+    for i in range(len(xs)):
+        rows = slice(0, xs[0].shape[0]) if i == 0 else slice(n // c, n // c + 1)
+        fn = _kernel(_round_rows, n) if i == 0 else _round_rows
+        fn(xs[i], adds[i], divide, maxima[rows], shift[rows], d[:xs[i].shape[1]], levels, qs[i], rs[i])
+    return (q, r) if residual else q
 
 
 _GOLDEN: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -168,12 +231,23 @@ def _golden(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _GOLDEN[key]
 
 
+def _decode_rows(q: torch.Tensor, maxima: torch.Tensor, levels: int, out: torch.Tensor) -> None:
+    work = torch.float64 if out.dtype == torch.float64 else torch.float32
+    if out.dtype == work:
+        out.copy_(q).mul_((maxima.to(work) / levels)[:, None])
+    else:
+        out.copy_(q.to(work) * (maxima.to(work) / levels)[:, None])
+
+
 def dequantize(q: torch.Tensor, maxima: torch.Tensor, levels: int, dtype: torch.dtype) -> torch.Tensor:
     """The values levels ``q`` (one rank's, or their sum over ranks) stand for at the chunks'
     shared ``maxima``."""
-    work = torch.float64 if dtype == torch.float64 else torch.float32
-    out = _per_entry(q.reshape(-1).to(work), maxima.to(work) / levels, lambda v, s: v.mul_(s))
-    return out.to(dtype)
+    n, c = q.numel(), QUANT_CHUNK
+    out = torch.empty(n, dtype=dtype, device=q.device)
+    for i, (qv, ov) in enumerate(zip(_rows(q), _rows(out))):
+        rows = slice(0, qv.shape[0]) if i == 0 else slice(n // c, n // c + 1)
+        (_kernel(_decode_rows, n) if i == 0 else _decode_rows)(qv, maxima[rows], levels, ov)
+    return out
 
 
 # -- gossip topologies -----------------------------------------------------------------------
@@ -231,15 +305,16 @@ def allgather_bytes(local_nbytes: float, n: int) -> float:
 # -- the per-axis state ------------------------------------------------------------------------
 
 class _Quantized:
-    """One bucket's quantized exchange: its gradient (``p``, the residual's buffer with error
-    feedback), its chunks' scales (the max all-reduce in flight, then its result) and, once
+    """One bucket's quantized exchange: its gradient (``buf``, to be divided by ``divide``) and
+    error feedback's residual (``have``, added to it), its chunks' scales (the max all-reduce in flight, then its result) and, once
     rounded, its levels' all-reduce."""
 
-    __slots__ = ("bucket", "buf", "p", "maxima", "gen", "levels")
+    __slots__ = ("bucket", "buf", "divide", "have", "maxima", "gen", "levels")
 
-    def __init__(self, bucket: int, buf: torch.Tensor, p: torch.Tensor, maxima: torch.Tensor,
-                 gen: torch.Generator) -> None:
-        self.bucket, self.buf, self.p, self.maxima, self.gen = bucket, buf, p, maxima, gen
+    def __init__(self, bucket: int, buf: torch.Tensor, divide: float, have: torch.Tensor | None,
+                 maxima: torch.Tensor, gen: torch.Generator) -> None:
+        self.bucket, self.buf, self.divide, self.have = bucket, buf, divide, have
+        self.maxima, self.gen = maxima, gen
         self.levels: torch.Tensor | None = None
 
 
@@ -263,10 +338,13 @@ class ModeState:
         m = self.mode
         return m.kind == "gossip" or (m.kind == "local_sgd" and self.steps >= m.warmup)
 
-    def issue(self, bucket: int, buf: torch.Tensor) -> Any:
-        """Start the exchange of one bucket's flat gradient ``buf`` (already divided by the
-        axis size unless :meth:`local_step`); a handle for :meth:`finish`."""
+    def issue(self, bucket: int, buf: torch.Tensor, divide: float = 1) -> Any:
+        """Start the exchange of one bucket's flat gradient ``buf / divide`` (``divide`` is
+        the axis size unless :meth:`local_step`; quantize divides in its own passes, the others
+        divide ``buf`` in place); a handle for :meth:`finish`."""
         m = self.mode
+        if divide != 1 and not (m.kind == "compressed" and m.compressor == "quantize"):
+            buf = buf.div_(divide)
         if self.local_step():
             return ("local", buf)
         if m.kind != "compressed":
@@ -275,11 +353,7 @@ class ModeState:
         count = self.issued.get(bucket, 0)
         self.issued[bucket] = count + 1
         gen = torch.Generator().manual_seed((m.seed * 1_000_003 + bucket) * 1_000_003 + count)
-        if m.error_feedback:
-            have = self.memory.get(bucket)
-            p = buf if have is None else have.add_(buf)      # the residual's buffer takes the sum
-        else:
-            p = buf
+        have = self.memory.get(bucket) if m.error_feedback else None
         if m.compressor == "quantize":
             # a scale per chunk shared by every rank (the largest magnitude over the ranks), so the
             # ranks' levels are summed by one integer all-reduce. The scales' all-reduce is only
@@ -287,9 +361,12 @@ class ModeState:
             # (or its result is wanted), so backward does not wait for the other ranks to reach
             # this bucket. Earlier buckets' levels go first: every rank issues in one order.
             self._send_quantized()
-            job = _Quantized(bucket, buf, p, c10d.all_reduce_(chunk_maxima(p), "max", self.group_name), gen)
+            # error feedback: the residual is added in the scales' pass and in the rounding's
+            maxima = chunk_maxima(buf, have, divide)
+            job = _Quantized(bucket, buf, divide, have, c10d.all_reduce_(maxima, "max", self.group_name), gen)
             self.unsent.append(job)
             return ("quantize", job)
+        p = buf if have is None else have.add_(buf)      # the residual's buffer takes the sum
         k = keep_count(p.numel(), m.ratio)
         if m.compressor == "randk":
             idx = randk_indices(p.numel(), k, gen).to(p.device)
@@ -328,7 +405,7 @@ class ModeState:
         job = handle[1]
         if job.levels is None:
             self._send_quantized(job)
-        return dequantize(c10d.wait_tensor(job.levels), job.maxima, self.mode.levels, job.p.dtype)
+        return dequantize(c10d.wait_tensor(job.levels), job.maxima, self.mode.levels, job.buf.dtype)
 
     def _send_quantized(self, upto: "_Quantized | None" = None) -> None:
         """Round the buckets whose scales are in flight (in the order they came, up to ``upto``)
@@ -338,10 +415,11 @@ class ModeState:
         while self.unsent:
             job = self.unsent.pop(0)
             job.maxima = maxima = c10d.wait_tensor(job.maxima)
-            q = quantize(job.p, maxima, m.levels, job.gen, wide)
-            if m.error_feedback:         # what was not sent stays (in the sum's buffer)
-                self.memory[job.bucket] = (job.buf.clone() if job.p is job.buf else job.p).sub_(
-                    dequantize(q, maxima, m.levels, job.p.dtype))
+            if m.error_feedback:         # what was not sent stays
+                q, self.memory[job.bucket] = quantize(job.buf, maxima, m.levels, job.gen, wide,
+                                                      residual=True, add=job.have, divide=job.divide)
+            else:
+                q = quantize(job.buf, maxima, m.levels, job.gen, wide, divide=job.divide)
             self.sent_bytes += (ring_allreduce_bytes(q.numel() * q.element_size(), self.n)
                                 + ring_allreduce_bytes(maxima.numel() * 4, self.n))
             job.levels = c10d.all_reduce_(q, "sum", self.group_name)

@@ -131,7 +131,7 @@ class Bucket:
             if rt.modes is None:
                 self._pending = _c10d.all_reduce_(buf.div_(rt.divisor), "sum", rt.group_name)
             else:          # another data-axis mode: runtime/data_modes.py (a local step keeps the mean)
-                self._pending = rt.modes.issue(self.index, buf if rt.modes.local_step() else buf.div_(rt.divisor))
+                self._pending = rt.modes.issue(self.index, buf, 1 if rt.modes.local_step() else rt.divisor)
         else:
             rows = self.to_rows(list(grads), rt.reduce_dtype).div_(rt.divisor)
             self._pending = _c10d.reduce_scatter_tensor(rows.view(-1), "sum", rt.n, rt.group_name)

@@ -84,6 +84,56 @@ def test_random_quantization_is_unbiased_and_on_its_levels():
     assert abs(frac - (xb[0].float().item() * levels - 1)) < 0.03
 
 
+def _quantize_all(x, add, divide, seed):
+    """Scales, levels, residual and decoded levels of ``x / divide + add``, as the runtime runs them."""
+    maxima = dm.chunk_maxima(x, add, divide)
+    q, r = dm.quantize(x, maxima, 5, torch.Generator().manual_seed(seed), torch.int8, residual=True,
+                       add=add, divide=divide)
+    return maxima, q, r, dm.dequantize(q, maxima, 5, x.dtype)
+
+
+def test_large_buckets_quantize_through_compiled_kernels_as_eagerly(monkeypatch):
+    """From ``FUSE_MIN`` entries on, the scales, the rounding with its residual and the decoding
+    run compiled (one pass each over the whole chunks; the partial chunk eagerly). They give the
+    eager functions' scales and decoding bit for bit, the same levels up to entries within a
+    rounding step of a boundary (a fused multiply-add may round those the other way), and a
+    residual that is exactly what the levels leave out."""
+    g = torch.Generator().manual_seed(0)
+    n = 40 * dm.QUANT_CHUNK + 77
+    x, have = torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.1
+    monkeypatch.setattr(dm, "FUSE_MIN", 1 << 40)
+    eager = _quantize_all(x, have, 3, seed=5)
+    monkeypatch.setattr(dm, "FUSE_MIN", 1024)
+    fused = _quantize_all(x, have, 3, seed=5)
+    assert all(dm._KERNELS.get(f) not in (None, False) for f in (dm._row_maxima, dm._round_rows, dm._decode_rows))
+    assert torch.equal(fused[0], eager[0])
+    assert int((fused[1] != eager[1]).sum()) <= 2 and int((fused[1] - eager[1]).abs().max()) <= 1
+    assert fused[1].abs().max() <= 5 and fused[1].dtype == torch.int8
+    p = x / 3 + have
+    torch.testing.assert_close(fused[2], p - fused[3], rtol=0, atol=1e-6)
+    assert fused[2].abs().max() <= fused[0].repeat_interleave(dm.QUANT_CHUNK)[:n].max() / 5
+    assert torch.equal(fused[3], dm.dequantize(fused[1], fused[0], 5, x.dtype))
+    monkeypatch.setattr(dm, "FUSE_MIN", 1 << 40)
+    assert torch.equal(fused[3], dm.dequantize(fused[1], fused[0], 5, x.dtype))    # decoding: bit for bit
+
+
+def test_quantize_runs_eagerly_with_a_warning_where_compiling_fails(monkeypatch):
+    def broken(fn, **kw):
+        def run(*a):
+            raise RuntimeError("no C++ compiler")
+        return run
+    monkeypatch.setattr(dm, "_KERNELS", {})
+    monkeypatch.setattr(dm.torch, "compile", broken)
+    monkeypatch.setattr(dm, "FUSE_MIN", 1024)
+    x = torch.randn(8 * dm.QUANT_CHUNK)
+    with pytest.warns(RuntimeWarning, match="no C..? compiler.*run eagerly"):
+        got = _quantize_all(x, None, 1, seed=1)
+    assert dm._KERNELS[dm._row_maxima] is False
+    monkeypatch.setattr(dm, "FUSE_MIN", 1 << 40)
+    want = _quantize_all(x, None, 1, seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_topk_of_a_weight_gradient_with_dead_columns_selects_from_candidates(monkeypatch):
     """A weight gradient's magnitude follows its columns (an input a ReLU zeroed gives a zero
     column). The threshold's sample sits at random places, so it sees the live columns too and
