@@ -20,7 +20,9 @@ ops, in the same order, so the results are the unfused model's bit for bit).
 - :func:`autopar_norm_linear`: a projection of a norm's output (RMSNorm as above, or
   ``layer_norm``; or a view of it) when only projections read it (an attention block's q, k and v, an MLP's gate
   and up). Eager keeps the norm's output for the weights' gradients; this keeps the norm's
-  input, which the norm itself keeps, and recomputes the output in backward.
+  input, which the norm itself keeps, and recomputes the output in backward. Behind a fused
+  RMSNorm it recomputes from the norm's per-row scale (two ops, not the whole norm), and the
+  norm's backward takes the normalised rows it computed.
 
 The graph pass that puts them in place is :mod:`autopar.passes.fusion`.
 """
@@ -177,6 +179,31 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float, mid: torch.dtype | None,
     return _as(y, post), r
 
 
+class _RowsSlot:
+    """Where a projection's backward leaves the normalised rows it recomputed, for the norm's own
+    backward to take (so they are computed once): held by the ctx of both."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self) -> None:
+        self.rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        rows, self.rows = self.rows, None
+        return rows
+
+
+class _NormRows:
+    """What an RMSNorm's forward hands the projections of its output, on the output tensor (so
+    for the forward only): its input and per-row scale, from which their backward recomputes
+    the output in two ops instead of six, and the norm's :class:`_RowsSlot`."""
+
+    __slots__ = ("x", "r", "slot")
+
+    def __init__(self, x: torch.Tensor, r: torch.Tensor, slot: _RowsSlot) -> None:
+        self.x, self.r, self.slot = x, r, slot
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float, mid: torch.dtype | None,
@@ -184,27 +211,38 @@ class _RMSNorm(torch.autograd.Function):
         y, r = _rms(x, w, eps, mid, out)
         ctx.save_for_backward(x, w, r)
         ctx.mid, ctx.out, ctx.y_dtype = mid, out, y.dtype
-        return _as(y, post)
+        result = _as(y, post)
+        ctx.rows = None
+        if not torch.compiler.is_compiling():
+            ctx.rows = _RowsSlot()
+            result._autopar_norm_rows = _NormRows(x, r, ctx.rows)
+        return result
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, w, r = ctx.saved_tensors
         grad = grad.to(ctx.y_dtype)                  # the post cast's backward (none without one)
-        xm = _as(x, ctx.mid)
-        n = xm * r
-        nd = _as(n, ctx.out)
+        got = ctx.rows.take() if ctx.rows is not None else None
+        if got is not None:                          # a projection's backward computed them already
+            xm, nd = got
+        else:
+            xm = _as(x, ctx.mid)
+            nd = _as(xm * r, ctx.out)
         # y = w * nd
         # (autograd hands each input its gradient in that input's dtype)
         grad_w = _as((grad * nd).sum_to_size(w.shape), w.dtype) if ctx.needs_input_grad[1] else None
         if not ctx.needs_input_grad[0]:
             return None, grad_w, None, None, None, None
-        grad_n = _as(_as(grad * w, nd.dtype), n.dtype)
-        # n = xm * r; r = rsqrt(mean(xm ** 2) + eps)
+        # n = xm * r (n's dtype is xm's); r = rsqrt(mean(xm ** 2) + eps)
+        grad_n = _as(_as(grad * w, nd.dtype), xm.dtype)
         grad_a = grad_n * r
         grad_r = (grad_n * xm).sum_to_size(r.shape)
         grad_v = -0.5 * grad_r * r.pow(3)
-        grad_p = grad_v.expand(xm.shape) / xm.shape[-1]
-        grad_b = grad_p * (2 * xm.pow(1))
+        # mean's backward divides the row's gradient expanded to the row; dividing it once per
+        # row and then expanding gives the same quotients. pow's: grad * (2 * xm ** 1), and
+        # 2 * xm ** 1 is exactly xm * 2.
+        grad_p = (grad_v / xm.shape[-1]).expand(xm.shape)
+        grad_b = grad_p * (xm * 2)
         return _as(grad_a + grad_b, x.dtype), grad_w, None, None, None, None
 
 
@@ -248,7 +286,14 @@ class _NormLinear(torch.autograd.Function):
     def forward(ctx, y: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor,
                 nw: torch.Tensor | None, nb: torch.Tensor | None, norm: tuple, readers: int) -> torch.Tensor:
         # norm: (kind, eps, shape, mid, out, post), one argument (each argument of apply costs)
-        ctx.save_for_backward(x, nw, nb, w)
+        hand = None if torch.compiler.is_compiling() else \
+            getattr(y if y._base is None else y._base, "_autopar_norm_rows", None)
+        if hand is not None and hand.x is x:         # the RMSNorm's own scale and slot
+            ctx.save_for_backward(x, nw, nb, w, hand.r)
+            ctx.slot = hand.slot
+        else:
+            ctx.save_for_backward(x, nw, nb, w)
+            ctx.slot = None
         ctx.has_bias, ctx.norm = b is not None, norm
         ctx.y_shape = y.shape               # y may be a view of the norm's output
         ctx.shared = None
@@ -276,18 +321,27 @@ class _NormLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, nw, nb, w = ctx.saved_tensors
+        x, nw, nb, w, *r = ctx.saved_tensors
         kind, eps, shape, mid, out, post = ctx.norm
         dt, y_dt, w_dt, b_dt = ctx.dtypes
         grad2 = grad.reshape(-1, grad.shape[-1])
         grad_y = _as(grad2.mm(_as(w, dt)).view(*grad.shape[:-1], w.shape[1]), y_dt) if ctx.needs_input_grad[0] else None
         grad_w = grad_b = None
         if ctx.needs_input_grad[1]:
+            def again() -> torch.Tensor:
+                if not r:
+                    return _norm_again(kind, x, nw, nb, eps, shape, mid, out, post)
+                # from the norm's per-row scale, by the ops its forward ran after it
+                xm = _as(x, mid)
+                nd = _as(xm * r[0], out)
+                ctx.slot.rows = (xm, nd)              # the norm's backward takes them
+                return _as(nw * nd, post)
+
             def make() -> torch.Tensor:        # the norm as forward ran it (under its autocast, if any)
                 if ctx.amp is None:
-                    return _norm_again(kind, x, nw, nb, eps, shape, mid, out, post)
+                    return again()
                 with torch.autocast(ctx.amp[0], dtype=ctx.amp[1]):
-                    return _norm_again(kind, x, nw, nb, eps, shape, mid, out, post)
+                    return again()
             y = _as((ctx.shared.take(make) if ctx.shared is not None else make()).reshape(ctx.y_shape), dt)
             grad_w = _as(grad2.t().mm(y.reshape(-1, y.shape[-1])), w_dt)
         if ctx.has_bias and ctx.needs_input_grad[2]:

@@ -133,6 +133,36 @@ def test_projections_of_a_norm_equal_the_unfused_bit_for_bit(dt):
         assert kept and all(t.untyped_storage().data_ptr() != y_at for t in kept), kind   # y is not kept
 
 
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float64])
+def test_projections_of_a_fused_rms_norm_recompute_from_its_scale_and_hand_it_the_rows(dt, monkeypatch):
+    """As the pass builds Llama's attention input: a fused RMSNorm whose output three projections
+    read (one through a view, as a latent norm into its up projection). Their backward recomputes
+    the output from the norm's per-row scale, not by the whole norm again, and the norm's own
+    backward takes the rows they computed; everything equals the unfused ops bit for bit."""
+    import autopar.runtime.fused as fused_mod
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16, dtype=dt, requires_grad=True)
+    nw = torch.randn(16, dtype=dt, requires_grad=True)
+    ws = [torch.randn(o, 16, dtype=dt, requires_grad=True) for o in (16, 8, 8)]
+
+    def plain(a, w, q, k, v):
+        y = _rms(a, w, 1e-6, dt)
+        return torch.cat([F.linear(y, q), F.linear(y, k), F.linear(y.view(10, 16), v).view(2, 5, 8)], -1)
+
+    def fused(a, w, q, k, v):
+        y = autopar_rms_norm(a, w, 1e-6, torch.float32, dt)
+        recipe = ("rms", a, w, None, 1e-6, None, torch.float32, dt, 3)
+        return torch.cat([autopar_norm_linear(y, q, None, *recipe), autopar_norm_linear(y, k, None, *recipe),
+                          autopar_norm_linear(y.view(10, 16), v, None, *recipe).view(2, 5, 8)], -1)
+    whole, took = [], []
+    monkeypatch.setattr(fused_mod, "_norm_again", lambda *a: whole.append(a) or None)
+    take = fused_mod._RowsSlot.take
+    monkeypatch.setattr(fused_mod._RowsSlot, "take", lambda self: took.append(take(self)) or took[-1])
+    want, got = _grads(plain, x, nw, *ws), _grads(fused, x, nw, *ws)
+    assert torch.equal(want[0], got[0]) and all(torch.equal(p, q) for p, q in zip(want[1], got[1]))
+    assert not whole and len(took) == 1 and took[0] is not None
+
+
 @pytest.mark.parametrize("dt", [torch.float32, torch.float64])
 def test_swiglu_into_transformers_grouped_expert_matmul_equals_the_unfused_bit_for_bit(dt):
     import transformers.integrations.moe  # noqa: F401 - registers torch.ops.transformers.grouped_mm_fallback
