@@ -91,15 +91,16 @@ class _SwiGLULinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         g, u, w = ctx.saved_tensors
-        s = _gate(g, ctx.act)
-        p = s * u
-        # linear's own backward as autograd runs it (rows flattened, one mm each way)
-        flat, grad2 = p.reshape(-1, p.shape[-1]), grad.reshape(-1, grad.shape[-1])
-        grad_p = grad2.mm(w).view(p.shape) if any(ctx.needs_input_grad[:2]) else None
-        grad_w = grad2.t().mm(flat) if ctx.needs_input_grad[2] else None
-        grad_b = grad2.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        # linear's own backward as autograd runs it (rows flattened, one mm each way), the
+        # input's gradient first: each op reads what the one before it just wrote or read
+        grad2 = grad.reshape(-1, grad.shape[-1])
+        grad_p = grad2.mm(w).view(g.shape) if any(ctx.needs_input_grad[:2]) else None
         grad_g = _gate_backward(grad_p * u, g, ctx.act) if ctx.needs_input_grad[0] else None
+        s = _gate(g, ctx.act)
         grad_u = grad_p * s if ctx.needs_input_grad[1] else None
+        p = s * u if ctx.needs_input_grad[2] else None
+        grad_w = grad2.t().mm(p.reshape(-1, p.shape[-1])) if ctx.needs_input_grad[2] else None
+        grad_b = grad2.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
         return grad_g, grad_u, grad_w, grad_b, None
 
 
@@ -152,11 +153,13 @@ class _GeluLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         h, w = ctx.saved_tensors
-        a = F.gelu(h, approximate=ctx.approximate)
-        flat, grad2 = a.reshape(-1, a.shape[-1]), grad.reshape(-1, grad.shape[-1])
-        grad_h = aten.gelu_backward.default(grad2.mm(w).view(a.shape), h, approximate=ctx.approximate) \
+        grad2 = grad.reshape(-1, grad.shape[-1])
+        # h's gradient first, then gelu(h) again for the weight's: each reads what the op before
+        # it just wrote or read (the values do not depend on the order)
+        grad_h = aten.gelu_backward.default(grad2.mm(w).view(h.shape), h, approximate=ctx.approximate) \
             if ctx.needs_input_grad[0] else None
-        grad_w = grad2.t().mm(flat) if ctx.needs_input_grad[1] else None
+        a = F.gelu(h, approximate=ctx.approximate) if ctx.needs_input_grad[1] else None
+        grad_w = grad2.t().mm(a.reshape(-1, a.shape[-1])) if ctx.needs_input_grad[1] else None
         grad_b = grad2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_h, grad_w, grad_b, None
 
