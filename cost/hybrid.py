@@ -151,11 +151,15 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     split = 1.0 + dev.zb_split_overhead if sched == "zb" else 1.0     # torch's split backward, both planners
     blk_f = blk.fwd + blk.comm_fwd
     pointwise = c.recompute == "pointwise"     # every layer's ops but its matmuls and attention again
+    # an eager attention core runs again in backward outside whole-layer recomputation (a
+    # recomputed layer's forward includes it: see ``redo`` below)
+    cores = c.recompute not in ("full", "pointwise")
     blk_b = (blk.bwd + blk.comm_bwd) * split + (blk.score_fwd if c.recompute == "selective" else 0.0) \
-        + pointwise * (blk_f - blk.kept_fwd)
-    pre_f, pre_b = pre.fwd + pre.comm_fwd, (pre.bwd + pre.comm_bwd) * split + pointwise * (pre.layer_fwd - pre.layer_kept_fwd)
+        + pointwise * (blk_f - blk.kept_fwd) + cores * blk.core_fwd
+    pre_f, pre_b = pre.fwd + pre.comm_fwd, (pre.bwd + pre.comm_bwd) * split \
+        + pointwise * (pre.layer_fwd - pre.layer_kept_fwd) + cores * pre.core_fwd
     post_f, post_b = post.fwd + post.comm_fwd, (post.bwd + post.comm_bwd) * split \
-        + pointwise * (post.layer_fwd - post.layer_kept_fwd)
+        + pointwise * (post.layer_fwd - post.layer_kept_fwd) + cores * post.core_fwd
     full = c.recompute == "full"
     counts = stage_layers(facts.layers, stages, blk_f + blk_b + full * blk_f, pre_f + pre_b + full * pre.layer_fwd,
                           post_f + post_b + full * post.layer_fwd)
@@ -163,10 +167,11 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
                       math.inf if full else first_k or 0)   # (before, blocks, after) per stage
 
     def again(p: BlockPart, k: int) -> float:    # the part's k recomputed layers of another class
-        return p.layer_fwd * k / p.layers if k else 0.0
+        # (their cores, charged in the part's backward above, run in the layers' forward instead)
+        return (p.layer_fwd - cores * p.core_fwd) * k / p.layers if k else 0.0
     fwd = [counts[s] * blk_f + (pre_f if s == 0 else 0.0) + (post_f if s == stages - 1 else 0.0)
            for s in range(stages)]
-    bwd = [counts[s] * blk_b + redo[s][1] * blk_f + (pre_b + again(pre, redo[s][0]) if s == 0 else 0.0)
+    bwd = [counts[s] * blk_b + redo[s][1] * (blk_f - cores * blk.core_fwd) + (pre_b + again(pre, redo[s][0]) if s == 0 else 0.0)
            + (post_b + again(post, redo[s][2]) if s == stages - 1 else 0.0) for s in range(stages)]
     share = facts.boundary_share(c.tp, strategies)
     acts = _stage_activations(facts, c, counts, redo, blk, pre, post, share)

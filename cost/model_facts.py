@@ -43,7 +43,8 @@ class BlockPart:
 
     fwd: float = 0.0
     bwd: float = 0.0
-    score_fwd: float = 0.0            # attention-score ops (selective recompute)
+    score_fwd: float = 0.0            # attention-score ops (selective recompute), outside eager cores
+    core_fwd: float = 0.0             # eager attention cores: run again in backward (their layer's, if recomputed)
     comm_fwd: float = 0.0
     comm_bwd: float = 0.0
     saved: float = 0.0
@@ -145,6 +146,8 @@ class ModelFacts:
                               attention_ops(gm, lambda n: info(n).block_member == first_member)]
         self.experts = math.gcd(*[r.num_experts for r in ginfo.moe_regions]) if ginfo.moe_regions else 0
         self._regions = {r.fqn: r for r in ginfo.moe_regions}
+        from autopar.runtime.recompute import eager_attention_cores
+        self._cores = set(eager_attention_cores(gm))     # checkpointed by the runtime (runtime/recompute.py)
         self.expert_params = {f for r in ginfo.moe_regions for f in r.expert_params}
         self._captured_fp32 = any(info(n).values[0].dtype == torch.float32 for n in self._param_nodes[:1])
         self.logits = logits_node(gm, self.hidden)
@@ -323,10 +326,13 @@ class ModelFacts:
                 p.layer_fwd_flops += ff
                 members.add(rec.block_member)
                 p.layers = len({m for m in members if self.where.get(self._first_node[m]) == self.where[n]})
+            if n in self._cores:
+                p.core_fwd += f
             if _is_score_op(n) or score_saved:
                 # what selective recomputation redoes and frees: the ops between the two
                 # attention matmuls, or a materialising attention's whole core
-                p.score_fwd += f
+                if n not in self._cores:
+                    p.score_fwd += f
                 p.score_saved += saved if not score_saved else score_saved
             if pricer is not None and s is not None:
                 for j, arg in enumerate(tensor_inputs(n)):

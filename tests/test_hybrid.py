@@ -255,3 +255,40 @@ def test_simulate_prints_the_step_terms_and_takes_ep(capsys):
         assert term in text, term
     assert main([*base, "--ep", "3"]) != 0
     assert "ep=3 must divide" in capsys.readouterr().err
+
+
+def test_eager_attention_cores_are_priced_as_run_again_in_backward():
+    """The runtime checkpoints an eager attention core (here DeepSeek-V3's latent attention,
+    whose queries and values differ in width) under every mode but whole-layer recomputation:
+    backward runs its forward again. The simulator charges exactly that: the cores' forward
+    seconds once per layer under none and selective, for the layers left whole under layers:K,
+    and not again where the layer's own recomputation runs them (full, pointwise)."""
+    import dataclasses
+    overrides = {"num_hidden_layers": "3", "first_k_dense_replace": "1", "hidden_size": "128",
+                 "intermediate_size": "256", "moe_intermediate_size": "32", "n_routed_experts": "4",
+                 "num_experts_per_tok": "2", "n_group": "2", "topk_group": "1", "num_attention_heads": "4",
+                 "num_key_value_heads": "4", "kv_lora_rank": "32", "q_lora_rank": "64", "qk_nope_head_dim": "32",
+                 "qk_rope_head_dim": "16", "v_head_dim": "32", "vocab_size": "512"}
+    facts = ModelFacts(capture_workload(load_workload("hf:deepseek-v3", batch=1, seq=256, overrides=overrides)),
+                       seq=256, dtype="bf16")
+    cl = Cluster.from_spec("1x8", hardware="h100")
+    parts, _ = facts.parts(1, 1, cl, (("dp", 1),))
+    pre, blk = parts["pre"], parts["block"]
+    assert blk.core_fwd > 0 and pre.core_fwd > 0 and blk.core_fwd < 0.5 * blk.fwd
+    real = facts.parts
+
+    def without_cores(*a, **k):
+        got, st = real(*a, **k)
+        return {n: dataclasses.replace(p, core_fwd=0.0) for n, p in got.items()}, st
+    extra = {}
+    for rc in ("none", "selective", "layers:1", "full", "pointwise"):
+        c = Config(dp=1, tp=1, pp=1, micro_batch=1, recompute=rc)
+        with_ = simulate(facts, cl, c, batch=1).parts["stage_bwd_s"][0]
+        facts.parts = without_cores
+        extra[rc] = with_ - simulate(facts, cl, c, batch=1).parts["stage_bwd_s"][0]
+        facts.parts = real
+    every = 2 * blk.core_fwd + pre.core_fwd            # two MoE blocks and the dense layer before them
+    assert extra["none"] == pytest.approx(every) and extra["selective"] == pytest.approx(every)
+    # layers:1 recomputes the first layer of the part before whole: its core runs in that forward
+    assert extra["layers:1"] == pytest.approx(2 * blk.core_fwd + pre.core_fwd * (1 - 1 / pre.layers))
+    assert extra["full"] == 0 and extra["pointwise"] == 0
