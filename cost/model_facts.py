@@ -43,7 +43,7 @@ class BlockPart:
 
     fwd: float = 0.0
     bwd: float = 0.0
-    score_fwd: float = 0.0            # attention-score ops (selective recompute), outside eager cores
+    score_fwd: float = 0.0            # what selective recomputes outside eager cores: score ops, attention kernels
     core_fwd: float = 0.0             # eager attention cores: run again in backward (their layer's, if recomputed)
     comm_fwd: float = 0.0
     comm_bwd: float = 0.0
@@ -334,6 +334,10 @@ class ModelFacts:
                 if n not in self._cores:
                     p.score_fwd += f
                 p.score_saved += saved if not score_saved else score_saved
+            elif sdpa and n not in self._cores:
+                # a flash kernel: selective runs it again too, and frees nothing it keeps (its
+                # inputs stay as the region's; its output is the projection's input)
+                p.score_fwd += f
             if pricer is not None and s is not None:
                 for j, arg in enumerate(tensor_inputs(n)):
                     src = strategies.get(arg.name)

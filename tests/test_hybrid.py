@@ -292,3 +292,18 @@ def test_eager_attention_cores_are_priced_as_run_again_in_backward():
     # layers:1 recomputes the first layer of the part before whole: its core runs in that forward
     assert extra["layers:1"] == pytest.approx(2 * blk.core_fwd + pre.core_fwd * (1 - 1 / pre.layers))
     assert extra["full"] == 0 and extra["pointwise"] == 0
+
+
+def test_selective_recomputation_of_a_flash_attention_is_priced_and_frees_nothing(small):
+    """``selective`` checkpoints a fused attention kernel too: backward runs its forward again,
+    and it frees nothing a flash kernel keeps. The simulator charges that forward once per layer
+    and no memory, so ``none`` (which it ties with in memory) stays the cheaper choice."""
+    cl = Cluster.from_spec("1x8", hardware="a100")
+    parts, _ = small.parts(1, 1, cl, (("dp", 1),))
+    blk = parts["block"]
+    assert 0 < blk.attn_fwd <= blk.score_fwd
+    runs = {rc: simulate(small, cl, Config(dp=1, tp=1, pp=1, micro_batch=1, recompute=rc), batch=1)
+            for rc in ("none", "selective")}
+    extra = runs["selective"].parts["stage_bwd_s"][0] - runs["none"].parts["stage_bwd_s"][0]
+    assert extra == pytest.approx(8 * blk.score_fwd)            # 8 layers
+    assert runs["selective"].memory["activations"] == runs["none"].memory["activations"]
