@@ -197,14 +197,15 @@ class _RowsSlot:
 
 
 class _NormRows:
-    """What an RMSNorm's forward hands the projections of its output, on the output tensor (so
-    for the forward only): its input and per-row scale, from which their backward recomputes
-    the output in two ops instead of six, and the norm's :class:`_RowsSlot`."""
+    """What an RMSNorm's forward hands the projections of its output, on the output tensor: its
+    input (weakly: an output the caller keeps must not keep the input too), its per-row scale,
+    from which their backward recomputes the output in two ops instead of six, and the norm's
+    :class:`_RowsSlot`."""
 
     __slots__ = ("x", "r", "slot")
 
     def __init__(self, x: torch.Tensor, r: torch.Tensor, slot: _RowsSlot) -> None:
-        self.x, self.r, self.slot = x, r, slot
+        self.x, self.r, self.slot = weakref.ref(x), r, slot
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -291,7 +292,7 @@ class _NormLinear(torch.autograd.Function):
         # norm: (kind, eps, shape, mid, out, post), one argument (each argument of apply costs)
         hand = None if torch.compiler.is_compiling() else \
             getattr(y if y._base is None else y._base, "_autopar_norm_rows", None)
-        if hand is not None and hand.x is x:         # the RMSNorm's own scale and slot
+        if hand is not None and hand.x() is x:       # the RMSNorm's own scale and slot
             ctx.save_for_backward(x, nw, nb, w, hand.r)
             ctx.slot = hand.slot
         else:

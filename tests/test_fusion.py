@@ -163,6 +163,20 @@ def test_projections_of_a_fused_rms_norm_recompute_from_its_scale_and_hand_it_th
     assert not whole and len(took) == 1 and took[0] is not None
 
 
+def test_a_kept_norm_output_does_not_keep_the_norms_input():
+    """The norm hands its projections its input on its output tensor: a caller keeping the
+    output (a returned hidden state, no graph) must not keep the input alive with it."""
+    import gc
+    import weakref
+    x, w = torch.randn(2, 5, 16), torch.randn(16)
+    with torch.no_grad():
+        y = autopar_rms_norm(x, w, 1e-6, None, None)
+    alive = weakref.ref(x)
+    del x
+    gc.collect()
+    assert alive() is None and y._autopar_norm_rows.x() is None
+
+
 @pytest.mark.parametrize("dt", [torch.float32, torch.float64])
 def test_swiglu_into_transformers_grouped_expert_matmul_equals_the_unfused_bit_for_bit(dt):
     import transformers.integrations.moe  # noqa: F401 - registers torch.ops.transformers.grouped_mm_fallback
