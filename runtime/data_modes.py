@@ -191,9 +191,8 @@ def quantize(x: torch.Tensor, maxima: torch.Tensor, levels: int, generator: torc
     is unbiased: its expectation is ``x``. Ranks that share ``maxima`` share the scale, so their
     levels add up: the sum over ranks travels as one all-reduce of ``dtype``
     (:func:`level_dtype`). With ``divide`` and ``add``, rounds ``x / divide + add`` (in the
-    same pass). With
-    ``residual``, returns the levels and what they leave out (``x - dequantize(levels)``, error
-    feedback's memory) from the same pass.
+    same pass). With ``residual``, returns the levels and what they leave out (that value less
+    :func:`dequantize` of the levels: error feedback's memory) from the same pass.
 
     The uniform number each entry is rounded with is ``frac(u + d_i)``: ``u`` drawn from
     ``generator`` once per chunk, ``d_i`` the fractional part of ``i`` times the golden ratio for
