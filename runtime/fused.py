@@ -177,9 +177,16 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float, mid: torch.dtype | None,
     after the weight (Gemma's ``(n * (1 + w)).type_as(x)``)."""
     xm = _as(x, mid)
     r = torch.rsqrt(xm.pow(2).mean(-1, keepdim=True) + eps)
-    n = xm * r
-    y = w * _as(n, out)
+    y = w * _as(xm * r, out)
     return _as(y, post), r
+
+
+def _rows_again(x: torch.Tensor, r: torch.Tensor, mid: torch.dtype | None,
+                out: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An RMSNorm's input in its working dtype and normalised rows (before the weight), from its
+    per-row scale ``r`` by the ops :func:`_rms` runs after computing it."""
+    xm = _as(x, mid)
+    return xm, _as(xm * r, out)
 
 
 class _RowsSlot:
@@ -227,11 +234,8 @@ class _RMSNorm(torch.autograd.Function):
         x, w, r = ctx.saved_tensors
         grad = grad.to(ctx.y_dtype)                  # the post cast's backward (none without one)
         got = ctx.rows.take() if ctx.rows is not None else None
-        if got is not None:                          # a projection's backward computed them already
-            xm, nd = got
-        else:
-            xm = _as(x, ctx.mid)
-            nd = _as(xm * r, ctx.out)
+        # the rows a projection's backward computed already, else computed here
+        xm, nd = got if got is not None else _rows_again(x, r, ctx.mid, ctx.out)
         # y = w * nd
         # (autograd hands each input its gradient in that input's dtype)
         grad_w = _as((grad * nd).sum_to_size(w.shape), w.dtype) if ctx.needs_input_grad[1] else None
@@ -335,11 +339,9 @@ class _NormLinear(torch.autograd.Function):
             def again() -> torch.Tensor:
                 if not r:
                     return _norm_again(kind, x, nw, nb, eps, shape, mid, out, post)
-                # from the norm's per-row scale, by the ops its forward ran after it
-                xm = _as(x, mid)
-                nd = _as(xm * r[0], out)
-                ctx.slot.rows = (xm, nd)              # the norm's backward takes them
-                return _as(nw * nd, post)
+                # from the norm's per-row scale; the norm's backward takes the rows
+                ctx.slot.rows = xm_nd = _rows_again(x, r[0], mid, out)
+                return _as(nw * xm_nd[1], post)
 
             def make() -> torch.Tensor:        # the norm as forward ran it (under its autocast, if any)
                 if ctx.amp is None:
