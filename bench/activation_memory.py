@@ -9,8 +9,8 @@ storage, less the storages of parameters and buffers (a matmul keeps its weight,
 anyway): activations only. Per layer: the difference between a 4-layer and a 2-layer build of
 the model, halved, so the embedding, the head and the loss drop out. The hand count
 (:func:`hand_count`) is what a layer with fused norms, MLP and attention must keep, itemised per
-model. Step time (one forward and backward, median of 6 x 5, the three alternating) is measured
-for all three in the same run.
+model. Step time (one forward and backward) is measured for all three in the same run, one step of
+each in turn, :data:`ROUNDS` times (after two warm-up rounds): the median of each.
 
 Usage: ``python bench/activation_memory.py [--json]``.
 """
@@ -38,6 +38,9 @@ import autopar  # noqa: E402
 from autopar.runtime.launch import run_ranks  # noqa: E402
 
 BATCH, SEQ, VOCAB = 2, 256, 64       # the vocabulary of tests/test_ep_hf.py's models
+# Step timings of each build, taken one step of each in turn: drift in a shared machine's load
+# then reaches the three alike, and the median of 40 moves by about 1 % between runs
+ROUNDS = 40
 
 
 def _hf(kind: str, layers: int) -> torch.nn.Module:
@@ -91,13 +94,10 @@ def _kept(fn, state: set[int]) -> tuple[int, int]:
 
 
 def _step_s(module, x: torch.Tensor) -> float:
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        out = module(x)
-        out.float().pow(2).mean().backward()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    t0 = time.perf_counter()
+    out = module(x)
+    out.float().pow(2).mean().backward()
+    return time.perf_counter() - t0
 
 
 # -- the hand count: what one layer with fused norms, MLP and attention must keep ---------------
@@ -152,9 +152,11 @@ def _row(rank: int, world: int, name: str) -> dict:
         kept[layers] = {k: _kept(lambda: m(x), _state_storages(m))
                         for k, m in (("plain", plain), ("autopar", ours), ("unfused", unfused))}
         if layers == 4:
-            for _ in range(6):                     # alternate, so drift in the machine reaches each alike
+            for i in range(ROUNDS + 2):            # in turn, so drift in the machine reaches each alike
                 for k, m in (("plain", plain), ("autopar", ours), ("unfused", unfused)):
-                    steps.setdefault(k, []).append(_step_s(m, x))
+                    t = _step_s(m, x)
+                    if i >= 2:
+                        steps.setdefault(k, []).append(t)
     per = {k: (kept[4][k][0] - kept[2][k][0]) / 2 / 2**20 for k in kept[4]}
     state = {k: (kept[4][k][1] - kept[2][k][1]) / 2 / 2**20 for k in kept[4]}
     hand = hand_count(name) * BATCH * SEQ * 4 / 2**20

@@ -1,6 +1,6 @@
 """Fused ops that keep fewer activations for backward than the ops they replace, and compute the
 same values and gradients (each backward runs the very formulas autograd runs for the unfused
-ops, in the same order, so the results are the unfused model's bit for bit).
+ops, each op on the same operands, so the results are the unfused model's bit for bit).
 
 - :func:`autopar_swiglu` ``(g, u, act)``: ``silu(g) * u`` (or GeGLU's ``gelu(g) * u``). Eager
   autograd keeps ``g`` (for the activation), ``silu(g)`` and ``u`` (for the product); this keeps
@@ -23,6 +23,12 @@ ops, in the same order, so the results are the unfused model's bit for bit).
   input, which the norm itself keeps, and recomputes the output in backward. Behind a fused
   RMSNorm it recomputes from the norm's per-row scale (two ops, not the whole norm), and the
   norm's backward takes the normalised rows it computed.
+
+Their backwards write a result over a tensor they made and no longer read where the dtypes
+allow (the in-place or ``out=`` form of an op, on the same operands, gives the same bits): an
+RMSNorm's backward makes one row-sized tensor instead of seven, a gated MLP's two instead of
+five, GELU's one instead of two, so they touch less fresh memory than the unfused ops' backward
+and what they recompute costs less.
 
 The graph pass that puts them in place is :mod:`autopar.passes.fusion`.
 """
@@ -58,6 +64,27 @@ def _gate_backward(grad: torch.Tensor, g: torch.Tensor, act: str) -> torch.Tenso
     return aten.gelu_backward.default(grad, g, approximate="tanh" if act == "gelu_tanh" else "none")
 
 
+def _gate_backward_over(grad: torch.Tensor, g: torch.Tensor, act: str) -> torch.Tensor:
+    """:func:`_gate_backward`, written over ``grad`` (which the caller owns)."""
+    if act == "silu":
+        return aten.silu_backward.grad_input(grad, g, grad_input=grad)
+    return aten.gelu_backward.grad_input(grad, g, approximate="tanh" if act == "gelu_tanh" else "none",
+                                         grad_input=grad)
+
+
+def _gated_grads(grad: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str, product: bool, own: bool):
+    """``act(g) * u``'s backward for the product's gradient ``grad`` by autograd's formulas:
+    (``g``'s gradient, ``u``'s, and the product again when ``product``). Each result is written
+    over a tensor nothing reads after it where the dtypes allow; ``own``: ``grad`` is the
+    caller's to write over."""
+    s = _gate(g, act)
+    p = s * u if product else None
+    if not grad.dtype == s.dtype == u.dtype:
+        return _gate_backward(grad * u, g, act), grad * s, p
+    grad_u = s.mul_(grad)                        # grad * s (a product's bits do not depend on the order)
+    return _gate_backward_over(grad.mul_(u) if own else grad * u, g, act), grad_u, p
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tensor:
@@ -68,6 +95,9 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         g, u = ctx.saved_tensors
+        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+            grad_g, grad_u, _ = _gated_grads(grad, g, u, ctx.act, False, own=False)
+            return grad_g, grad_u, None
         s = _gate(g, ctx.act)
         grad_u = grad * s if ctx.needs_input_grad[1] else None
         grad_g = _gate_backward(grad * u, g, ctx.act) if ctx.needs_input_grad[0] else None
@@ -95,10 +125,13 @@ class _SwiGLULinear(torch.autograd.Function):
         # input's gradient first: each op reads what the one before it just wrote or read
         grad2 = grad.reshape(-1, grad.shape[-1])
         grad_p = grad2.mm(w).view(g.shape) if any(ctx.needs_input_grad[:2]) else None
-        grad_g = _gate_backward(grad_p * u, g, ctx.act) if ctx.needs_input_grad[0] else None
-        s = _gate(g, ctx.act)
-        grad_u = grad_p * s if ctx.needs_input_grad[1] else None
-        p = s * u if ctx.needs_input_grad[2] else None
+        if all(ctx.needs_input_grad[:3]):
+            grad_g, grad_u, p = _gated_grads(grad_p, g, u, ctx.act, True, own=True)
+        else:
+            grad_g = _gate_backward(grad_p * u, g, ctx.act) if ctx.needs_input_grad[0] else None
+            s = _gate(g, ctx.act)
+            grad_u = grad_p * s if ctx.needs_input_grad[1] else None
+            p = s * u if ctx.needs_input_grad[2] else None
         grad_w = grad2.t().mm(p.reshape(-1, p.shape[-1])) if ctx.needs_input_grad[2] else None
         grad_b = grad2.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
         return grad_g, grad_u, grad_w, grad_b, None
@@ -130,8 +163,12 @@ class _SwiGLUGroupedMM(torch.autograd.Function):
         grad_p, grad_w = torch.ops.transformers.grouped_mm_fallback_backward(
             p.to(ctx.cast) if ctx.cast is not None else p, w, offs, grad)
         grad_p = grad_p.to(p.dtype)                  # the cast's own backward
-        grad_g = aten.silu_backward.default(grad_p * u, g) if ctx.needs_input_grad[0] else None
-        grad_u = grad_p * s if ctx.needs_input_grad[1] else None
+        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and grad_p.dtype == s.dtype == u.dtype:
+            grad_u = s.mul_(grad_p)                  # over s and grad_p, as _gated_grads writes
+            grad_g = _gate_backward_over(grad_p.mul_(u), g, "silu")
+        else:
+            grad_g = aten.silu_backward.default(grad_p * u, g) if ctx.needs_input_grad[0] else None
+            grad_u = grad_p * s if ctx.needs_input_grad[1] else None
         return grad_g, grad_u, grad_w if ctx.needs_input_grad[2] else None, None, None
 
 
@@ -156,8 +193,10 @@ class _GeluLinear(torch.autograd.Function):
         grad2 = grad.reshape(-1, grad.shape[-1])
         # h's gradient first, then gelu(h) again for the weight's: each reads what the op before
         # it just wrote or read (the values do not depend on the order)
-        grad_h = aten.gelu_backward.default(grad2.mm(w).view(h.shape), h, approximate=ctx.approximate) \
-            if ctx.needs_input_grad[0] else None
+        grad_h = None
+        if ctx.needs_input_grad[0]:           # written over the product's gradient, which it alone reads
+            gp = grad2.mm(w).view(h.shape)
+            grad_h = aten.gelu_backward.grad_input(gp, h, approximate=ctx.approximate, grad_input=gp)
         a = F.gelu(h, approximate=ctx.approximate) if ctx.needs_input_grad[1] else None
         grad_w = grad2.t().mm(a.reshape(-1, a.shape[-1])) if ctx.needs_input_grad[1] else None
         grad_b = grad2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
@@ -215,6 +254,49 @@ class _NormRows:
         self.x, self.r, self.slot = weakref.ref(x), r, slot
 
 
+def _rms_grads(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, r: torch.Tensor, xm: torch.Tensor,
+               nd: torch.Tensor, need_x: bool, need_w: bool):
+    """An RMSNorm's backward (:func:`_rms`) for its output's gradient ``grad`` (in the output's
+    dtype before any post cast), from the input in its working dtype ``xm`` and the normalised
+    rows ``nd``: (``x``'s gradient, ``w``'s), autograd's formulas."""
+    # y = w * nd
+    # (autograd hands each input its gradient in that input's dtype)
+    grad_w = _as((grad * nd).sum_to_size(w.shape), w.dtype) if need_w else None
+    if not need_x:
+        return None, grad_w
+    # n = xm * r (n's dtype is xm's); r = rsqrt(mean(xm ** 2) + eps)
+    grad_n = _as(_as(grad * w, nd.dtype), xm.dtype)
+    grad_a = grad_n * r
+    grad_r = (grad_n * xm).sum_to_size(r.shape)
+    grad_v = -0.5 * grad_r * r.pow(3)
+    # mean's backward divides the row's gradient expanded to the row; dividing it once per
+    # row and then expanding gives the same quotients. pow's: grad * (2 * xm ** 1), and
+    # 2 * xm ** 1 is exactly xm * 2.
+    grad_p = (grad_v / xm.shape[-1]).expand(xm.shape)
+    grad_b = grad_p * (xm * 2)
+    return _as(grad_a + grad_b, x.dtype), grad_w
+
+
+def _rms_grads_over(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, r: torch.Tensor, xm: torch.Tensor,
+                    nd: torch.Tensor, need_x: bool, need_w: bool):
+    """:func:`_rms_grads` by the same ops, written over ``nd`` (the caller's, read by nothing
+    after) and the first product where every dtype is one: the same values, with one fresh
+    row-sized tensor instead of seven."""
+    if not (need_x and need_w) or not grad.dtype == nd.dtype == xm.dtype == w.dtype == r.dtype == x.dtype:
+        return _rms_grads(grad, x, w, r, xm, nd, need_x, need_w)
+    t = grad * nd
+    grad_w = t.sum_to_size(w.shape)
+    if grad_w.data_ptr() == t.data_ptr():       # nothing summed (one row): a view of t, which is written over next
+        grad_w = grad_w.clone()
+    grad_n = torch.mul(grad, w, out=t)
+    grad_r = torch.mul(grad_n, xm, out=nd).sum_to_size(r.shape)
+    grad_a = grad_n.mul_(r)
+    grad_v = -0.5 * grad_r * r.pow(3)
+    grad_p = (grad_v / xm.shape[-1]).expand(xm.shape)     # as in _rms_grads
+    grad_b = torch.mul(grad_p, torch.mul(xm, 2, out=nd), out=nd)
+    return grad_a.add_(grad_b), grad_w
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float, mid: torch.dtype | None,
@@ -234,24 +316,10 @@ class _RMSNorm(torch.autograd.Function):
         x, w, r = ctx.saved_tensors
         grad = grad.to(ctx.y_dtype)                  # the post cast's backward (none without one)
         got = ctx.rows.take() if ctx.rows is not None else None
-        # the rows a projection's backward computed already, else computed here
+        # the rows a projection's backward computed already (handed over: nothing else reads
+        # them), else computed here
         xm, nd = got if got is not None else _rows_again(x, r, ctx.mid, ctx.out)
-        # y = w * nd
-        # (autograd hands each input its gradient in that input's dtype)
-        grad_w = _as((grad * nd).sum_to_size(w.shape), w.dtype) if ctx.needs_input_grad[1] else None
-        if not ctx.needs_input_grad[0]:
-            return None, grad_w, None, None, None, None
-        # n = xm * r (n's dtype is xm's); r = rsqrt(mean(xm ** 2) + eps)
-        grad_n = _as(_as(grad * w, nd.dtype), xm.dtype)
-        grad_a = grad_n * r
-        grad_r = (grad_n * xm).sum_to_size(r.shape)
-        grad_v = -0.5 * grad_r * r.pow(3)
-        # mean's backward divides the row's gradient expanded to the row; dividing it once per
-        # row and then expanding gives the same quotients. pow's: grad * (2 * xm ** 1), and
-        # 2 * xm ** 1 is exactly xm * 2.
-        grad_p = (grad_v / xm.shape[-1]).expand(xm.shape)
-        grad_b = grad_p * (xm * 2)
-        return _as(grad_a + grad_b, x.dtype), grad_w, None, None, None, None
+        return *_rms_grads_over(grad, x, w, r, xm, nd, *ctx.needs_input_grad[:2]), None, None, None, None
 
 
 def autopar_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, mid: torch.dtype | None,

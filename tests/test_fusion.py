@@ -76,6 +76,30 @@ def test_fused_ops_equal_the_unfused_bit_for_bit(dt, wdt):
         assert torch.equal(want[0], got[0]) and all(torch.equal(p, q) for p, q in zip(want[1], got[1])), fused
 
 
+@pytest.mark.parametrize("shape", [(2, 5, 16), (1, 16), (16,), (3, 1)])
+def test_backwards_written_over_their_own_tensors_equal_the_unfused(shape):
+    """One dtype throughout (float64, no cast), where the fused backwards write their results
+    over tensors they made: an RMSNorm of one row (its weight's gradient sums nothing, a view of
+    the product written over next), of width 1, and a gated MLP whose gate and up are one tensor
+    (the product's gradient is written over while the other half still reads it)."""
+    torch.manual_seed(0)
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(shape[-1], dtype=torch.float64, requires_grad=True)
+    plain = lambda a, b: b * (a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6))    # noqa: E731
+    want, got = _grads(plain, x, w), _grads(lambda a, b: autopar_rms_norm(a, b, 1e-6, None, None), x, w)
+    assert torch.equal(want[0], got[0]) and all(torch.equal(p, q) for p, q in zip(want[1], got[1]))
+    down = torch.randn(3, shape[-1], dtype=torch.float64, requires_grad=True)
+    for act, gate in (("silu", F.silu), ("gelu", F.gelu)):
+        want = _grads(lambda a, c: F.linear(gate(a) * a, c), x, down)
+        got = _grads(lambda a, c: autopar_swiglu_linear(a, a, c, None, act), x, down)
+        assert torch.equal(want[0], got[0]) and all(torch.equal(p, q) for p, q in zip(want[1], got[1])), act
+        want, got = _grads(lambda a: gate(a) * a, x), _grads(lambda a: autopar_swiglu(a, a, act), x)
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1][0], got[1][0]), act
+    want = _grads(lambda a, c: F.linear(F.gelu(a), c), x, down)
+    got = _grads(lambda a, c: autopar_gelu_linear(a, c), x, down)
+    assert torch.equal(want[0], got[0]) and all(torch.equal(p, q) for p, q in zip(want[1], got[1]))
+
+
 def test_a_forward_stopped_between_a_norms_projections_does_not_keep_its_output():
     """Projections of one norm output share its recomputation through an entry keyed by the
     output; if the forward stops after the first of three (an exception in the model), the entry
