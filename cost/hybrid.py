@@ -154,8 +154,9 @@ def simulate(facts: ModelFacts, cluster: Cluster, c: Config, *, batch: int,
     # an eager attention core runs again in backward outside whole-layer recomputation (a
     # recomputed layer's forward includes it: see ``redo`` below)
     cores = c.recompute not in ("full", "pointwise")
-    blk_b = (blk.bwd + blk.comm_bwd) * split + (blk.score_fwd if c.recompute == "selective" else 0.0) \
-        + pointwise * (blk_f - blk.kept_fwd) + cores * blk.core_fwd
+    # a context axis's attention (what a fused kernel became) is no core selective re-runs
+    selective = blk.score_fwd - (blk.flash_fwd if c.cp > 1 else 0.0) if c.recompute == "selective" else 0.0
+    blk_b = (blk.bwd + blk.comm_bwd) * split + selective + pointwise * (blk_f - blk.kept_fwd) + cores * blk.core_fwd
     pre_f, pre_b = pre.fwd + pre.comm_fwd, (pre.bwd + pre.comm_bwd) * split \
         + pointwise * (pre.layer_fwd - pre.layer_kept_fwd) + cores * pre.core_fwd
     post_f, post_b = post.fwd + post.comm_fwd, (post.bwd + post.comm_bwd) * split \
@@ -396,7 +397,10 @@ def _with_context(blk: BlockPart, cp: int, comm_fwd: float, comm_bwd: float) -> 
     ``comm_fwd`` / ``comm_bwd`` (the kind's exposed seconds, ``cost/cp_planner.py``)."""
     from dataclasses import replace
     more = blk.attn_more
+    # the attention kernels' outputs are kept under ``pointwise`` at every pair count: the extra
+    # pairs' work is kept too (its exchanges run again, as the layer's other collectives do)
     return replace(blk, fwd=blk.fwd + more * blk.attn_fwd, bwd=blk.bwd + more * blk.attn_bwd,
+                   kept_fwd=blk.kept_fwd + more * blk.attn_fwd, kept_fwd_flops=blk.kept_fwd_flops + more * blk.attn_fwd_flops,
                    flops=blk.flops + more * blk.attn_flops, fwd_flops=blk.fwd_flops + more * blk.attn_fwd_flops,
                    comm_fwd=blk.comm_fwd + comm_fwd, comm_bwd=blk.comm_bwd + comm_bwd)
 

@@ -44,6 +44,7 @@ class BlockPart:
     fwd: float = 0.0
     bwd: float = 0.0
     score_fwd: float = 0.0            # what selective recomputes outside eager cores: score ops, attention kernels
+    flash_fwd: float = 0.0            # ... of which fused attention kernels (a context axis's attention: not re-run)
     core_fwd: float = 0.0             # eager attention cores: run again in backward (their layer's, if recomputed)
     comm_fwd: float = 0.0
     comm_bwd: float = 0.0
@@ -338,6 +339,7 @@ class ModelFacts:
                 # a flash kernel: selective runs it again too, and frees nothing it keeps (its
                 # inputs stay as the region's; its output is the projection's input)
                 p.score_fwd += f
+                p.flash_fwd += f
             if pricer is not None and s is not None:
                 for j, arg in enumerate(tensor_inputs(n)):
                     src = strategies.get(arg.name)

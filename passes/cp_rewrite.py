@@ -387,7 +387,8 @@ class _Emit:
                     self._gather(p)
                 inputs = []
             if n.op == "output":
-                self.g.output(fx.node.map_arg(n.args[0], lambda a: self.local[a]))
+                out = self.g.output(fx.node.map_arg(n.args[0], lambda a: self.local[a]))
+                out.meta = copy.copy(n.meta)      # its record too: later steps read every node's
                 continue
             derived = n.target is aten.sym_size.int or self._gathered(n)   # whole made from the local
             if n in need_whole and n in self.an.dep and not derived:
@@ -553,6 +554,9 @@ class _Emit:
         src = info(like) if META_KEY in like.meta else None
         rec = NodeInfo(kind="op", fqn=src.fqn if src else "", module_type=src.module_type if src else "",
                        made_by="cp_rewrite", requires_grad=bool(src and src.requires_grad))
+        if src is not None:       # the layer it stands in (recomputation regions are cut by layer)
+            rec.block_class, rec.block_member, rec.stage = src.block_class, src.block_member, src.stage
+            rec.moe_role, rec.moe_region = src.moe_role, src.moe_region
         if tensor and src is not None:
             rec.values = src.values
         if not tensor and "val" in like.meta:     # a size: later passes tell sizes by their value's type

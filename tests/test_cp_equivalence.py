@@ -13,8 +13,10 @@ with soft-capping, alternating sliding layers), GPT-2 (learned positions), Mixtr
 ep axis beside cp) and a hand-written model whose written-out attention is all float64. Kinds:
 ring, all-gather, all-to-all, and the cost model's pick where none is given; cp = 2 and 4; cp x tp
 (weights asserted split), dp x cp with ZeRO-3, cp x ep (experts asserted split), pp x cp (the
-pipeline's own schedule); a padded batch
-(attention mask with zeros, padded labels) and a packed one (position ids restarting per document).
+pipeline's own schedule); recomputation of whole layers (``full``, ``layers:1``, ``pointwise``;
+each context-axis attention asserted inside a recomputed layer, as many layers as asked); a
+padded batch (attention mask with zeros, padded labels) and a packed one (position ids
+restarting per document).
 
 Tolerances: parameters within 1e-10 (float64), except where ``transformers`` computes in float32
 inside the layers, 1e-8: Gemma 2 (its eager attention takes the softmax in float32) and cp x tp
@@ -30,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 import autopar
+from autopar.runtime import cp as cp_runtime
 from autopar.runtime.launch import run_ranks
 from tests import hf_tiny
 
@@ -53,6 +56,9 @@ CASES = {
     "mixtral-cp-ep": (4, "mixtral", {"cp": 2, "ep": 2}, "ring", "plain", {}),
     "llama-pp-cp-padded": (4, "llama", {"pp": 2, "cp": 2}, None, "padded", {}),
     "gpt2-pp-cp-packed-alltoall": (4, "gpt2", {"pp": 2, "cp": 2}, "alltoall", "packed", {}),
+    "llama-allgather-full": (2, "llama", {"cp": 2}, "allgather", "plain", dict(recompute="full")),
+    "qwen2-alltoall-layers1": (2, "qwen2", {"cp": 2}, "alltoall", "padded", dict(recompute="layers:1")),
+    "gpt2-ring-pointwise": (2, "gpt2", {"cp": 2}, "ring", "plain", dict(recompute="pointwise")),
 }
 
 
@@ -132,6 +138,9 @@ def _case(name: str) -> dict:
         opt.zero_grad()
         got.append(loss.item())
     state = pm.state_dict()
+    regions = getattr(pm, "_recompute", None) or {}
+    attention = [n for n in pm.graph_module.graph.nodes if n.target is cp_runtime.graph_attention] \
+        if "pp" not in mesh else []
     err = 0.0
     for k, v in want.items():
         t = state[k].full_tensor() if hasattr(state[k], "full_tensor") else state[k]
@@ -141,7 +150,9 @@ def _case(name: str) -> dict:
             "keys": sorted(state) == sorted(want), "tokens": part["input_ids"].shape[1],
             "split": sorted(f for f, _ in pm.named_parameters() if str(pm.placement_of(f)).startswith("S(")),
             "experts": sorted(getattr(pm, "expert_storage", {}) or {}),
-            "held": {f: tuple(p.shape) for f, p in pm.named_parameters()}, "rank": dist.get_rank()}
+            "held": {f: tuple(p.shape) for f, p in pm.named_parameters()}, "rank": dist.get_rank(),
+            "regions": len(set(regions.values())), "attention": len(attention),
+            "attention_recomputed": sum(n in regions for n in attention)}
 
 
 def _cases(rank: int, world: int) -> dict:
@@ -170,6 +181,11 @@ def test_cp_trains_as_one_process(world2, world4, name):
             assert len(r["split"]) >= 4, r["split"]                   # weights really were split
         if "ep" in mesh:
             assert r["experts"], "no expert was split over ep"
+        recompute = CASES[name][5].get("recompute")
+        if recompute in ("full", "pointwise"):          # every layer re-runs, its cp attention with it
+            assert r["regions"] == 2 and r["attention_recomputed"] == r["attention"] == 2, r
+        elif recompute == "layers:1":
+            assert r["regions"] == 1 and r["attention_recomputed"] == 1 and r["attention"] == 2, r
     if arch == "gemma2":                                           # written-out attention runs as all-gather
         assert ranks[0]["kind"] == "allgather", ranks[0]["kind"]
     if "ep" in mesh:                                               # each ep rank holds other experts

@@ -48,6 +48,26 @@ def test_cp_divides_activations_and_keeps_model_flops(facts):
         simulate(facts, node, Config(dp=1, tp=1, pp=1, micro_batch=1, cp=3), batch=8)
 
 
+def test_recomputation_on_a_context_axis_is_priced_as_it_runs(facts):
+    """A fused attention on a cp axis is the axis's attention, which ``selective`` does not re-run
+    (runtime/recompute.py re-runs fused attention kernels and score ops; the rewrite replaced the
+    kernel): there selective costs what none costs, while at cp=1 it re-runs the kernel.
+    ``pointwise`` keeps every attention kernel's output, the extra key pairs' too, so what it
+    re-runs per rank (this rank's tokens' other ops, and the exchanges) costs less at cp=2 than
+    the whole sequence's at cp=1, though cp=2's attention is dearer."""
+    node = Cluster.from_spec("1x8", hardware="h100")
+
+    def run(cp: int, recompute: str):
+        return simulate(facts, node, Config(dp=8 // cp, tp=1, pp=1, micro_batch=1, cp=cp, recompute=recompute,
+                                            cp_kind="ring" if cp > 1 else None), batch=8)
+    for cp in (2, 4):
+        assert run(cp, "selective").step_time_s == pytest.approx(run(cp, "none").step_time_s, rel=1e-12)
+    assert run(1, "selective").step_time_s > run(1, "none").step_time_s
+    redo = {cp: sum(run(cp, "pointwise").parts["stage_bwd_s"]) - sum(run(cp, "none").parts["stage_bwd_s"])
+            for cp in (1, 2)}
+    assert 0 < redo[2] < redo[1], redo
+
+
 def test_each_kind_is_priced_as_it_runs():
     node = Cluster.from_spec("2x8", hardware="h100")
     axes = (("dp", 2), ("cp", 8))
