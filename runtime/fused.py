@@ -30,6 +30,10 @@ RMSNorm's backward makes one row-sized tensor instead of seven, a gated MLP's tw
 five, GELU's one instead of two, so they touch less fresh memory than the unfused ops' backward
 and what they recompute costs less.
 
+A backward that builds a graph (``create_graph=True``: a gradient penalty) runs the unfused ops
+again from what forward kept and lets autograd differentiate them (:func:`_graph_grads`), so
+second derivatives are the unfused model's too.
+
 The graph pass that puts them in place is :mod:`autopar.passes.fusion`.
 """
 from __future__ import annotations
@@ -49,6 +53,26 @@ def _as(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """``t`` in ``dtype`` (None: as it is): a cast only where one changes something, since each
     no-op call costs as much as a small op's dispatch in these backwards."""
     return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+
+def _graph_grads(ctx, grad: torch.Tensor, forward, inputs: tuple, has_bias: bool = False) -> tuple:
+    """A backward that builds a graph (``create_graph=True``: a gradient penalty, a Hessian-vector
+    product). The fused formulas read values forward computed without one (a norm's per-row
+    scale), so their second derivative would miss terms: instead the unfused ops run again from
+    the saved ``inputs`` (``forward()``) and autograd differentiates them, graph kept, so every
+    derivative is the unfused model's. ``has_bias``: the op's next argument after ``inputs`` is a
+    linear's bias, whose gradient is the rows' sum of ``grad`` (``forward`` leaves it out)."""
+    idx = [i for i, t in enumerate(inputs) if ctx.needs_input_grad[i] and isinstance(t, torch.Tensor)]
+    with torch.enable_grad():
+        out = forward()
+    got = torch.autograd.grad(out, [inputs[i] for i in idx], grad, create_graph=True, allow_unused=True) \
+        if idx else ()
+    res = [None] * len(ctx.needs_input_grad)
+    for i, gr in zip(idx, got):
+        res[i] = gr
+    if has_bias and ctx.needs_input_grad[len(inputs)]:
+        res[len(inputs)] = grad.reshape(-1, grad.shape[-1]).sum(0)
+    return tuple(res)
 
 
 def _gate(g: torch.Tensor, act: str) -> torch.Tensor:
@@ -95,6 +119,8 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         g, u = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            return _graph_grads(ctx, grad, lambda: _gate(g, ctx.act) * u, (g, u))
         if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
             grad_g, grad_u, _ = _gated_grads(grad, g, u, ctx.act, False, own=False)
             return grad_g, grad_u, None
@@ -121,6 +147,9 @@ class _SwiGLULinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         g, u, w = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            return _graph_grads(ctx, grad, lambda: F.linear(_gate(g, ctx.act) * u, w), (g, u, w),
+                                has_bias=ctx.has_bias)
         # linear's own backward as autograd runs it (rows flattened, one mm each way), the
         # input's gradient first: each op reads what the one before it just wrote or read
         grad2 = grad.reshape(-1, grad.shape[-1])
@@ -157,6 +186,11 @@ class _SwiGLUGroupedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         g, u, w, offs = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            def again() -> torch.Tensor:
+                p = F.silu(g) * u
+                return torch.ops.transformers.grouped_mm_fallback(p.to(ctx.cast) if ctx.cast is not None else p, w, offs)
+            return _graph_grads(ctx, grad, again, (g, u, w))
         s = F.silu(g)
         p = s * u
         # the grouped matmul's own backward (transformers registers it), on the recomputed product
@@ -190,6 +224,9 @@ class _GeluLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         h, w = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            return _graph_grads(ctx, grad, lambda: F.linear(F.gelu(h, approximate=ctx.approximate), w), (h, w),
+                                has_bias=ctx.has_bias)
         grad2 = grad.reshape(-1, grad.shape[-1])
         # h's gradient first, then gelu(h) again for the weight's: each reads what the op before
         # it just wrote or read (the values do not depend on the order)
@@ -303,7 +340,7 @@ class _RMSNorm(torch.autograd.Function):
                 out: torch.dtype | None, post: torch.dtype | None) -> torch.Tensor:
         y, r = _rms(x, w, eps, mid, out)
         ctx.save_for_backward(x, w, r)
-        ctx.mid, ctx.out, ctx.y_dtype = mid, out, y.dtype
+        ctx.mid, ctx.out, ctx.y_dtype, ctx.eps, ctx.post = mid, out, y.dtype, eps, post
         result = _as(y, post)
         ctx.rows = None
         if not torch.compiler.is_compiling():
@@ -314,8 +351,10 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, w, r = ctx.saved_tensors
-        grad = grad.to(ctx.y_dtype)                  # the post cast's backward (none without one)
         got = ctx.rows.take() if ctx.rows is not None else None
+        if torch.is_grad_enabled():
+            return _graph_grads(ctx, grad, lambda: _as(_rms(x, w, ctx.eps, ctx.mid, ctx.out)[0], ctx.post), (x, w))
+        grad = grad.to(ctx.y_dtype)                  # the post cast's backward (none without one)
         # the rows a projection's backward computed already (handed over: nothing else reads
         # them), else computed here
         xm, nd = got if got is not None else _rows_again(x, r, ctx.mid, ctx.out)
@@ -404,8 +443,10 @@ class _NormLinear(torch.autograd.Function):
         grad_y = _as(grad2.mm(_as(w, dt)).view(*grad.shape[:-1], w.shape[1]), y_dt) if ctx.needs_input_grad[0] else None
         grad_w = grad_b = None
         if ctx.needs_input_grad[1]:
+            graph = torch.is_grad_enabled()     # create_graph: y again as a function of x (see _graph_grads)
+
             def again() -> torch.Tensor:
-                if not r:
+                if not r or graph:
                     return _norm_again(kind, x, nw, nb, eps, shape, mid, out, post)
                 # from the norm's per-row scale; the norm's backward takes the rows
                 ctx.slot.rows = xm_nd = _rows_again(x, r[0], mid, out)
@@ -416,7 +457,7 @@ class _NormLinear(torch.autograd.Function):
                     return again()
                 with torch.autocast(ctx.amp[0], dtype=ctx.amp[1]):
                     return again()
-            y = _as((ctx.shared.take(make) if ctx.shared is not None else make()).reshape(ctx.y_shape), dt)
+            y = _as((ctx.shared.take(make) if ctx.shared is not None and not graph else make()).reshape(ctx.y_shape), dt)
             grad_w = _as(grad2.t().mm(y.reshape(-1, y.shape[-1])), w_dt)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = _as(grad2.sum(0), b_dt)

@@ -100,6 +100,44 @@ def test_backwards_written_over_their_own_tensors_equal_the_unfused(shape):
     assert torch.equal(want[0], got[0]) and all(torch.equal(p, q) for p, q in zip(want[1], got[1]))
 
 
+def _penalty_grads(fn, *inputs):
+    """The gradients of a gradient penalty: backward through backward (``create_graph=True``)."""
+    for t in inputs:
+        t.grad = None
+    y = fn(*inputs)
+    first = torch.autograd.grad((y * y).sum(), inputs, create_graph=True)
+    sum((g * g).sum() for g in first).backward()
+    return [t.grad.clone() for t in inputs]
+
+
+def test_second_derivatives_through_fused_ops_are_the_unfused():
+    """A backward that builds a graph (a gradient penalty) runs the unfused ops again from what
+    forward kept and differentiates them, so the second derivative is the unfused model's; the
+    fused formulas read a norm's per-row scale computed in forward without a graph, and would
+    miss its terms (an RMSNorm's penalty gradient was off by 150 that way). float64."""
+    torch.manual_seed(0)
+    f64 = dict(dtype=torch.float64, requires_grad=True)
+    x, u = torch.randn(2, 5, 12, **f64), torch.randn(2, 5, 12, **f64)
+    w, b, nw, nb = torch.randn(7, 12, **f64), torch.randn(7, **f64), torch.randn(12, **f64), torch.randn(12, **f64)
+    rms = lambda a, c: c * (a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6))   # noqa: E731
+    pairs = [(lambda a, b_, c, d: F.linear(F.silu(a) * b_, c, d), autopar_swiglu_linear, (x, u, w, b)),
+             (lambda a, b_: F.gelu(a) * b_, lambda a, b_: autopar_swiglu(a, b_, "gelu"), (x, u)),
+             (lambda a, c, d: F.linear(F.gelu(a), c, d), autopar_gelu_linear, (x, w, b)),
+             (rms, lambda a, c: autopar_rms_norm(a, c, 1e-6, None, None), (x, nw)),
+             # a fused RMSNorm into two projections (the per-row scale handed over), and a LayerNorm into one
+             (lambda a, c, d: F.linear(rms(a, c), d) * F.linear(rms(a, c), d).flip(-1),
+              lambda a, c, d: (lambda y: autopar_norm_linear(y, d, None, "rms", a, c, None, 1e-6, readers=2)
+                               * autopar_norm_linear(y, d, None, "rms", a, c, None, 1e-6, readers=2).flip(-1))(
+                  autopar_rms_norm(a, c, 1e-6, None, None)), (x, nw, w)),
+             (lambda a, c, d, e: F.linear(F.layer_norm(a, [12], c, d), e, b),
+              lambda a, c, d, e: autopar_norm_linear(F.layer_norm(a, [12], c, d), e, b, "layer", a, c, d, 1e-5, [12]),
+              (x, nw, nb, w))]
+    for plain, fused, inputs in pairs:
+        want, got = _penalty_grads(plain, *inputs), _penalty_grads(fused, *inputs)
+        scale = max(g.abs().max().item() for g in want)
+        assert all((p - q).abs().max().item() <= 1e-12 * scale for p, q in zip(want, got)), fused
+
+
 def test_a_forward_stopped_between_a_norms_projections_does_not_keep_its_output():
     """Projections of one norm output share its recomputation through an entry keyed by the
     output; if the forward stops after the first of three (an exception in the model), the entry
