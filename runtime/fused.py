@@ -248,11 +248,13 @@ def autopar_gelu_linear(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float, mid: torch.dtype | None,
-         out: torch.dtype | None, post: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+         out: torch.dtype | None, post: torch.dtype | None = None,
+         xp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' RMSNorm as the model writes it: (output, per-row rsqrt). ``post``: the cast
-    after the weight (Gemma's ``(n * (1 + w)).type_as(x)``)."""
+    after the weight (Gemma's ``(n * (1 + w)).type_as(x)``). ``xp``: the same input as ``x``, as a
+    second operand whose gradient is the square's part alone (:class:`_RMSNorm`)."""
     xm = _as(x, mid)
-    r = torch.rsqrt(xm.pow(2).mean(-1, keepdim=True) + eps)
+    r = torch.rsqrt((xm if xp is None else xp).pow(2).mean(-1, keepdim=True) + eps)
     y = w * _as(xm * r, out)
     return _as(y, post), r
 
@@ -295,12 +297,14 @@ def _rms_grads(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, r: torch.Te
                nd: torch.Tensor, need_x: bool, need_w: bool):
     """An RMSNorm's backward (:func:`_rms`) for its output's gradient ``grad`` (in the output's
     dtype before any post cast), from the input in its working dtype ``xm`` and the normalised
-    rows ``nd``: (``x``'s gradient, ``w``'s), autograd's formulas."""
+    rows ``nd``: (``x``'s gradient, ``w``'s), autograd's formulas. ``x``'s comes in two parts
+    where the norm runs in ``x``'s own dtype (the product's part, then the square's: see
+    :class:`_RMSNorm`), else as one, the parts' sum cast back; (part, part or None, ``w``'s)."""
     # y = w * nd
     # (autograd hands each input its gradient in that input's dtype)
     grad_w = _as((grad * nd).sum_to_size(w.shape), w.dtype) if need_w else None
     if not need_x:
-        return None, grad_w
+        return None, None, grad_w
     # n = xm * r (n's dtype is xm's); r = rsqrt(mean(xm ** 2) + eps)
     grad_n = _as(_as(grad * w, nd.dtype), xm.dtype)
     grad_a = grad_n * r
@@ -311,7 +315,9 @@ def _rms_grads(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, r: torch.Te
     # 2 * xm ** 1 is exactly xm * 2.
     grad_p = (grad_v / xm.shape[-1]).expand(xm.shape)
     grad_b = grad_p * (xm * 2)
-    return _as(grad_a + grad_b, x.dtype), grad_w
+    if xm.dtype == x.dtype:
+        return grad_a, grad_b, grad_w
+    return _as(grad_a + grad_b, x.dtype), None, grad_w
 
 
 def _rms_grads_over(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, r: torch.Tensor, xm: torch.Tensor,
@@ -319,7 +325,10 @@ def _rms_grads_over(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, r: tor
     """:func:`_rms_grads` by the same ops, written over ``nd`` (the caller's, read by nothing
     after) and the first product where every dtype is one: the same values, with one fresh
     row-sized tensor instead of seven."""
-    if not (need_x and need_w) or not grad.dtype == nd.dtype == xm.dtype == w.dtype == r.dtype == x.dtype:
+    if not (need_x and need_w) or not grad.dtype == nd.dtype == xm.dtype == w.dtype == r.dtype == x.dtype \
+            or not (grad.is_contiguous() and nd.is_contiguous() and xm.is_contiguous()):
+        # (a reduction's bits depend on its input's layout: written over ``nd``, a product takes
+        # nd's, where autograd's would take a transposed gradient's)
         return _rms_grads(grad, x, w, r, xm, nd, need_x, need_w)
     t = grad * nd
     grad_w = t.sum_to_size(w.shape)
@@ -331,13 +340,17 @@ def _rms_grads_over(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, r: tor
     grad_v = -0.5 * grad_r * r.pow(3)
     grad_p = (grad_v / xm.shape[-1]).expand(xm.shape)     # as in _rms_grads
     grad_b = torch.mul(grad_p, torch.mul(xm, 2, out=nd), out=nd)
-    return grad_a.add_(grad_b), grad_w
+    return grad_a, grad_b, grad_w
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float, mid: torch.dtype | None,
+    def forward(ctx, x: torch.Tensor, xp: torch.Tensor, w: torch.Tensor, eps: float, mid: torch.dtype | None,
                 out: torch.dtype | None, post: torch.dtype | None) -> torch.Tensor:
+        # xp is x: the model reads x twice (its square's mean; x times the per-row scale), and
+        # where no cast comes between, autograd adds the two gradients into x's after whatever
+        # reached x before them (the residual's), one at a time; summing them here first would
+        # round differently. Taking x twice hands autograd the two parts in the same order.
         y, r = _rms(x, w, eps, mid, out)
         ctx.save_for_backward(x, w, r)
         ctx.mid, ctx.out, ctx.y_dtype, ctx.eps, ctx.post = mid, out, y.dtype, eps, post
@@ -353,18 +366,22 @@ class _RMSNorm(torch.autograd.Function):
         x, w, r = ctx.saved_tensors
         got = ctx.rows.take() if ctx.rows is not None else None
         if torch.is_grad_enabled():
-            return _graph_grads(ctx, grad, lambda: _as(_rms(x, w, ctx.eps, ctx.mid, ctx.out)[0], ctx.post), (x, w))
+            # where uncast, x's two reads as two views of it, each differentiated alone
+            xa, xp = (x.view_as(x), x.view_as(x)) if x.dtype == (ctx.mid or x.dtype) else (x, None)
+            return _graph_grads(ctx, grad, lambda: _as(_rms(xa, w, ctx.eps, ctx.mid, ctx.out, xp=xp)[0], ctx.post),
+                                (xa, xp, w))
         grad = grad.to(ctx.y_dtype)                  # the post cast's backward (none without one)
         # the rows a projection's backward computed already (handed over: nothing else reads
         # them), else computed here
         xm, nd = got if got is not None else _rows_again(x, r, ctx.mid, ctx.out)
-        return *_rms_grads_over(grad, x, w, r, xm, nd, *ctx.needs_input_grad[:2]), None, None, None, None
+        need = ctx.needs_input_grad
+        return *_rms_grads_over(grad, x, w, r, xm, nd, need[0] or need[1], need[2]), None, None, None, None
 
 
 def autopar_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, mid: torch.dtype | None,
                      out: torch.dtype | None, post: torch.dtype | None = None) -> torch.Tensor:
     """An RMSNorm keeping its input and per-row scale only (graph node; module docstring)."""
-    return _RMSNorm.apply(x, w, eps, mid, out, post)
+    return _RMSNorm.apply(x, x, w, eps, mid, out, post)
 
 
 def _norm_again(kind: str, x: torch.Tensor, nw: torch.Tensor | None, nb: torch.Tensor | None, eps: float,
