@@ -228,16 +228,22 @@ class _GeluLinear(torch.autograd.Function):
             return _graph_grads(ctx, grad, lambda: F.linear(F.gelu(h, approximate=ctx.approximate), w), (h, w),
                                 has_bias=ctx.has_bias)
         grad2 = grad.reshape(-1, grad.shape[-1])
-        # h's gradient first, then gelu(h) again for the weight's: each reads what the op before
-        # it just wrote or read (the values do not depend on the order)
-        grad_h = None
-        if ctx.needs_input_grad[0]:           # written over the product's gradient, which it alone reads
-            gp = grad2.mm(w).view(h.shape)
-            grad_h = aten.gelu_backward.grad_input(gp, h, approximate=ctx.approximate, grad_input=gp)
-        a = F.gelu(h, approximate=ctx.approximate) if ctx.needs_input_grad[1] else None
-        grad_w = grad2.t().mm(a.reshape(-1, a.shape[-1])) if ctx.needs_input_grad[1] else None
         grad_b = grad2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_h, grad_w, grad_b, None
+        need_h, need_w = ctx.needs_input_grad[:2]
+        a = F.gelu(h, approximate=ctx.approximate) if need_w else None
+        grad_w = grad2.t().mm(a.view(-1, a.shape[-1]) if a.is_contiguous() else a.reshape(-1, a.shape[-1])) \
+            if need_w else None
+        if not need_h:
+            return None, grad_w, grad_b, None
+        # gelu's gradient goes where gelu(h) was once the weight's gradient has read it (mm
+        # writes the same bits into a buffer of its own shape), then gelu's backward over it:
+        # one fresh tensor of h's size where autograd makes two
+        if need_w and a.is_contiguous() and grad.dtype == w.dtype == a.dtype:
+            gp = torch.mm(grad2, w, out=a.view(-1, a.shape[-1])).view(h.shape)
+        else:
+            gp = grad2.mm(w).view(h.shape)
+        del a
+        return aten.gelu_backward.grad_input(gp, h, approximate=ctx.approximate, grad_input=gp), grad_w, grad_b, None
 
 
 def autopar_gelu_linear(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
@@ -457,8 +463,8 @@ class _NormLinear(torch.autograd.Function):
         kind, eps, shape, mid, out, post = ctx.norm
         dt, y_dt, w_dt, b_dt = ctx.dtypes
         grad2 = grad.reshape(-1, grad.shape[-1])
-        grad_y = _as(grad2.mm(_as(w, dt)).view(*grad.shape[:-1], w.shape[1]), y_dt) if ctx.needs_input_grad[0] else None
-        grad_w = grad_b = None
+        grad_y = grad_w = grad_b = None
+        spare = None               # the recomputed output, where nothing reads it after this
         if ctx.needs_input_grad[1]:
             graph = torch.is_grad_enabled()     # create_graph: y again as a function of x (see _graph_grads)
 
@@ -474,8 +480,20 @@ class _NormLinear(torch.autograd.Function):
                     return again()
                 with torch.autocast(ctx.amp[0], dtype=ctx.amp[1]):
                     return again()
-            y = _as((ctx.shared.take(make) if ctx.shared is not None and not graph else make()).reshape(ctx.y_shape), dt)
-            grad_w = _as(grad2.t().mm(y.reshape(-1, y.shape[-1])), w_dt)
+            shared = None if graph else ctx.shared
+            y = _as((shared.take(make) if shared is not None else make()).reshape(ctx.y_shape), dt)
+            y2 = y.view(-1, y.shape[-1]) if y.is_contiguous() else y.reshape(-1, y.shape[-1])
+            grad_w = _as(grad2.t().mm(y2), w_dt)
+            if not graph and (shared is None or shared.readers == 0) and y.is_contiguous() \
+                    and y2.shape == (grad2.shape[0], w.shape[1]) and dt == y_dt == w.dtype:
+                spare = y2
+            del y, y2
+        if ctx.needs_input_grad[0]:
+            # where the recomputed output is this backward's alone, y's gradient is written over it
+            # once the weight's gradient has read it (mm writes the same bits into a buffer of its
+            # own shape): no fresh tensor of y's size
+            g = torch.mm(grad2, w, out=spare) if spare is not None else _as(grad2.mm(_as(w, dt)), y_dt)
+            grad_y = g.view(*grad.shape[:-1], w.shape[1])
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = _as(grad2.sum(0), b_dt)
         return grad_y, grad_w, grad_b, None, None, None, None, None
