@@ -10,7 +10,10 @@ anyway): activations only. Per layer: the difference between a 4-layer and a 2-l
 the model, halved, so the embedding, the head and the loss drop out. The hand count
 (:func:`hand_count`) is what a layer with fused norms, MLP and attention must keep, itemised per
 model. Step time (one forward and backward) is measured for all three in the same run, one step of
-each in turn, :data:`ROUNDS` times (after two warm-up rounds): the median of each.
+each in turn, :data:`ROUNDS` times (after two warm-up rounds), the builds in a new random order each
+round: the median of each, as wall time and as the rank's CPU time, with the page faults per
+step. A second unfused build (the twin) is timed beside them: its ratio to the first is how far
+two identical builds fall apart in the run.
 
 Usage: ``python bench/activation_memory.py [--json]``.
 """
@@ -29,6 +32,8 @@ warnings.filterwarnings("ignore")
 logging.getLogger("autopar").setLevel(logging.ERROR)
 
 import os  # noqa: E402
+import random  # noqa: E402
+import resource  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))     # tests/ for the tiny configs
 
@@ -39,8 +44,9 @@ from autopar.runtime.launch import run_ranks  # noqa: E402
 
 BATCH, SEQ, VOCAB = 2, 256, 64       # the vocabulary of tests/test_ep_hf.py's models
 # Step timings of each build, taken one step of each in turn: drift in a shared machine's load
-# then reaches the three alike, and the median of 40 moves by about 1 % between runs
-ROUNDS = 40
+# then reaches them alike. The order is drawn anew each round (seeded), so no build always runs
+# after the same neighbour, whose freed memory it would find in the same state.
+ROUNDS = 60
 
 
 def _hf(kind: str, layers: int) -> torch.nn.Module:
@@ -93,11 +99,16 @@ def _kept(fn, state: set[int]) -> tuple[int, int]:
     return acts, sum(seen.values()) - acts
 
 
-def _step_s(module, x: torch.Tensor) -> float:
-    t0 = time.perf_counter()
+def _step_s(module, x: torch.Tensor) -> tuple[float, float, int]:
+    """One forward and backward: (wall seconds, this thread's CPU seconds, minor page faults).
+    The CPU time leaves out the time the machine ran something else (the rank has one thread,
+    which runs forward and backward); the faults show the allocator handing memory back to the
+    system and taking it again, which both clocks count."""
+    f0, c0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.thread_time(), time.perf_counter()
     out = module(x)
     out.float().pow(2).mean().backward()
-    return time.perf_counter() - t0
+    t, c = time.perf_counter() - t0, time.thread_time() - c0
+    return t, c, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
 
 
 # -- the hand count: what one layer with fused norms, MLP and attention must keep ---------------
@@ -139,7 +150,7 @@ def _row(rank: int, world: int, name: str) -> dict:
     import autopar.passes.fusion as fusion
     x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     kept: dict[int, dict[str, tuple[int, int]]] = {}
-    steps: dict[str, float] = {}
+    steps: dict[str, list[tuple[float, float, int]]] = {}
     fuse = fusion.fuse
     for layers in (2, 4):
         plain = _model(name, layers)
@@ -147,25 +158,39 @@ def _row(rank: int, world: int, name: str) -> dict:
         fusion.fuse = lambda gm: 0                 # the same build with the fusion pass left out
         try:
             unfused = autopar.parallelize(copy.deepcopy(plain), {"dp": 1}, (x,))
+            # a second one, timed beside the first: how far two identical builds' medians
+            # fall apart in this run (the resolution of the step column)
+            twin = autopar.parallelize(copy.deepcopy(plain), {"dp": 1}, (x,)) if layers == 4 else None
         finally:
             fusion.fuse = fuse
         kept[layers] = {k: _kept(lambda: m(x), _state_storages(m))
                         for k, m in (("plain", plain), ("autopar", ours), ("unfused", unfused))}
         if layers == 4:
+            builds = [("plain", plain), ("autopar", ours), ("unfused", unfused), ("twin", twin)]
+            order = random.Random(0)
             for i in range(ROUNDS + 2):            # in turn, so drift in the machine reaches each alike
-                for k, m in (("plain", plain), ("autopar", ours), ("unfused", unfused)):
+                order.shuffle(builds)
+                for k, m in builds:
                     t = _step_s(m, x)
                     if i >= 2:
                         steps.setdefault(k, []).append(t)
     per = {k: (kept[4][k][0] - kept[2][k][0]) / 2 / 2**20 for k in kept[4]}
     state = {k: (kept[4][k][1] - kept[2][k][1]) / 2 / 2**20 for k in kept[4]}
     hand = hand_count(name) * BATCH * SEQ * 4 / 2**20
+
+    def med(k: str, i: int) -> float:
+        return statistics.median(s[i] for s in steps[k])
     return {"model": name, "eager_layer_mib": per["plain"], "autopar_layer_mib": per["autopar"],
             "unfused_layer_mib": per["unfused"], "hand_layer_mib": hand, "ratio": per["autopar"] / per["plain"],
             "ratio_with_weights": (per["autopar"] + state["autopar"]) / (per["plain"] + state["plain"]),
             "vs_hand": per["autopar"] / hand, "weights_layer_mib": state["plain"],
-            **{f"{k}_step_s": statistics.median(v) for k, v in steps.items()},
-            "step_vs_unfused": statistics.median(steps["autopar"]) / statistics.median(steps["unfused"])}
+            **{f"{k}_step_s": statistics.median(t for t, _, _ in v) for k, v in steps.items()},
+            **{f"{k}_step_cpu_s": statistics.median(c for _, c, _ in v) for k, v in steps.items()},
+            **{f"{k}_faults": statistics.median(f for _, _, f in v) for k, v in steps.items()},
+            "step_vs_unfused": med("autopar", 0) / med("unfused", 0),
+            "cpu_vs_unfused": med("autopar", 1) / med("unfused", 1),
+            "twin_vs_unfused": med("twin", 0) / med("unfused", 0),
+            "twin_cpu_vs_unfused": med("twin", 1) / med("unfused", 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,8 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     names = args.only.split(",") if args.only else ["gpt", "llama", "qwen2", "gemma2", "mixtral", "deepseek_v3"]
     rows = []
     print("| model | eager MiB | autopar MiB | ratio (goal <= 0.75) | with weights | hand count MiB | autopar / hand | "
-          "autopar unfused MiB | step eager / unfused / autopar (s) | autopar / unfused step (goal <= 1.03) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "autopar unfused MiB | step eager / unfused / autopar (s) | autopar / unfused step (goal <= 1.03) | "
+          "CPU time | twin / unfused step, CPU | page faults per step eager / unfused / autopar |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
         r = run_ranks(_row, 1, name, timeout_s=900)[0]
         rows.append(r)
@@ -185,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['ratio_with_weights']:.2f} | "
               f"{r['hand_layer_mib']:.2f} | {r['vs_hand']:.2f} | {r['unfused_layer_mib']:.2f} | "
               f"{r['plain_step_s']:.3f} / {r['unfused_step_s']:.3f} / {r['autopar_step_s']:.3f} | "
-              f"{r['step_vs_unfused']:.3f} |", flush=True)
+              f"{r['step_vs_unfused']:.3f} | {r['cpu_vs_unfused']:.3f} | "
+              f"{r['twin_vs_unfused']:.3f}, {r['twin_cpu_vs_unfused']:.3f} | "
+              f"{r['plain_faults']:.0f} / {r['unfused_faults']:.0f} / {r['autopar_faults']:.0f} |", flush=True)
     if args.json:
         print(json.dumps({"bench": "activation_memory", "rows": rows}))
     return 0
