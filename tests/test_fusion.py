@@ -337,7 +337,7 @@ def test_parallelize_keeps_at_most_three_quarters_of_eager_activations():
     assert r["out"] == 0.0 and r["grad"] == 0.0, r
 
 
-def _eager_cores(rank: int, world: int, name: str, recompute: str = "none") -> dict:
+def _eager_cores(rank: int, world: int, name: str, recompute: str = "none", dtype: torch.dtype = torch.float64) -> dict:
     import transformers
     from tests.hf_tiny import Logits
     torch.manual_seed(0)
@@ -345,10 +345,10 @@ def _eager_cores(rank: int, world: int, name: str, recompute: str = "none") -> d
         cfg = transformers.Gemma2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=64,
                                         max_position_embeddings=64, sliding_window=8)
-        model = Logits(transformers.AutoModelForCausalLM.from_config(cfg)).double()
+        model = Logits(transformers.AutoModelForCausalLM.from_config(cfg)).to(dtype)
     else:           # tests/test_ep_hf.py's small DeepSeek-V3: latent attention, queries 16 wide, values 8
         from tests.test_ep_hf import build
-        model = build("deepseek_v3", torch.float64, num_hidden_layers=2, first_k_dense_replace=0)
+        model = build("deepseek_v3", dtype, num_hidden_layers=2, first_k_dense_replace=0)
     ref = copy.deepcopy(model)
     x = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
     pm = autopar.parallelize(model, {"dp": 1}, (x,), recompute=recompute)
@@ -395,15 +395,17 @@ def test_an_eager_soft_capped_attention_keeps_no_scores_and_trains_as_eager():
     assert r["out"] == 0.0 and r["grad"] == 0.0, r
 
 
-def test_a_latent_attention_core_keeps_the_latent_projection_not_its_keys_and_values():
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_latent_attention_core_keeps_the_latent_projection_not_its_keys_and_values(dtype):
     """DeepSeek-V3's attention call takes queries 16 wide and values 8 (only the math kernel, which
     keeps the scores, takes it): it runs checkpointed from the ops that assemble its keys (the
     latent projection's output split, its rotary part expanded, both copied into one tensor):
     per layer the core keeps the queries (4 heads) and the projection's output and rotary part
     (1 head each), not keys and values per head; its latent norm's output, read through a view
-    by that projection, is recomputed. Outputs and gradients are the eager model's bit for bit
-    (float64)."""
-    r = run_ranks(_eager_cores, 1, "deepseek_v3", timeout_s=300)[0]
+    by that projection, is recomputed. Outputs and gradients are the eager model's bit for bit,
+    in float64 and in float32 (where the model's casts to float32 are no-ops and its RMSNorms run
+    in the input's own dtype)."""
+    r = run_ranks(_eager_cores, 1, "deepseek_v3", "none", dtype, timeout_s=300)[0]
     assert r["cores"] == 2 and r["scores"] == 0, r
     assert r["per_head"] == [1, 1, 1, 1, 4, 4], r
     assert r["out"] == 0.0 and r["grad"] == 0.0, r
