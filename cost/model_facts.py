@@ -27,7 +27,7 @@ from autopar.cost.cluster import Cluster
 from autopar.cost.op_cost import node_seconds
 from autopar.core.errors import ConfigError
 from autopar.core.meta import evaluate, graph_info, info
-from autopar.core.placement import REP, Shard
+from autopar.core.placement import REP, Shard, transition
 from autopar.passes.sharding import is_decision, tensor_inputs
 
 log = logging.getLogger("autopar.hybrid")
@@ -149,6 +149,11 @@ class ModelFacts:
         self._regions = {r.fqn: r for r in ginfo.moe_regions}
         from autopar.runtime.recompute import eager_attention_cores
         self._cores = set(eager_attention_cores(gm))     # checkpointed by the runtime (runtime/recompute.py)
+        from autopar.passes.fusion import matches
+        from autopar.runtime.fused import autopar_norm_linear
+        # norm outputs the fused projections recompute in backward (passes/fusion.py): where the
+        # tensor axis gathers one for them (sequence parallelism), backward gathers it again
+        self._regathered = {m.args[0] for m in matches(gm) if m.target is autopar_norm_linear}
         self.expert_params = {f for r in ginfo.moe_regions for f in r.expert_params}
         self._captured_fp32 = any(info(n).values[0].dtype == torch.float32 for n in self._param_nodes[:1])
         self.logits = logits_node(gm, self.hidden)
@@ -354,6 +359,9 @@ class ModelFacts:
                     q = parts["pre"] if arg in self._entry or self.where.get(arg) == "pre" else p
                     q.comm_fwd += t / 2
                     q.comm_bwd += t / 2
+                    if arg in self._regathered and transition(src.outputs[0].value, s.inputs[j].value,
+                                                              len(info(arg).values[0].shape)).kind == "all_gather":
+                        q.comm_bwd += t / 2       # its gather once more, for the recomputed output
         if self.logits is not None:
             self._add_loss(parts["post"], at, dev, strategies, pricer, width)
         blk = parts["block"]

@@ -12,9 +12,11 @@ they need, recognised in the ATen graph and replaced by the fused ops of
   with ``x32 = x.to(float32)`` (each cast optional), every intermediate read only inside the
   pattern, or Gemma's ``((x32 * rsqrt(...)) * (1 + w)).type_as(x)``. Frees the normalised rows.
 - **A norm into its projections**: ``linear(y, w[, b])`` where ``y`` is an RMSNorm's (above) or
-  ``layer_norm``'s output (or a view of it) and every reader of ``y`` is such a projection (q, k
-  and v; gate and up). Frees ``y``: each projection keeps the norm's input instead, which the
-  norm keeps anyway.
+  ``layer_norm``'s output (or a view of it, or, on a tensor axis, the rewrite's conversion of it
+  to a replicated value: a copy, or sequence parallelism's all-gather) and every reader of ``y``
+  is such a projection (q, k and v; gate and up). Frees ``y``: each projection keeps the norm's
+  input instead, which the norm keeps anyway (on a sequence-parallel axis, its own share of the
+  sequence), and backward recomputes the output and converts it again (gathers it again).
 
 :func:`unkept` names, for the memory pass, the values the fused ops do not keep (so the planner
 and the simulator price the runtime's saved set); :func:`fuse` rewrites a graph. The final node
@@ -231,23 +233,45 @@ def _projects(lin: fx.Node, y: fx.Node) -> bool:
             and all(a is not y for a in lin.args[1:]))
 
 
+def _conversion(y: fx.Node) -> tuple | None:
+    """``(source, its (src, dst, group, n))`` where ``y`` is the tensor axis's conversion of a
+    value for projections that read it whole (``autopar::redistribute``, inserted by the
+    rewrite): replicated to replicated (forward a copy; backward the gradients' all-reduce) or
+    sequence-sharded to replicated (sequence parallelism: forward an all-gather). Else None."""
+    from autopar.core.placement import Replicate, Spec, transition
+    from autopar.runtime import collectives  # noqa: F401 - registers autopar::redistribute
+    if not (_call(y, torch.ops.autopar.redistribute.default) and not y.kwargs and len(y.args) == 5
+            and isinstance(y.args[0], fx.Node) and _readers(y.args[0]) == [y]):
+        return None
+    src, dst = Spec.parse(y.args[1]).value, Spec.parse(y.args[2]).value
+    if not isinstance(dst, Replicate) or transition(src, dst).kind not in ("none", "all_gather"):
+        return None
+    return y.args[0], tuple(y.args[1:])
+
+
 def _norm_linear(lin: fx.Node) -> Match | None:
-    """``linear(norm(x), w[, b])`` where every reader of the norm's output is such a projection."""
+    """``linear(norm(x), w[, b])`` where every reader of the norm's output is such a projection
+    (the output directly, a view of it, or the tensor axis's conversion of it: :func:`_conversion`;
+    the fused op then converts its recomputed output the same way)."""
     if not _call(lin, aten.linear.default) or lin.kwargs or not isinstance(lin.args[0], fx.Node):
         return None
     y = lin.args[0]
     if not all(_projects(u, y) for u in _readers(y)):
         return None
-    base = y            # a view of the norm's output (DeepSeek's latent norm into its projection)
-    if _call(y, aten.view.default, aten.reshape.default) and isinstance(y.args[0], fx.Node) \
-            and _readers(y.args[0]) == [y]:
-        base = y.args[0]
+    base, conv = y, None
+    got = _conversion(y)
+    if got is not None:
+        base, conv = got
+    # a view of the norm's output (DeepSeek's latent norm into its projection)
+    if _call(base, aten.view.default, aten.reshape.default) and isinstance(base.args[0], fx.Node) \
+            and _readers(base.args[0]) == [base]:
+        base = base.args[0]
     recipe = _norm_recipe(base)
     if recipe is None:
         return None
     bias = lin.args[2] if len(lin.args) > 2 else None
     *recipe, post = recipe
-    return Match(lin, autopar_norm_linear, (y, lin.args[1], bias, *recipe, len(_readers(y)), post), (),
+    return Match(lin, autopar_norm_linear, (y, lin.args[1], bias, *recipe, len(_readers(y)), post, conv), (),
                  (y,) if base is y else (y, base))
 
 

@@ -20,7 +20,7 @@ from autopar.core.placement import Spec, Step, transition
 c10d = torch.ops._c10d_functional
 
 
-def all_gather_start(x: torch.Tensor, n: int, group_name: str) -> torch.Tensor:
+def all_gather_start(x: torch.Tensor, n: int, group_name: str, rank: int | None = None) -> torch.Tensor:
     """Start gathering ``x`` from the ``n`` ranks of the group, concatenated along dim 0 in rank
     order (``torch.ops._c10d_functional.all_gather_into_tensor``'s result); wait on it with
     ``c10d.wait_tensor``.
@@ -31,15 +31,18 @@ def all_gather_start(x: torch.Tensor, n: int, group_name: str) -> torch.Tensor:
     then when it is in flight beside other collectives (a rank dies with ``malloc(): unaligned
     tcache chunk detected`` or a segfault; reproduced with torch alone: a loop of async
     functional all-gather, reduce-scatter and all-reduce on 2 gloo ranks crashed within minutes,
-    and the same loop with the all-gather done this way did not)."""
+    and the same loop with the all-gather done this way did not). The all-reduce is the
+    out-of-place one, which a compiled graph can trace (a backward's gather, traced by AOT
+    autograd); ``rank``: this rank's index in the group where the caller has it (a compiled
+    graph's, passed in rather than looked up while tracing)."""
     if x.device.type != "cpu" or n == 1:
         return c10d.all_gather_into_tensor(x, n, group_name)
     piece = x.reshape(1) if x.dim() == 0 else x
     wide = torch.uint8 if piece.dtype == torch.bool else piece.dtype
     buf = piece.new_zeros((n, *piece.shape), dtype=wide)
-    buf[group_rank(group_name)] = piece
+    buf[group_rank(group_name) if rank is None else rank] = piece
     flat = buf.view(n * piece.shape[0], *piece.shape[1:])
-    out = c10d.all_reduce_(flat, "sum", group_name)
+    out = c10d.all_reduce(flat, "sum", group_name)
     return out if wide == piece.dtype else _AsBool(out)
 
 
@@ -78,7 +81,7 @@ def apply_step(x: torch.Tensor, step: Step, group_name: str, n: int, rank: int |
     if step.kind == "all_reduce":
         return c10d.wait_tensor(c10d.all_reduce(x.contiguous(), "sum", group_name))
     if step.kind == "all_gather":
-        return _all_gather(x, step.src_dim, group_name, n)
+        return _all_gather(x, step.src_dim, group_name, n, rank)
     if step.kind == "reduce_scatter":
         d = step.dst_dim
         moved = x.movedim(d, 0).contiguous()
@@ -105,9 +108,9 @@ def _pad(x: torch.Tensor, dim: int, rank: int, n: int) -> torch.Tensor:
     return out
 
 
-def _all_gather(x: torch.Tensor, dim: int, group_name: str, n: int) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, dim: int, group_name: str, n: int, rank: int | None = None) -> torch.Tensor:
     moved = x.movedim(dim, 0).contiguous()
-    out = all_gather_wait(all_gather_start(moved, n, group_name))
+    out = all_gather_wait(all_gather_start(moved, n, group_name, rank))
     return out.movedim(0, dim).contiguous()
 
 

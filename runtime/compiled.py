@@ -61,6 +61,7 @@ def eager_islands(gm: fx.GraphModule) -> fx.GraphModule:
     constant the rank would make the ranks' graphs differ (rank 0's folds ``indices - 0``
     away), and inductor could then order their collectives differently."""
     from autopar.runtime.collectives import group_rank, vocab_parallel_embedding, vocab_parallel_embedding_at
+    from autopar.runtime.fused import autopar_norm_linear
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     attrs: dict[str, Any] = {}
@@ -79,6 +80,9 @@ def eager_islands(gm: fx.GraphModule) -> fx.GraphModule:
         elif target is torch.ops.autopar.redistribute.default:    # the rank in the call (collectives.py)
             new.target = torch.ops.autopar.redistribute_at.default
             new.args = (*new.args, group_rank(node.args[3]))
+        elif target is autopar_norm_linear and len(node.args) > 13 and node.args[13] is not None:
+            conv = node.args[13]                  # a conversion its backward runs again: the rank too
+            new.args = (*new.args[:13], (*conv, group_rank(conv[2])), *new.args[14:])
         elif (node.op == "call_function" and isinstance(target, types.FunctionType)
                 and target.__module__.startswith("autopar") and not _traced(target)):
             new.target = torch._dynamo.disable(target)

@@ -399,6 +399,20 @@ def _norm_again(kind: str, x: torch.Tensor, nw: torch.Tensor | None, nb: torch.T
     return aten.layer_norm.default(x, shape, nw, nb, eps)
 
 
+def _convert_again(y: torch.Tensor, conv: tuple) -> torch.Tensor:
+    """A recomputed norm output converted as forward converted it (``conv``: the
+    ``autopar::redistribute`` arguments, the rank last where the graph is compiled): an all-gather
+    runs again (each rank's recomputed share is its forward share bit for bit); a copy is left out
+    (the values are the same)."""
+    from autopar.core.placement import Spec, transition
+    src, dst = conv[0], conv[1]
+    if transition(Spec.parse(src).value, Spec.parse(dst).value, y.dim()).kind == "none":
+        return y
+    if len(conv) == 5:
+        return torch.ops.autopar.redistribute_at(y, *conv)
+    return torch.ops.autopar.redistribute(y, *conv)
+
+
 class _Shared:
     """One norm output's recomputation, shared by the projections that read it: the first
     backward to need it computes it, the last one to finish lets it go."""
@@ -423,7 +437,7 @@ class _NormLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor,
                 nw: torch.Tensor | None, nb: torch.Tensor | None, norm: tuple, readers: int) -> torch.Tensor:
-        # norm: (kind, eps, shape, mid, out, post), one argument (each argument of apply costs)
+        # norm: (kind, eps, shape, mid, out, post, conv), one argument (each argument of apply costs)
         hand = None if torch.compiler.is_compiling() else \
             getattr(y if y._base is None else y._base, "_autopar_norm_rows", None)
         if hand is not None and hand.x() is x:       # the RMSNorm's own scale and slot
@@ -460,7 +474,7 @@ class _NormLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, nw, nb, w, *r = ctx.saved_tensors
-        kind, eps, shape, mid, out, post = ctx.norm
+        kind, eps, shape, mid, out, post, conv = ctx.norm
         dt, y_dt, w_dt, b_dt = ctx.dtypes
         grad2 = grad.reshape(-1, grad.shape[-1])
         grad_y = grad_w = grad_b = None
@@ -469,6 +483,8 @@ class _NormLinear(torch.autograd.Function):
             graph = torch.is_grad_enabled()     # create_graph: y again as a function of x (see _graph_grads)
 
             def again() -> torch.Tensor:
+                if conv is not None:            # the tensor axis's conversion, as forward ran it
+                    return _convert_again(_norm_again(kind, x, nw, nb, eps, shape, mid, out, post), conv)
                 if not r or graph:
                     return _norm_again(kind, x, nw, nb, eps, shape, mid, out, post)
                 # from the norm's per-row scale; the norm's backward takes the rows
@@ -502,14 +518,17 @@ class _NormLinear(torch.autograd.Function):
 def autopar_norm_linear(y: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kind: str, x: torch.Tensor,
                         nw: torch.Tensor | None, nb: torch.Tensor | None, eps: float, shape: list[int] | None = None,
                         mid: torch.dtype | None = None, out: torch.dtype | None = None,
-                        readers: int = 1, post: torch.dtype | None = None) -> torch.Tensor:
+                        readers: int = 1, post: torch.dtype | None = None, conv: tuple | None = None) -> torch.Tensor:
     """``linear(y, w, b)`` where ``y`` is a norm's output (``kind`` "rms": transformers' RMSNorm of
     ``x`` with weight ``nw``; "layer": ``layer_norm(x, shape, nw, nb, eps)``) that only
     projections read. Keeps the norm's input ``x`` (which the norm keeps anyway) instead of ``y``
     and recomputes ``y`` for the weight's gradient; ``y``'s own gradient is the plain linear's.
     ``readers``: how many such projections read ``y``; they recompute it once between them.
-    ``post``: an RMSNorm's cast after its weight (:func:`autopar_rms_norm`)."""
-    return _NormLinear.apply(y, w, b, x, nw, nb, (kind, eps, shape, mid, out, post), readers)
+    ``post``: an RMSNorm's cast after its weight (:func:`autopar_rms_norm`). ``conv``: ``y`` is
+    the tensor axis's conversion of the norm's output, ``(src, dst, group, n[, rank])`` of the
+    ``autopar::redistribute`` that made it (a copy, or an all-gather of the sequence): backward
+    converts the recomputed output again (:func:`_convert_again`)."""
+    return _NormLinear.apply(y, w, b, x, nw, nb, (kind, eps, shape, mid, out, post, conv), readers)
 
 
 FUSED_OPS = (autopar_swiglu, autopar_swiglu_linear, autopar_swiglu_grouped_mm, autopar_gelu_linear, autopar_rms_norm,

@@ -367,8 +367,10 @@ def _eager_cores(rank: int, world: int, name: str, recompute: str = "none", dtyp
     got.pow(2).mean().backward()
     grads = dict(ref.named_parameters())
     from autopar.runtime.recompute import eager_attention_cores
-    fused = [(n.target.__name__, n.args[-1] if isinstance(n.args[-1], (str, torch.dtype)) else None)
-             for n in pm.graph_module.graph.nodes if n.target in FUSED_OPS]
+    def last(n):          # the cast after the weight (a norm's projections: before the conversion)
+        a = n.args[12] if n.target is autopar_norm_linear else n.args[-1]
+        return a if isinstance(a, (str, torch.dtype)) else None
+    fused = [(n.target.__name__, last(n)) for n in pm.graph_module.graph.nodes if n.target in FUSED_OPS]
     return {"scores": sum(1 for s in shapes if len(s) == 4 and s[1] == 4 and s[-1] == s[-2] == 24),   # [b, heads, s, s]
             "fused": sorted(set(fused)), "count": len(fused),
             "per_head": sorted(h for _, h in per_head),
@@ -420,3 +422,71 @@ def test_an_eager_attention_keeps_no_scores_under_the_other_recompute_modes(reco
     r = run_ranks(_eager_cores, 1, "gemma2", recompute, timeout_s=300)[0]
     assert r["scores"] == 0, r
     assert r["out"] == 0.0 and r["grad"] == 0.0, r
+
+
+def _tensor_axis(rank: int, world: int, sequence: bool, fused: bool) -> dict:
+    """A float64 Llama on tp=2, its projections split by hand (q, k, v, gate, up by rows; o, down
+    by columns), two SGD-momentum steps: outputs, losses and the whole state dict against one
+    process, the fused ops and the conversions they take, and the activations kept."""
+    import autopar.passes.fusion as fusion
+    from autopar.core.placement import Spec, transition
+    model = _llama(2).double()
+    ref = copy.deepcopy(model)
+    pl = {n: "S(0)" for n, _ in model.named_parameters() if any(k in n for k in ("q_proj", "k_proj", "v_proj",
+                                                                               "gate_proj", "up_proj"))}
+    pl.update({n: "S(1)" for n, _ in model.named_parameters() if "o_proj" in n or "down_proj" in n})
+    x = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(1))
+    found = fusion.matches
+    if not fused:      # every other fusion as it is: the norms' projections alone left unfused
+        fusion.matches = lambda gm: [m for m in found(gm) if m.target is not autopar_norm_linear]
+    try:
+        pm = autopar.parallelize(model, {"tp": 2}, (x,),
+                                 options=autopar.TensorOptions(sequence_parallel=sequence, placements=pl))
+    finally:
+        fusion.matches = found
+    opt = autopar.optimizer(pm, torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    out_err = 0.0
+    for step in range(2):
+        if step == 0:
+            got, kept = _kept(lambda: pm(x))
+        else:
+            got = pm(x)
+        want = ref(x)
+        out_err = max(out_err, (got - want).abs().max().item())
+        got.pow(2).mean().backward()
+        want.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    state = pm.state_dict()
+    want = ref.state_dict()
+    err = max(((v.full_tensor() if hasattr(v, "full_tensor") else v) - want[k]).abs().max().item()
+              for k, v in state.items() if want[k].is_floating_point())
+    convs = [transition(Spec.parse(n.args[13][0]).value, Spec.parse(n.args[13][1]).value).kind
+             for n in pm.graph_module.graph.nodes if n.target is autopar_norm_linear and n.args[13] is not None]
+    split = sum(1 for f, _ in pm.named_parameters() if str(pm.placement_of(f)).startswith("S("))
+    return {"out": out_err, "state": err, "convs": sorted(set(convs)), "fused_projections": len(convs),
+            "kept": kept, "split": split}
+
+
+@pytest.mark.parametrize("sequence", [False, True])
+def test_a_norms_projections_on_a_tensor_axis_recompute_and_convert_its_output_again(sequence):
+    """On a tensor axis the rewrite converts a norm's output before its projections read it: a
+    copy where it stays replicated, an all-gather of the sequence under sequence parallelism. The
+    projections still keep the norm's input instead of it (the copy or the gathered whole were
+    kept before), and their backward recomputes the output and converts it again. Two SGD steps
+    in float64 against one process: outputs and the whole state dict agree to the model's own
+    float32 round-off (its RMSNorms and rotary tables run in float32), exactly as far as the
+    build with these projections unfused does, and the two builds' activations differ by the
+    kept copies."""
+    on, off = (run_ranks(_tensor_axis, 2, sequence, fused, timeout_s=300)[0] for fused in (True, False))
+    assert on["split"] == off["split"] >= 14, on                  # 7 projections x 2 layers at least
+    assert on["convs"] == ["all_gather" if sequence else "none"], on
+    assert on["fused_projections"] == 2 * (3 + 2), on            # q, k, v; gate, up
+    assert off["fused_projections"] == 0, off
+    assert on["out"] < 1e-6 and on["state"] < 1e-6, on
+    assert on["out"] == off["out"] and on["state"] == off["state"], (on, off)     # the same arithmetic
+    # per layer 2 norm outputs [2, 64, 64] float64 (whole: replicated, or gathered) no longer kept
+    assert off["kept"] - on["kept"] == 2 * 2 * (2 * 64 * 64 * 8), (on["kept"], off["kept"])
