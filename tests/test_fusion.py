@@ -471,8 +471,18 @@ def _tensor_axis(rank: int, world: int, sequence: bool, fused: bool) -> dict:
             "kept": kept, "split": split}
 
 
+def _tensor_axis_cases(rank: int, world: int) -> dict:
+    return {(sequence, fused): _tensor_axis(rank, world, sequence, fused)
+            for sequence in (False, True) for fused in (True, False)}
+
+
+@pytest.fixture(scope="module")
+def tensor_axis():
+    return run_ranks(_tensor_axis_cases, 2, timeout_s=600)[0]      # one world for the four builds
+
+
 @pytest.mark.parametrize("sequence", [False, True])
-def test_a_norms_projections_on_a_tensor_axis_recompute_and_convert_its_output_again(sequence):
+def test_a_norms_projections_on_a_tensor_axis_recompute_and_convert_its_output_again(tensor_axis, sequence):
     """On a tensor axis the rewrite converts a norm's output before its projections read it: a
     copy where it stays replicated, an all-gather of the sequence under sequence parallelism. The
     projections still keep the norm's input instead of it (the copy or the gathered whole were
@@ -481,7 +491,7 @@ def test_a_norms_projections_on_a_tensor_axis_recompute_and_convert_its_output_a
     float32 round-off (its RMSNorms and rotary tables run in float32), exactly as far as the
     build with these projections unfused does, and the two builds' activations differ by the
     kept copies."""
-    on, off = (run_ranks(_tensor_axis, 2, sequence, fused, timeout_s=300)[0] for fused in (True, False))
+    on, off = tensor_axis[(sequence, True)], tensor_axis[(sequence, False)]
     assert on["split"] == off["split"] >= 14, on                  # 7 projections x 2 layers at least
     assert on["convs"] == ["all_gather" if sequence else "none"], on
     assert on["fused_projections"] == 2 * (3 + 2), on            # q, k, v; gate, up
