@@ -15,7 +15,13 @@ round: the median of each, as wall time and as the rank's CPU time, with the pag
 step. A second unfused build (the twin) is timed beside them: its ratio to the first is how far
 two identical builds fall apart in the run.
 
-Usage: ``python bench/activation_memory.py [--json]``.
+The timed rank keeps the memory it frees (glibc's ``mallopt``: no chunk mapped on its own, none
+handed back to the system; :func:`_steady_malloc`): with glibc's defaults a step's large tensors
+are mapped afresh and the pages faulted in again depending on what the build before it freed, and
+the same code's step ratio moved between 1.00 and 1.12 from run to run. ``--system-malloc`` keeps
+the defaults (the page-fault column then shows how many).
+
+Usage: ``python bench/activation_memory.py [--only NAMES] [--system-malloc] [--json]``.
 """
 from __future__ import annotations
 
@@ -75,6 +81,24 @@ def _model(name: str, layers: int) -> torch.nn.Module:
         return models.build("gpt", {"hidden": 256, "heads": 8, "vocab": VOCAB, "max_seq": SEQ, "layers": layers},
                             device="cpu")
     return _hf(name, layers)
+
+
+def _steady_malloc() -> bool:
+    """Make glibc's allocator keep what this process frees: every chunk from the heap (none mapped
+    on its own, which ``free`` unmaps) and no trimming of the heap's top. Every build timed in
+    the process gets the same allocator; the steps then fault no pages in. False where the C
+    library has no ``mallopt`` (not glibc): the defaults stay."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3          # glibc's malloc.h
+    # 32 MiB: the largest mapping threshold glibc takes on a 64-bit machine (the bench's tensors
+    # are a few MiB); setting either also stops glibc from moving them as the process runs
+    return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20) and mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 
 def _state_storages(module: torch.nn.Module) -> set[int]:
@@ -146,8 +170,9 @@ def hand_count(name: str) -> int:
     raise KeyError(name)
 
 
-def _row(rank: int, world: int, name: str) -> dict:
+def _row(rank: int, world: int, name: str, system_malloc: bool = False) -> dict:
     import autopar.passes.fusion as fusion
+    steady = False if system_malloc else _steady_malloc()
     x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     kept: dict[int, dict[str, tuple[int, int]]] = {}
     steps: dict[str, list[tuple[float, float, int]]] = {}
@@ -190,13 +215,15 @@ def _row(rank: int, world: int, name: str) -> dict:
             "step_vs_unfused": med("autopar", 0) / med("unfused", 0),
             "cpu_vs_unfused": med("autopar", 1) / med("unfused", 1),
             "twin_vs_unfused": med("twin", 0) / med("unfused", 0),
-            "twin_cpu_vs_unfused": med("twin", 1) / med("unfused", 1)}
+            "twin_cpu_vs_unfused": med("twin", 1) / med("unfused", 1), "steady_malloc": steady}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="activation_memory", description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--only", help="comma-separated model names")
+    ap.add_argument("--system-malloc", action="store_true",
+                    help="time the steps with glibc's default allocator settings (memory handed back and faulted in again)")
     args = ap.parse_args(argv)
     names = args.only.split(",") if args.only else ["gpt", "llama", "qwen2", "gemma2", "mixtral", "deepseek_v3"]
     rows = []
@@ -205,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
           "CPU time | twin / unfused step, CPU | page faults per step eager / unfused / autopar |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
-        r = run_ranks(_row, 1, name, timeout_s=900)[0]
+        r = run_ranks(_row, 1, name, args.system_malloc, timeout_s=900)[0]
         rows.append(r)
         print(f"| {name} | {r['eager_layer_mib']:.2f} | {r['autopar_layer_mib']:.2f} | {r['ratio']:.2f} | "
               f"{r['ratio_with_weights']:.2f} | "

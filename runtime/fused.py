@@ -47,6 +47,7 @@ aten = torch.ops.aten
 
 
 GATES = ("silu", "gelu", "gelu_tanh")        # the gate activations of a gated MLP the ops take
+_WIDE = (torch.float32, torch.float64)       # where doubling a norm's input cannot overflow in practice
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -344,8 +345,14 @@ def _rms_grads_over(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, r: tor
     grad_r = torch.mul(grad_n, xm, out=nd).sum_to_size(r.shape)
     grad_a = grad_n.mul_(r)
     grad_v = -0.5 * grad_r * r.pow(3)
-    grad_p = (grad_v / xm.shape[-1]).expand(xm.shape)     # as in _rms_grads
-    grad_b = torch.mul(grad_p, torch.mul(xm, 2, out=nd), out=nd)
+    grad_p = grad_v / xm.shape[-1]                         # as in _rms_grads, one per row
+    if xm.dtype in _WIDE:
+        # pow's backward multiplies by xm * 2; doubling is exact (short of overflow, which
+        # these dtypes' range puts out of reach), so doubling the row's factor instead gives
+        # the same products with one full-size op fewer
+        grad_b = torch.mul(xm, grad_p * 2, out=nd)
+    else:
+        grad_b = torch.mul(grad_p.expand(xm.shape), torch.mul(xm, 2, out=nd), out=nd)
     return grad_a, grad_b, grad_w
 
 
@@ -438,8 +445,8 @@ class _NormLinear(torch.autograd.Function):
     def forward(ctx, y: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor,
                 nw: torch.Tensor | None, nb: torch.Tensor | None, norm: tuple, readers: int) -> torch.Tensor:
         # norm: (kind, eps, shape, mid, out, post, conv), one argument (each argument of apply costs)
-        hand = None if torch.compiler.is_compiling() else \
-            getattr(y if y._base is None else y._base, "_autopar_norm_rows", None)
+        traced = torch.compiler.is_compiling()
+        hand = None if traced else getattr(y if y._base is None else y._base, "_autopar_norm_rows", None)
         if hand is not None and hand.x() is x:       # the RMSNorm's own scale and slot
             ctx.save_for_backward(x, nw, nb, w, hand.r)
             ctx.slot = hand.slot
@@ -454,7 +461,7 @@ class _NormLinear(torch.autograd.Function):
         ctx.dtypes = (result.dtype, y.dtype, w.dtype, b.dtype if b is not None else None)
         dev = x.device.type
         ctx.amp = (dev, torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
-        if torch.compiler.is_compiling():    # traced: each recomputes (the compiler may share it)
+        if traced:                           # each recomputes (the compiler may share it)
             return result
         # the projections of one output share one recomputation (keyed by the output's identity
         # until the last of them has run forward)
