@@ -21,7 +21,7 @@ are mapped afresh and the pages faulted in again depending on what the build bef
 the same code's step ratio moved between 1.00 and 1.12 from run to run. ``--system-malloc`` keeps
 the defaults (the page-fault column then shows how many).
 
-Usage: ``python bench/activation_memory.py [--only NAMES] [--system-malloc] [--json]``.
+Usage: ``python bench/activation_memory.py [--only NAMES] [--wide] [--rounds N] [--system-malloc] [--json]``.
 """
 from __future__ import annotations
 
@@ -70,15 +70,24 @@ def _hf(kind: str, layers: int) -> torch.nn.Module:
     if kind == "deepseek_v3":      # tests/test_ep_hf.py's small DeepSeek-V3 (latent attention, routed experts)
         from tests.test_ep_hf import build
         return build(kind, torch.float32, num_hidden_layers=layers, first_k_dense_replace=0)
+    if kind == "deepseek_v3_wide":     # the same at the other rows' hidden size (the config's derived head sizes set too)
+        from tests.test_ep_hf import build
+        d = WIDE_DEEPSEEK
+        return build("deepseek_v3", torch.float32, num_hidden_layers=layers, first_k_dense_replace=0,
+                     hidden_size=d["hidden"], num_attention_heads=d["heads"], num_key_value_heads=d["heads"],
+                     kv_lora_rank=d["latent"], qk_rope_head_dim=d["qk"] // 2, qk_nope_head_dim=d["qk"] // 2,
+                     qk_head_dim=d["qk"], head_dim=d["qk"] // 2, v_head_dim=d["v"],
+                     intermediate_size=688, moe_intermediate_size=d["expert"], max_position_embeddings=SEQ)
     cfg = cfg[kind]()
     return Logits(transformers.AutoModelForCausalLM.from_config(cfg))
 
 
 def _model(name: str, layers: int) -> torch.nn.Module:
     torch.manual_seed(0)
-    if name == "gpt":
+    if name in ("gpt", "gpt_wide"):
         from autopar import models
-        return models.build("gpt", {"hidden": 256, "heads": 8, "vocab": VOCAB, "max_seq": SEQ, "layers": layers},
+        hidden, heads = (H, HEADS) if name == "gpt" else (WIDE_GPT, WIDE_GPT // 32)
+        return models.build("gpt", {"hidden": hidden, "heads": heads, "vocab": VOCAB, "max_seq": SEQ, "layers": layers},
                             device="cpu")
     return _hf(name, layers)
 
@@ -151,10 +160,38 @@ def _attention(hidden: int, q: int, k: int, v: int, heads: int, norm_stats: int 
     return (hidden + norm_stats) + q + k + v + v + heads
 
 
+def _gpt(h: int, heads: int) -> int:
+    """LayerNorm (two statistics), 4h GELU MLP."""
+    return _attention(h, h, h, h, heads, norm_stats=2) + (h + 2) + 4 * h
+
+
+def _deepseek(h: int, heads: int, latent: int, qk: int, v: int, expert: int, experts: int = 4, top: int = 2,
+              shared: int | None = None) -> int:
+    """Pre-norm latent attention (the input norm, the latent norm; q, k per head of ``qk``, v and
+    the output per head of ``v``, a log-sum-exp per head), then the post-attention norm, the
+    router (reading the norm's output: kept), each routed slot's input, halves and output, and
+    the shared expert's halves (its input is the norm's output, kept for the router)."""
+    attention = (h + 1) + (latent + 1) + 2 * heads * qk + 2 * heads * v + heads
+    shared = expert if shared is None else shared
+    return attention + (h + 1) + h + experts + top + top * (h + 2 * expert + h) + 2 * shared
+
+
+# The wide rows (``--wide``): the two models whose step ratio depends most on their size, GPT at
+# hidden 1024 (32 heads of 32) and DeepSeek-V3 at the other rows' hidden 256 (8 heads; latent
+# 128; query and key heads of 64, half rotary; value heads of 32; experts of 344).
+WIDE_GPT = 1024
+WIDE_DEEPSEEK = {"hidden": 256, "heads": 8, "latent": 128, "qk": 64, "v": 32, "expert": 344}
+
+
 def hand_count(name: str) -> int:
     """Elements per token per layer a fused layer of ``name`` keeps (the configs above)."""
-    if name == "gpt":                # LayerNorm (two statistics), 4h GELU MLP
-        return _attention(H, H, H, H, HEADS, norm_stats=2) + (H + 2) + 4 * H
+    if name == "gpt":
+        return _gpt(H, HEADS)
+    if name == "gpt_wide":
+        return _gpt(WIDE_GPT, WIDE_GPT // 32)
+    if name == "deepseek_v3_wide":
+        d = WIDE_DEEPSEEK
+        return _deepseek(d["hidden"], d["heads"], d["latent"], d["qk"], d["v"], d["expert"])
     block = _attention(H, H, KV, KV, HEADS)
     mlp_norm = H + 1                                          # post-attention norm: input + stat
     if name in ("llama", "qwen2"):
@@ -164,13 +201,11 @@ def hand_count(name: str) -> int:
     if name == "mixtral":            # 4 experts, top-2, expert width 344; the router reads the norm's output
         return block + mlp_norm + H + 4 + 2 + 2 * (H + 2 * 344 + H)
     if name == "deepseek_v3":        # hidden 32, 4 heads, latent 16, rope 8 + nope 8, v 8, 4 experts of 24, 1 shared
-        h = 32
-        attention = (h + 1) + (16 + 1) + 64 + 64 + 32 + 32 + 4    # norm, latent norm, q k v out, lse
-        return attention + (h + 1) + h + 4 + 2 + 2 * (h + 2 * 24 + h) + 2 * 24
+        return _deepseek(32, 4, 16, 16, 8, 24)
     raise KeyError(name)
 
 
-def _row(rank: int, world: int, name: str, system_malloc: bool = False) -> dict:
+def _row(rank: int, world: int, name: str, system_malloc: bool = False, rounds: int = ROUNDS) -> dict:
     import autopar.passes.fusion as fusion
     steady = False if system_malloc else _steady_malloc()
     x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
@@ -193,7 +228,7 @@ def _row(rank: int, world: int, name: str, system_malloc: bool = False) -> dict:
         if layers == 4:
             builds = [("plain", plain), ("autopar", ours), ("unfused", unfused), ("twin", twin)]
             order = random.Random(0)
-            for i in range(ROUNDS + 2):            # in turn, so drift in the machine reaches each alike
+            for i in range(rounds + 2):            # in turn, so drift in the machine reaches each alike
                 order.shuffle(builds)
                 for k, m in builds:
                     t = _step_s(m, x)
@@ -222,17 +257,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="activation_memory", description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--only", help="comma-separated model names")
+    ap.add_argument("--wide", action="store_true",
+                    help="the wide rows instead: GPT at hidden 1024, DeepSeek-V3 at hidden 256 (WIDE_GPT, WIDE_DEEPSEEK)")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help=f"timed rounds per build (default {ROUNDS})")
     ap.add_argument("--system-malloc", action="store_true",
                     help="time the steps with glibc's default allocator settings (memory handed back and faulted in again)")
     args = ap.parse_args(argv)
-    names = args.only.split(",") if args.only else ["gpt", "llama", "qwen2", "gemma2", "mixtral", "deepseek_v3"]
+    names = args.only.split(",") if args.only else \
+        ["gpt_wide", "deepseek_v3_wide"] if args.wide else ["gpt", "llama", "qwen2", "gemma2", "mixtral", "deepseek_v3"]
     rows = []
     print("| model | eager MiB | autopar MiB | ratio (goal <= 0.75) | with weights | hand count MiB | autopar / hand | "
           "autopar unfused MiB | step eager / unfused / autopar (s) | autopar / unfused step (goal <= 1.03) | "
           "CPU time | twin / unfused step, CPU | page faults per step eager / unfused / autopar |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
-        r = run_ranks(_row, 1, name, args.system_malloc, timeout_s=900)[0]
+        r = run_ranks(_row, 1, name, args.system_malloc, args.rounds, timeout_s=3600)[0]
         rows.append(r)
         print(f"| {name} | {r['eager_layer_mib']:.2f} | {r['autopar_layer_mib']:.2f} | {r['ratio']:.2f} | "
               f"{r['ratio_with_weights']:.2f} | "
