@@ -75,6 +75,13 @@ class BlockPart:
     attn_more: float = 0.0            # on a context axis: the cores' work per rank is (1 + this) x theirs at seq/cp
 
 
+
+def _splits_last(s: Any, n: fx.Node) -> bool:
+    """Whether strategy ``s`` leaves ``n``'s output split along its last dimension."""
+    v = s.outputs[0].value if s.outputs else None
+    nd = len(info(n).values[0].shape) if info(n).values else 0
+    return isinstance(v, Shard) and nd > 0 and v.dim % nd == nd - 1
+
 class ModelFacts:
     """What the simulator reads from one captured, analysed graph (module docstring)."""
 
@@ -150,13 +157,26 @@ class ModelFacts:
         from autopar.runtime.recompute import eager_attention_cores
         self._cores = set(eager_attention_cores(gm))     # checkpointed by the runtime (runtime/recompute.py)
         from autopar.passes.fusion import matches
-        from autopar.runtime.fused import autopar_norm_linear
+        from autopar.passes.flops import is_view_like
+        from autopar.runtime.fused import autopar_norm_linear, autopar_rms_norm
+        fused = matches(gm)
         # norm outputs the fused projections recompute in backward (passes/fusion.py): where the
         # tensor axis gathers one for them (sequence parallelism), backward gathers it again
-        self._regathered = {m.args[0] for m in matches(gm) if m.target is autopar_norm_linear}
+        self._regathered = {m.args[0] for m in fused if m.target is autopar_norm_linear}
+        # what a fused norm does not keep (its normalised rows; its output, for projections; the
+        # memory pass leaves them out): where a layout splits a norm along its own dimension (the
+        # last), the rewrite computes it on slices, the pattern is gone and the runtime runs the
+        # norm unfused, keeping them (:meth:`_norm_kept`)
+        self._norm_unkept = {u for m in fused if m.target in (autopar_norm_linear, autopar_rms_norm)
+                             for u in m.unkept if not is_view_like(u)}
         self.expert_params = {f for r in ginfo.moe_regions for f in r.expert_params}
         self._captured_fp32 = any(info(n).values[0].dtype == torch.float32 for n in self._param_nodes[:1])
         self.logits = logits_node(gm, self.hidden)
+
+    def _norm_kept(self, n: fx.Node, s: Any) -> bool:
+        """Whether ``n``, a value a fused norm does not keep, is kept after all under strategy
+        ``s``: the layout splits it along its last dimension, so the norm runs unfused."""
+        return n in self._norm_unkept and s is not None and _splits_last(s, n)
 
     def sizes(self, micro_batch: int, seq: int | None = None) -> dict[str, int]:
         return {"batch": micro_batch, "seq": seq or self.seq}
@@ -285,6 +305,8 @@ class ModelFacts:
             f, b = node_seconds(n, at, dev, self.dtype, strategy=s, n=tp, width=width, extra_bytes=extra,
                                 attention=self.attention, flops_scale=square)
             saved = float(evaluate(rec.saved_bytes, at)) * work * width + score_saved
+            if self._norm_kept(n, s):
+                saved += float(evaluate(rec.fused_bytes, at)) * work * width
             # the experts run on [E, C] slots, of which tokens x top_k are routed tokens: the rest
             # is padding (capacity), hardware work but not model FLOPs; dropless, the routed
             # pairs alone are computed, held and sent
@@ -359,8 +381,9 @@ class ModelFacts:
                     q = parts["pre"] if arg in self._entry or self.where.get(arg) == "pre" else p
                     q.comm_fwd += t / 2
                     q.comm_bwd += t / 2
-                    if arg in self._regathered and transition(src.outputs[0].value, s.inputs[j].value,
-                                                              len(info(arg).values[0].shape)).kind == "all_gather":
+                    if arg in self._regathered and not _splits_last(src, arg) and \
+                            transition(src.outputs[0].value, s.inputs[j].value,
+                                       len(info(arg).values[0].shape)).kind == "all_gather":
                         q.comm_bwd += t / 2       # its gather once more, for the recomputed output
         if self.logits is not None:
             self._add_loss(parts["post"], at, dev, strategies, pricer, width)

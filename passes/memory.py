@@ -130,7 +130,8 @@ def memory_pass(gm: fx.GraphModule) -> fx.GraphModule:
         for base in _saved_values(node):
             if info(base).kind not in ("param", "buffer", "constant"):
                 saved.add(base)
-    saved -= unkept(gm)       # what the runtime's fused ops recompute instead (passes/fusion.py)
+    fused = saved & unkept(gm)     # what the runtime's fused ops recompute instead (passes/fusion.py)
+    saved -= fused
     from autopar.runtime.recompute import eager_attention_cores
     cores = eager_attention_cores(gm)      # recomputed whatever the mode: their scores are never kept
     saved -= {n for n in cores if all(u in cores for u in n.users)}
@@ -141,9 +142,12 @@ def memory_pass(gm: fx.GraphModule) -> fx.GraphModule:
     for node in gm.graph.nodes:
         rec = info(node)
         t = template_of(node)
-        if t is not None and (t in saved) == (node in saved) and info(t).requires_grad == rec.requires_grad:
+        if t is not None and (t in saved) == (node in saved) and (t in fused) == (node in fused) \
+                and info(t).requires_grad == rec.requires_grad:
             rec.saved_bytes = info(t).saved_bytes        # a copied layer's node, kept alike
+            rec.fused_bytes = info(t).fused_bytes
             continue
+        rec.fused_bytes = rec.out_bytes if node in fused else ZERO
         own = rec.out_bytes if node in saved else ZERO
         stats = _extra_bytes(node) if node.op == "call_function" and rec.requires_grad else ZERO
         rec.saved_bytes = sympy.expand(own + stats)

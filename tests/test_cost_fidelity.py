@@ -293,6 +293,41 @@ def test_a_value_is_converted_once_for_all_its_readers():
     assert total == pytest.approx(sum(pairs.values()) + again, rel=1e-9)
 
 
+def test_a_norm_split_along_its_own_dimension_is_priced_unfused():
+    # E3b: where a layout splits a norm along the hidden dimension (memory_budget=1 splits every
+    # weight that can), the runtime cannot fuse it (tests/test_fusion.py): the normalised rows
+    # and the output the fused ops would recompute are kept, and no second gather is made
+    from autopar.cost.tp_solver import SolverConfig, solve
+    w = load_workload("llama3-8b", batch=1, seq=512, overrides={"layers": "2"})
+    f = ModelFacts(capture_workload(w), seq=512, dtype="bf16")
+    node2 = Cluster.from_spec("1x2", hardware="h100")
+    axes = (("pp", 1), ("dp", 1), ("tp", 2))
+    assert f._norm_unkept                      # the RMSNorms' rows and their outputs for q, k, v, gate, up
+    default, planned = f.parts(2, 1, node2, axes)
+    assert not any(f._norm_kept(n, planned.get(n.name)) for n in f._norm_unkept)     # fused: priced as such
+    lean = solve(f.gm, SolverConfig(n=2, cluster=node2, mesh_axes=axes, axis="tp", sizes=f.sizes(1),
+                                    dtype="bf16", memory_budget=1)).strategies
+    split = [n for n in f._norm_unkept if f._norm_kept(n, lean.get(n.name))]
+    assert len(split) == len(f._norm_unkept), [(n.name, lean.get(n.name)) for n in f._norm_unkept]
+    at = f.sizes(1)
+    width = 0.5 if f._captured_fp32 else 1.0
+    back = sum(float(evaluate(info(n).fused_bytes, at)) * lean[n.name].work * width
+               for n in split if f.where[n] == "block") / f.captured_layers
+    assert back > 0
+
+    def block_saved(kept_norms: bool) -> float:
+        f._cache.clear()
+        f._solved[(2, 1, node2.name, f.seq, False)] = lean
+        keep = f._norm_unkept
+        if not kept_norms:
+            f._norm_unkept = set()
+        try:
+            return f.parts(2, 1, node2, axes)[0]["block"].saved
+        finally:
+            f._norm_unkept = keep
+    assert block_saved(True) - block_saved(False) == pytest.approx(back, rel=1e-9)
+
+
 def test_causal_attention_is_priced_at_the_pairs_it_computes(node8):
     # E1: a causal flash kernel skips the key blocks above the diagonal: about half the work
     # of full attention, in time and in model FLOPs (torch's flop counter counts it whole)

@@ -471,9 +471,22 @@ def _tensor_axis(rank: int, world: int, sequence: bool, fused: bool) -> dict:
             "kept": kept, "split": split}
 
 
+def _split_norms(rank: int, world: int) -> dict:
+    """The same Llama on tp=2 under ``memory_budget=1`` (every weight that can split does, the
+    norms' too): which fused ops the rank's graph runs, and the norms' placements."""
+    model = _llama(2).double()
+    x = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(1))
+    pm = autopar.parallelize(model, {"tp": 2}, (x,), memory_budget=1)
+    ops = sorted({n.target.__name__ for n in pm.graph_module.graph.nodes
+                  if n.op == "call_function" and n.target in FUSED_OPS})
+    norms = sorted({str(pm.placement_of(f)) for f, _ in pm.named_parameters() if "norm" in f})
+    return {"ops": ops, "norms": norms}
+
+
 def _tensor_axis_cases(rank: int, world: int) -> dict:
-    return {(sequence, fused): _tensor_axis(rank, world, sequence, fused)
-            for sequence in (False, True) for fused in (True, False)}
+    return {**{(sequence, fused): _tensor_axis(rank, world, sequence, fused)
+               for sequence in (False, True) for fused in (True, False)},
+            "split norms": _split_norms(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -500,3 +513,14 @@ def test_a_norms_projections_on_a_tensor_axis_recompute_and_convert_its_output_a
     assert on["out"] == off["out"] and on["state"] == off["state"], (on, off)     # the same arithmetic
     # per layer 2 norm outputs [2, 64, 64] float64 (whole: replicated, or gathered) no longer kept
     assert off["kept"] - on["kept"] == 2 * 2 * (2 * 64 * 64 * 8), (on["kept"], off["kept"])
+
+
+def test_a_norm_split_along_its_own_dimension_runs_unfused(tensor_axis):
+    """Where a layout splits a norm's weight (``memory_budget=1`` splits every weight that can),
+    the rewrite computes the norm on slices of the hidden dimension: the RMSNorm pattern is gone,
+    so neither the norm nor its projections run fused (the SwiGLU down projection still does).
+    The simulator prices such a layout so (cost/model_facts.py; tests/test_cost_fidelity.py)."""
+    got = tensor_axis["split norms"]
+    assert got["norms"] == ["S(0)"], got
+    assert "autopar_rms_norm" not in got["ops"] and "autopar_norm_linear" not in got["ops"], got
+    assert "autopar_swiglu_linear" in got["ops"], got

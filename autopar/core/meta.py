@@ -62,6 +62,7 @@ class NodeInfo:
     bytes_fwd: sympy.Expr = ZERO       # bytes read + written by the forward kernel
     bytes_bwd: sympy.Expr = ZERO
     saved_bytes: sympy.Expr = ZERO     # bytes of this node's output that forward keeps for backward
+    fused_bytes: sympy.Expr = ZERO     # bytes a fused op recomputes instead (not in saved_bytes)
     # activation bytes live right after this node runs (forward): read as ``live_bytes``; the
     # memory pass leaves the sum as {monomial: coefficient}, made a formula when first read
     live_terms: Any = ZERO
