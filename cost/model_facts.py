@@ -75,12 +75,12 @@ class BlockPart:
     attn_more: float = 0.0            # on a context axis: the cores' work per rank is (1 + this) x theirs at seq/cp
 
 
-
 def _splits_last(s: Any, n: fx.Node) -> bool:
     """Whether strategy ``s`` leaves ``n``'s output split along its last dimension."""
     v = s.outputs[0].value if s.outputs else None
     nd = len(info(n).values[0].shape) if info(n).values else 0
     return isinstance(v, Shard) and nd > 0 and v.dim % nd == nd - 1
+
 
 class ModelFacts:
     """What the simulator reads from one captured, analysed graph (module docstring)."""
