@@ -17,6 +17,8 @@ they need, recognised in the ATen graph and replaced by the fused ops of
   is such a projection (q, k and v; gate and up). Frees ``y``: each projection keeps the norm's
   input instead, which the norm keeps anyway (on a sequence-parallel axis, its own share of the
   sequence), and backward recomputes the output and converts it again (gathers it again).
+  Where the projections read the norm's output itself and their weights exist before the norm,
+  the norm and its projections become one op (``autopar_norm_project``): one autograd node.
 
 :func:`unkept` names, for the memory pass, the values the fused ops do not keep (so the planner
 and the simulator price the runtime's saved set); :func:`fuse` rewrites a graph. The final node
@@ -25,13 +27,14 @@ included, still holds); the nodes it absorbs leave the graph.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
-from autopar.runtime.fused import (autopar_gelu_linear, autopar_norm_linear, autopar_rms_norm, autopar_swiglu,
-                                   autopar_swiglu_grouped_mm, autopar_swiglu_linear)
+from autopar.runtime.fused import (autopar_gelu_linear, autopar_norm_linear, autopar_norm_project, autopar_rms_norm,
+                                   autopar_swiglu, autopar_swiglu_grouped_mm, autopar_swiglu_linear)
 
 aten = torch.ops.aten
 _CHECKS = {aten._assert_tensor_metadata.default}
@@ -305,10 +308,45 @@ def fuse(gm: fx.GraphModule) -> int:
         for a in m.absorbed:                      # readers first
             if not a.users:
                 gm.graph.erase_node(a)
+    _project(gm)
     if found:
         gm.graph.lint()
         gm.recompile()
     return len(found)
+
+
+def _project(gm: fx.GraphModule) -> int:
+    """Each norm whose output only :func:`autopar_norm_linear` projections read (directly: no
+    view, no tensor-axis conversion between) becomes one :func:`autopar_norm_project` computing
+    the norm and every projection, where each projection's weight and bias exist before the norm
+    (not, say, a ZeRO-3 gather placed before the projection) and the norm and its projections
+    belong to the same layer (so one recomputation region holds all or none of them). The norm
+    node takes the op (its place and name kept) and each projection node becomes an item of
+    its result (their names kept). Returns how many norms."""
+    from autopar.core.meta import info
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    done = 0
+    for norm in list(gm.graph.nodes):
+        if norm.op != "call_function" or norm.target not in (autopar_rms_norm, aten.layer_norm.default):
+            continue
+        projections = _readers(norm)
+        if not projections or not all(
+                p.target is autopar_norm_linear and p.args[0] is norm and p.args[13] is None
+                and p.args[11] == len(projections) and p.args[4] is norm.args[0]
+                and all(not isinstance(a, fx.Node) or order[a] < order[norm] for a in p.args[1:3])
+                and info(p).block_member == info(norm).block_member for p in projections):
+            continue
+        projections.sort(key=order.__getitem__)
+        _, _, _, kind, x, nw, nb, eps, shape, mid, out, _, post, _ = projections[0].args
+        for check in [u for u in norm.users if u.target in _CHECKS]:
+            gm.graph.erase_node(check)
+        norm.target, norm.kwargs = autopar_norm_project, {}
+        norm.args = (x, nw, nb, (kind, eps, shape, mid, out, post),
+                     *(a for p in projections for a in (p.args[1], p.args[2])))
+        for i, p in enumerate(projections):
+            p.target, p.args, p.kwargs = operator.getitem, (norm, i), {}
+        done += 1
+    return done
 
 
 __all__ = ["Match", "matches", "unkept", "fuse"]

@@ -23,6 +23,11 @@ ops, each op on the same operands, so the results are the unfused model's bit fo
   input, which the norm itself keeps, and recomputes the output in backward. Behind a fused
   RMSNorm it recomputes from the norm's per-row scale (two ops, not the whole norm), and the
   norm's backward takes the normalised rows it computed.
+- :func:`autopar_norm_project`: the norm and all of its projections as one op (where the pass can
+  place them so: the output read by projections alone, directly), keeping the norm's input (and
+  an RMSNorm's per-row scale); one autograd node where the two above make one per projection
+  and one for an RMSNorm (LayerNorm's own is torch's), which at small widths costs more than
+  the recomputation.
 
 Their backwards write a result over a tensor they made and no longer read where the dtypes
 allow (the in-place or ``out=`` form of an op, on the same operands, gives the same bits): an
@@ -538,8 +543,132 @@ def autopar_norm_linear(y: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
     return _NormLinear.apply(y, w, b, x, nw, nb, (kind, eps, shape, mid, out, post, conv), readers)
 
 
-FUSED_OPS = (autopar_swiglu, autopar_swiglu_linear, autopar_swiglu_grouped_mm, autopar_gelu_linear, autopar_rms_norm,
-             autopar_norm_linear)
+def _norm_project_replayed(ctx, grads: tuple, x: torch.Tensor, nw: torch.Tensor | None, nb: torch.Tensor | None,
+                           ws: tuple) -> tuple:
+    """:class:`_NormProject`'s backward where its own formulas do not apply as they are (a graph
+    to keep: ``create_graph=True``; autocast; mixed dtypes): the norm and the projections run
+    again from what forward kept, as forward ran them, and autograd differentiates them, so every
+    gradient (and second derivative) is the unfused ops'."""
+    import contextlib
+    kind, eps, shape, mid, out, post = ctx.norm
+    need, n = ctx.needs_input_grad, ctx.n
+    res = [None] * (5 + 2 * n)
+    with torch.enable_grad(), (torch.autocast(ctx.amp[0], dtype=ctx.amp[1]) if ctx.amp is not None
+                               else contextlib.nullcontext()):
+        if kind == "rms":
+            # where uncast, x's two reads as two views of it, each differentiated alone (_RMSNorm)
+            xa, xp = (x.view_as(x), x.view_as(x)) if x.dtype == (mid or x.dtype) else (x, None)
+            y = _as(_rms(xa, nw, eps, mid, out, xp=xp)[0], post)
+        else:
+            xa, xp = x, None
+            y = aten.layer_norm.default(x, shape, nw, nb, eps)
+        # each projection's weight as a view of its own: one weight in two projections gets
+        # each part in its own slot (autograd adds them), not the sum in both
+        ws = [w.view_as(w) if need[5 + 2 * i] else w for i, w in enumerate(ws)]
+        outs = [F.linear(y, w) for w in ws]
+    slots = [(0, xa), (1, xp), (2, nw), (3, nb), *((5 + 2 * i, w) for i, w in enumerate(ws))]
+    slots = [(i, t) for i, t in slots if t is not None and need[i]]
+    got = torch.autograd.grad(outs, [t for _, t in slots], grads, create_graph=torch.is_grad_enabled(),
+                              allow_unused=True) if slots else ()
+    for (i, _), g in zip(slots, got):
+        res[i] = g
+    for i, g in enumerate(grads):
+        if ctx.bias[i] is not None and need[6 + 2 * i]:
+            res[6 + 2 * i] = _as(g.reshape(-1, g.shape[-1]).sum(0), ctx.bias[i])
+    return tuple(res)
 
-__all__ = ["autopar_swiglu", "autopar_swiglu_linear", "autopar_swiglu_grouped_mm", "autopar_gelu_linear", "autopar_rms_norm",
-           "autopar_norm_linear", "FUSED_OPS"]
+
+class _NormProject(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, xp: torch.Tensor | None, nw: torch.Tensor | None, nb: torch.Tensor | None,
+                norm: tuple, *wb: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        # norm: (kind, eps, shape, mid, out, post); wb: each projection's weight and bias, in the
+        # graph's order. xp: x again for an RMSNorm, its two reads of x (see _RMSNorm); else None
+        kind, eps, shape, mid, out, post = norm
+        dev = x.device.type
+        ctx.amp = (dev, torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
+        if kind == "rms":
+            y, r = _rms(x, nw, eps, mid, out)
+            ctx.rms_dtype = y.dtype                   # before the cast after the weight
+            y, kept = _as(y, post), (r,)
+        elif ctx.amp is None:
+            # the graph's layer_norm is this op's first output; it keeps the statistics, as
+            # LayerNorm's own backward does
+            y, *kept = aten.native_layer_norm.default(x, shape, nw, nb, eps)
+        else:                                         # (autocast takes layer_norm whole)
+            y, kept = aten.layer_norm.default(x, shape, nw, nb, eps), ()
+        n = len(wb) // 2
+        outs = tuple(F.linear(y, wb[2 * i], wb[2 * i + 1]) for i in range(n))
+        ctx.save_for_backward(x, nw, nb, *wb[0::2], *kept)
+        ctx.norm, ctx.n = norm, n
+        ctx.bias = tuple(None if b is None else b.dtype for b in wb[1::2])
+        ctx.y_dtype = y.dtype
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        n, need = ctx.n, ctx.needs_input_grad
+        saved = ctx.saved_tensors
+        x, nw, nb, ws, r = saved[0], saved[1], saved[2], saved[3:3 + n], saved[3 + n:]
+        kind, eps, shape, mid, out, post = ctx.norm
+        y_dt = ctx.y_dtype
+        if torch.is_grad_enabled() or ctx.amp is not None or any(g.dtype != y_dt for g in grads) \
+                or any(w.dtype != y_dt for w in ws):
+            return _norm_project_replayed(ctx, grads, x, nw, nb, ws)
+        res = [None] * (5 + 2 * n)
+        g2s = [g.reshape(-1, g.shape[-1]) for g in grads]
+        if kind == "rms":
+            xm, nd = _rows_again(x, r[0], mid, out)          # the rows, for the norm's backward too
+            y = _as(nw * nd, post)
+        else:
+            y, mean, rstd = aten.native_layer_norm.default(x, shape, nw, nb, eps)[0], *r
+        y2 = y.view(-1, y.shape[-1]) if y.is_contiguous() else y.reshape(-1, y.shape[-1])
+        for i, g2 in enumerate(g2s):
+            if need[5 + 2 * i]:
+                res[5 + 2 * i] = g2.t().mm(y2)
+            if ctx.bias[i] is not None and need[6 + 2 * i]:
+                res[6 + 2 * i] = g2.sum(0)
+        if not (need[0] or need[1] or need[2] or need[3]):
+            return tuple(res)
+        # y's gradient: autograd adds its readers' parts as their backwards run, the last
+        # projection's first (the latest node first), each later part into the sum; written over
+        # the recomputed y where more than one part is made (mm writes the same bits there)
+        spare = y2 if y.is_contiguous() else None
+        del y
+        grad_y = None
+        for i in reversed(range(n)):
+            if grad_y is None:
+                grad_y = torch.mm(g2s[i], ws[i], out=spare) if n == 1 and spare is not None else g2s[i].mm(ws[i])
+            else:
+                grad_y += torch.mm(g2s[i], ws[i], out=spare) if spare is not None else g2s[i].mm(ws[i])
+        del spare, y2
+        grad_y = grad_y.view(*x.shape[:-1], grad_y.shape[-1])
+        if kind == "rms":
+            res[0], res[1], res[2] = _rms_grads_over(_as(grad_y, ctx.rms_dtype), x, nw, r[0], xm, nd,
+                                                     need[0] or need[1], need[2])
+        else:
+            res[0], res[2], res[3] = aten.native_layer_norm_backward.default(
+                grad_y, x, shape, mean, rstd, nw, nb, [need[0], nw is not None and need[2], nb is not None and need[3]])
+        return tuple(res)
+
+
+def autopar_norm_project(x: torch.Tensor, nw: torch.Tensor | None, nb: torch.Tensor | None, norm: tuple,
+                         *wb: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """A norm of ``x`` and every projection of its output, in one op: ``norm`` ``(kind, eps, shape,
+    mid, out, post)`` as :func:`autopar_norm_linear` takes them (``kind`` "rms": transformers'
+    RMSNorm with weight ``nw``; "layer": ``layer_norm(x, shape, nw, nb, eps)``), ``wb`` each
+    projection's weight and bias (None), in the graph's order; returns the projections'
+    outputs. Keeps ``x`` (and an RMSNorm's per-row scale), not the norm's output: backward
+    recomputes it once for the projections' weight gradients and runs the norm's backward on
+    the sum of the projections' gradients, added in autograd's order. Where it applies
+    (:mod:`autopar.passes.fusion`) it replaces the norm and its :func:`autopar_norm_linear`
+    projections, one autograd node for up to four (each costs a Python call in forward and
+    backward)."""
+    return _NormProject.apply(x, x if norm[0] == "rms" else None, nw, nb, norm, *wb)
+
+
+FUSED_OPS = (autopar_swiglu, autopar_swiglu_linear, autopar_swiglu_grouped_mm, autopar_gelu_linear, autopar_rms_norm,
+             autopar_norm_linear, autopar_norm_project)
+
+__all__ = ["autopar_swiglu", "autopar_swiglu_linear", "autopar_swiglu_grouped_mm", "autopar_gelu_linear",
+           "autopar_rms_norm", "autopar_norm_linear", "autopar_norm_project", "FUSED_OPS"]

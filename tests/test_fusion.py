@@ -14,6 +14,7 @@ runs through the same module step, so through the fused ops too.
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -23,8 +24,8 @@ import autopar
 from autopar.build.prepare import capture_model
 from autopar.core.meta import evaluate, info
 from autopar.passes.fusion import fuse, matches, unkept
-from autopar.runtime.fused import (FUSED_OPS, autopar_gelu_linear, autopar_norm_linear, autopar_rms_norm,
-                                   autopar_swiglu, autopar_swiglu_grouped_mm, autopar_swiglu_linear)
+from autopar.runtime.fused import (FUSED_OPS, autopar_gelu_linear, autopar_norm_linear, autopar_norm_project,
+                                   autopar_rms_norm, autopar_swiglu, autopar_swiglu_grouped_mm, autopar_swiglu_linear)
 from autopar.runtime.launch import run_ranks
 
 
@@ -153,11 +154,105 @@ def test_second_derivatives_through_fused_ops_are_the_unfused():
                   autopar_rms_norm(a, c, 1e-6, None, None)), (x, nw, w)),
              (lambda a, c, d, e: F.linear(F.layer_norm(a, [12], c, d), e, b),
               lambda a, c, d, e: autopar_norm_linear(F.layer_norm(a, [12], c, d), e, b, "layer", a, c, d, 1e-5, [12]),
+              (x, nw, nb, w)),
+             # the norm and its projections as one op: an RMSNorm into two, a LayerNorm into one
+             (lambda a, c, d: F.linear(rms(a, c), d) * F.linear(rms(a, c), d).flip(-1),
+              lambda a, c, d: (lambda p, q: p * q.flip(-1))(
+                  *autopar_norm_project(a, c, None, ("rms", 1e-6, None, None, None, None), d, None, d, None)),
+              (x, nw, w)),
+             (lambda a, c, d, e: F.linear(F.layer_norm(a, [12], c, d), e, b),
+              lambda a, c, d, e: autopar_norm_project(a, c, d, ("layer", 1e-5, [12], None, None, None), e, b)[0],
               (x, nw, nb, w))]
     for plain, fused, inputs in pairs:
         want, got = _penalty_grads(plain, *inputs), _penalty_grads(fused, *inputs)
         scale = max(g.abs().max().item() for g in want)
         assert all((p - q).abs().max().item() <= 1e-12 * scale for p, q in zip(want, got)), fused
+
+
+_NORMS = {   # name: (the model's norm of (input, weight, bias), autopar_norm_project's weight and norm tuple)
+    "rms": (lambda dt: (lambda a, w, b: _rms(a, w, 1e-6, dt), lambda w: w,
+                        ("rms", 1e-6, None, torch.float32, dt, None))),
+    "rms in its input's dtype": (lambda dt: (
+        lambda a, w, b: w * (a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6)), lambda w: w,
+        ("rms", 1e-6, None, None, None, None))),
+    "gemma": (lambda dt: (lambda a, w, b: _gemma_rms(a, w, 1e-6), lambda w: 1.0 + w.float(),
+                          ("rms", 1e-6, None, torch.float32, None, dt))),
+    "layer": (lambda dt: (lambda a, w, b: F.layer_norm(a, [16], w, b, 1e-5), lambda w: w,
+                          ("layer", 1e-5, [16], None, None, None))),
+}
+
+
+def _norm_blocks(kind: str, dt: torch.dtype, n: int, transposed: bool):
+    """(plain, fused): a residual stream's norm into ``n`` of q (with a bias), k, v, the outputs
+    read as they are or through a transposed matmul (a transposed gradient arrives)."""
+    norm, weight, recipe = _NORMS[kind](dt)
+    m = torch.randn(16, 16, dtype=dt)
+
+    def read(outs):
+        if transposed:
+            outs = [(m[:o.shape[-1], :o.shape[-1]] @ o.transpose(1, 2)).transpose(1, 2) for o in outs]
+        return outs
+
+    def plain(a, w, b, q, k, v, qb):
+        h = a * 1.5
+        y = norm(h, w, b)
+        return torch.cat([h, *read([F.linear(y, q, qb), F.linear(y, k), F.linear(y, v)][:n])], -1)
+
+    def fused(a, w, b, q, k, v, qb):
+        h = a * 1.5
+        outs = autopar_norm_project(h, weight(w), b if recipe[0] == "layer" else None, recipe,
+                                    *[q, qb, k, None, v, None][:2 * n])
+        return torch.cat([h, *read(list(outs))], -1)
+    return plain, fused
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_norm_and_its_projections_in_one_op_equal_the_unfused_bit_for_bit(dt):
+    """autopar_norm_project (the norm and every projection of its output as one autograd node):
+    transformers' RMSNorm in float32 and in its input's dtype, Gemma's (cast after its weight)
+    and LayerNorm, into one, two or three projections (a bias on the first), on a residual
+    stream, the outputs read directly or through a transposed matmul. Outputs and every gradient
+    are the unfused ops' bit for bit (the norm output's gradient adds the projections' parts in
+    autograd's order: the last projection's first); the norm's output is not kept."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 16, dtype=dt, requires_grad=True)
+    nw, nb = (torch.randn(16, dtype=dt, requires_grad=True) for _ in range(2))
+    ws = [torch.randn(o, 16, dtype=dt, requires_grad=True) for o in (16, 8, 8)]
+    qb = torch.randn(16, dtype=dt, requires_grad=True)
+    inputs = (x, nw, nb, *ws, qb)
+    for kind in _NORMS:
+        for n in (1, 2, 3):
+            for transposed in (False, True):
+                plain, fused = _norm_blocks(kind, dt, n, transposed)
+                want = _grads(plain, *inputs)
+                kept = []
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+                    got = _grads(fused, *inputs)
+                case = (kind, n, transposed)
+                assert torch.equal(want[0], got[0]), case
+                assert all((p is None and q is None) or torch.equal(p, q) for p, q in zip(want[1], got[1])), case
+                assert got[1][0] is not None and got[1][3] is not None and (got[1][5] is None) == (n < 3), case
+                if not transposed:     # only the norm's input is kept whole (the rest: weights, per-row scale)
+                    h = [t for t in kept if t.shape == x.shape]
+                    assert len({t.untyped_storage().data_ptr() for t in h}) == 1, case
+
+
+def test_a_norm_and_its_projections_under_autocast_equal_the_unfused():
+    """Under autocast the projections run in bfloat16 and the norm in float32: the op's backward
+    runs the model's ops again as forward ran them (casts included) and lets autograd
+    differentiate them, so every gradient is the unfused model's under autocast bit for bit."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    nw, nb = (torch.randn(16, requires_grad=True) for _ in range(2))
+    ws = [torch.randn(o, 16, requires_grad=True) for o in (16, 8, 8)]
+    qb = torch.randn(16, requires_grad=True)
+    for kind in ("rms", "layer"):
+        plain, fused = _norm_blocks(kind, torch.float32, 3, False)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = _grads(plain, x, nw, nb, *ws, qb)
+            got = _grads(fused, x, nw, nb, *ws, qb)
+        assert torch.equal(want[0], got[0]), kind
+        assert all((p is None and q is None) or torch.equal(p, q) for p, q in zip(want[1], got[1])), kind
 
 
 def test_a_forward_stopped_between_a_norms_projections_does_not_keep_its_output():
@@ -300,8 +395,34 @@ def test_the_pass_finds_llamas_norms_and_mlps_and_the_memory_pass_prices_them():
     freed = unkept(gm)
     analyze(gm)
     assert freed and all(float(evaluate(info(n).saved_bytes, {})) == 0.0 for n in freed)
+    linears = {m.node.name for m in found if m.target is autopar_norm_linear}
     assert fuse(gm) == 17 and not matches(gm)
     assert not any(n.target is torch.ops.aten.silu.default for n in gm.graph.nodes)
+    # each layer's two norms take their projections in: one op each, the projections its items
+    # (their nodes and names kept); the final norm's output reaches the head through an alias
+    ops = [n for n in gm.graph.nodes if n.target is autopar_norm_project]
+    assert len(ops) == 4 and [len(n.args) - 4 for n in ops] == [6, 4, 6, 4]
+    assert not any(n.target is autopar_norm_linear for n in gm.graph.nodes)
+    items = {n.name for n in gm.graph.nodes if n.target is operator.getitem and n.args[0] in ops}
+    assert items == linears
+    assert sum(n.target is autopar_rms_norm for n in gm.graph.nodes) == 1
+
+
+def test_a_projection_whose_weight_comes_after_the_norm_keeps_its_own_op():
+    """A weight made after the norm (as a ZeRO-3 gather placed just before its projection) cannot
+    be read where the norm runs: that norm and its projections stay apart, the others join."""
+    x = torch.randint(0, 64, (2, 16))
+    gm = capture_model(_llama(1), (x,), {})
+    lin = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default
+               and "k_proj" in str(n.args[1]))
+    with gm.graph.inserting_before(lin):
+        late = gm.graph.call_function(torch.ops.aten.mul.Tensor, (lin.args[1], 1.0))
+    lin.args = (lin.args[0], late, *lin.args[2:])
+    gm.recompile()
+    fuse(gm)
+    apart = [n for n in gm.graph.nodes if n.target is autopar_norm_linear]
+    assert len(apart) == 3 and all("input_layernorm" in str(n.args[5]) for n in apart)
+    assert sum(n.target is autopar_norm_project for n in gm.graph.nodes) == 1
 
 
 def _kept(fn) -> int:
@@ -368,7 +489,8 @@ def _eager_cores(rank: int, world: int, name: str, recompute: str = "none", dtyp
     grads = dict(ref.named_parameters())
     from autopar.runtime.recompute import eager_attention_cores
     def last(n):          # the cast after the weight (a norm's projections: before the conversion)
-        a = n.args[12] if n.target is autopar_norm_linear else n.args[-1]
+        a = n.args[12] if n.target is autopar_norm_linear else n.args[3][5] if n.target is autopar_norm_project \
+            else n.args[-1]
         return a if isinstance(a, (str, torch.dtype)) else None
     fused = [(n.target.__name__, last(n)) for n in pm.graph_module.graph.nodes if n.target in FUSED_OPS]
     return {"scores": sum(1 for s in shapes if len(s) == 4 and s[1] == 4 and s[-1] == s[-2] == 24),   # [b, heads, s, s]
@@ -390,10 +512,10 @@ def test_an_eager_soft_capped_attention_keeps_no_scores_and_trains_as_eager():
     assert r["cores"] == 2, r
     assert r["scores"] == 0, r
     assert r["per_head"] == [2, 2, 2, 2, 4, 4], r
-    # per layer: 2 norms into projections (q, k, v; gate, up), 2 more norms, the GeGLU down
+    # per layer: 2 norms with their projections (q, k, v; gate, up), 2 more norms, the GeGLU down
     # projection; and the final norm
-    assert r["fused"] == [("autopar_norm_linear", torch.float64), ("autopar_rms_norm", torch.float64),
-                          ("autopar_swiglu_linear", "gelu_tanh")] and r["count"] == 2 * (5 + 4 + 1) + 1, r
+    assert r["fused"] == [("autopar_norm_project", torch.float64), ("autopar_rms_norm", torch.float64),
+                          ("autopar_swiglu_linear", "gelu_tanh")] and r["count"] == 2 * (2 + 2 + 1) + 1, r
     assert r["out"] == 0.0 and r["grad"] == 0.0, r
 
 
