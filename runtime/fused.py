@@ -555,16 +555,20 @@ def _norm_project_replayed(ctx, grads: tuple, x: torch.Tensor, nw: torch.Tensor 
     res = [None] * (5 + 2 * n)
     with torch.enable_grad(), (torch.autocast(ctx.amp[0], dtype=ctx.amp[1]) if ctx.amp is not None
                                else contextlib.nullcontext()):
+        # every input differentiated through a view of its own: autograd.grad then stops at the
+        # view, so no hook on the tensor itself runs (a data axis's gradient hook on a
+        # parameter would take this for the parameter's gradient), and one weight in two
+        # projections gets each part in its own slot (autograd adds them), not the sum in both
+        alias = lambda t, i: t.view_as(t) if t is not None and need[i] else t     # noqa: E731
+        nw, nb = alias(nw, 2), alias(nb, 3)
         if kind == "rms":
-            # where uncast, x's two reads as two views of it, each differentiated alone (_RMSNorm)
-            xa, xp = (x.view_as(x), x.view_as(x)) if x.dtype == (mid or x.dtype) else (x, None)
+            # where uncast, x's two reads apart, each differentiated alone (_RMSNorm)
+            xa, xp = (alias(x, 0), alias(x, 1)) if x.dtype == (mid or x.dtype) else (alias(x, 0), None)
             y = _as(_rms(xa, nw, eps, mid, out, xp=xp)[0], post)
         else:
-            xa, xp = x, None
-            y = aten.layer_norm.default(x, shape, nw, nb, eps)
-        # each projection's weight as a view of its own: one weight in two projections gets
-        # each part in its own slot (autograd adds them), not the sum in both
-        ws = [w.view_as(w) if need[5 + 2 * i] else w for i, w in enumerate(ws)]
+            xa, xp = alias(x, 0), None
+            y = aten.layer_norm.default(xa, shape, nw, nb, eps)
+        ws = [alias(w, 5 + 2 * i) for i, w in enumerate(ws)]
         outs = [F.linear(y, w) for w in ws]
     slots = [(0, xa), (1, xp), (2, nw), (3, nb), *((5 + 2 * i, w) for i, w in enumerate(ws))]
     slots = [(i, t) for i, t in slots if t is not None and need[i]]
