@@ -338,13 +338,22 @@ def _project(gm: fx.GraphModule) -> int:
             continue
         projections.sort(key=order.__getitem__)
         _, _, _, kind, x, nw, nb, eps, shape, mid, out, _, post, _ = projections[0].args
+        # a projection whose output only a GELU projection reads (GPT's MLP) takes it in as its tail
+        tails = {i: g for i, p in enumerate(projections) if len(_readers(p)) == 1
+                 for g in _readers(p) if g.target is autopar_gelu_linear and g.args[0] is p
+                 and all(not isinstance(a, fx.Node) or order[a] < order[norm] for a in g.args[1:3])
+                 and info(g).block_member == info(norm).block_member}
         for check in [u for u in norm.users if u.target in _CHECKS]:
             gm.graph.erase_node(check)
         norm.target, norm.kwargs = autopar_norm_project, {}
-        norm.args = (x, nw, nb, (kind, eps, shape, mid, out, post),
-                     *(a for p in projections for a in (p.args[1], p.args[2])))
+        norm.args = (x, nw, nb, (kind, eps, shape, mid, out, post), tuple((i, g.args[3]) for i, g in tails.items()),
+                     *(a for p in projections for a in (p.args[1], p.args[2])),
+                     *(a for g in tails.values() for a in (g.args[1], g.args[2])))
         for i, p in enumerate(projections):
             p.target, p.args, p.kwargs = operator.getitem, (norm, i), {}
+        for i, g in tails.items():           # the tail's node gives the output; the projection's leaves
+            g.target, g.args, g.kwargs = operator.getitem, (norm, i), {}
+            gm.graph.erase_node(projections[i])
         done += 1
     return done
 

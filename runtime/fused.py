@@ -220,6 +220,28 @@ def autopar_swiglu_grouped_mm(g: torch.Tensor, u: torch.Tensor, w: torch.Tensor,
     return _SwiGLUGroupedMM.apply(g, u, w, offs, cast)
 
 
+def _gelu_linear_grads(grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor, approximate: str, need_h: bool,
+                       need_w: bool, need_b: bool) -> tuple:
+    """``linear(gelu(h), w, b)``'s backward (``h``'s, ``w``'s and ``b``'s gradients), recomputing
+    ``gelu(h)`` for the weight's."""
+    grad2 = grad.reshape(-1, grad.shape[-1])
+    grad_b = grad2.sum(0) if need_b else None
+    a = F.gelu(h, approximate=approximate) if need_w else None
+    grad_w = grad2.t().mm(a.view(-1, a.shape[-1]) if a.is_contiguous() else a.reshape(-1, a.shape[-1])) \
+        if need_w else None
+    if not need_h:
+        return None, grad_w, grad_b
+    # gelu's gradient goes where gelu(h) was once the weight's gradient has read it (mm
+    # writes the same bits into a buffer of its own shape), then gelu's backward over it:
+    # one fresh tensor of h's size where autograd makes two
+    if need_w and a.is_contiguous() and grad.dtype == w.dtype == a.dtype:
+        gp = torch.mm(grad2, w, out=a.view(-1, a.shape[-1])).view(h.shape)
+    else:
+        gp = grad2.mm(w).view(h.shape)
+    del a
+    return aten.gelu_backward.grad_input(gp, h, approximate=approximate, grad_input=gp), grad_w, grad_b
+
+
 class _GeluLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, approximate: str) -> torch.Tensor:
@@ -233,23 +255,8 @@ class _GeluLinear(torch.autograd.Function):
         if torch.is_grad_enabled():
             return _graph_grads(ctx, grad, lambda: F.linear(F.gelu(h, approximate=ctx.approximate), w), (h, w),
                                 has_bias=ctx.has_bias)
-        grad2 = grad.reshape(-1, grad.shape[-1])
-        grad_b = grad2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        need_h, need_w = ctx.needs_input_grad[:2]
-        a = F.gelu(h, approximate=ctx.approximate) if need_w else None
-        grad_w = grad2.t().mm(a.view(-1, a.shape[-1]) if a.is_contiguous() else a.reshape(-1, a.shape[-1])) \
-            if need_w else None
-        if not need_h:
-            return None, grad_w, grad_b, None
-        # gelu's gradient goes where gelu(h) was once the weight's gradient has read it (mm
-        # writes the same bits into a buffer of its own shape), then gelu's backward over it:
-        # one fresh tensor of h's size where autograd makes two
-        if need_w and a.is_contiguous() and grad.dtype == w.dtype == a.dtype:
-            gp = torch.mm(grad2, w, out=a.view(-1, a.shape[-1])).view(h.shape)
-        else:
-            gp = grad2.mm(w).view(h.shape)
-        del a
-        return aten.gelu_backward.grad_input(gp, h, approximate=ctx.approximate, grad_input=gp), grad_w, grad_b, None
+        need = ctx.needs_input_grad
+        return *_gelu_linear_grads(grad, h, w, ctx.approximate, need[0], need[1], ctx.has_bias and need[2]), None
 
 
 def autopar_gelu_linear(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
@@ -543,16 +550,18 @@ def autopar_norm_linear(y: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
     return _NormLinear.apply(y, w, b, x, nw, nb, (kind, eps, shape, mid, out, post, conv), readers)
 
 
+_W = 6        # where _NormProject's weights start among its inputs (x, xp, nw, nb, norm, tails, ...)
+
+
 def _norm_project_replayed(ctx, grads: tuple, x: torch.Tensor, nw: torch.Tensor | None, nb: torch.Tensor | None,
-                           ws: tuple) -> tuple:
+                           wb: tuple) -> tuple:
     """:class:`_NormProject`'s backward where its own formulas do not apply as they are (a graph
-    to keep: ``create_graph=True``; autocast; mixed dtypes): the norm and the projections run
-    again from what forward kept, as forward ran them, and autograd differentiates them, so every
-    gradient (and second derivative) is the unfused ops'."""
+    to keep: ``create_graph=True``; autocast; mixed dtypes): the norm, the projections and their
+    GELU tails run again from what forward kept, as forward ran them, and autograd
+    differentiates them, so every gradient (and second derivative) is the unfused ops'."""
     import contextlib
     kind, eps, shape, mid, out, post = ctx.norm
     need, n = ctx.needs_input_grad, ctx.n
-    res = [None] * (5 + 2 * n)
     with torch.enable_grad(), (torch.autocast(ctx.amp[0], dtype=ctx.amp[1]) if ctx.amp is not None
                                else contextlib.nullcontext()):
         # every input differentiated through a view of its own: autograd.grad then stops at the
@@ -568,26 +577,28 @@ def _norm_project_replayed(ctx, grads: tuple, x: torch.Tensor, nw: torch.Tensor 
         else:
             xa, xp = alias(x, 0), None
             y = aten.layer_norm.default(xa, shape, nw, nb, eps)
-        ws = [alias(w, 5 + 2 * i) for i, w in enumerate(ws)]
-        outs = [F.linear(y, w) for w in ws]
-    slots = [(0, xa), (1, xp), (2, nw), (3, nb), *((5 + 2 * i, w) for i, w in enumerate(ws))]
+        wb = [alias(t, _W + k) for k, t in enumerate(wb)]
+        outs = [F.linear(y, wb[2 * i], wb[2 * i + 1]) for i in range(n)]
+        for t, (i, approximate) in enumerate(ctx.tails):
+            outs[i] = F.linear(F.gelu(outs[i], approximate=approximate), wb[2 * n + 2 * t], wb[2 * n + 2 * t + 1])
+    slots = [(0, xa), (1, xp), (2, nw), (3, nb), *((_W + k, t) for k, t in enumerate(wb))]
     slots = [(i, t) for i, t in slots if t is not None and need[i]]
     got = torch.autograd.grad(outs, [t for _, t in slots], grads, create_graph=torch.is_grad_enabled(),
                               allow_unused=True) if slots else ()
+    res = [None] * len(need)
     for (i, _), g in zip(slots, got):
         res[i] = g
-    for i, g in enumerate(grads):
-        if ctx.bias[i] is not None and need[6 + 2 * i]:
-            res[6 + 2 * i] = _as(g.reshape(-1, g.shape[-1]).sum(0), ctx.bias[i])
     return tuple(res)
 
 
 class _NormProject(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, xp: torch.Tensor | None, nw: torch.Tensor | None, nb: torch.Tensor | None,
-                norm: tuple, *wb: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-        # norm: (kind, eps, shape, mid, out, post); wb: each projection's weight and bias, in the
-        # graph's order. xp: x again for an RMSNorm, its two reads of x (see _RMSNorm); else None
+                norm: tuple, tails: tuple, *wb: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        # norm: (kind, eps, shape, mid, out, post); xp: x again for an RMSNorm, its two reads of
+        # x (see _RMSNorm), else None; wb: each projection's weight and bias in the graph's
+        # order, then each tail's; tails: ((projection, approximate), ...), the projections whose
+        # output goes through GELU into another projection (the tail), in order
         kind, eps, shape, mid, out, post = norm
         dev = x.device.type
         ctx.amp = (dev, torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
@@ -601,37 +612,46 @@ class _NormProject(torch.autograd.Function):
             y, *kept = aten.native_layer_norm.default(x, shape, nw, nb, eps)
         else:                                         # (autocast takes layer_norm whole)
             y, kept = aten.layer_norm.default(x, shape, nw, nb, eps), ()
-        n = len(wb) // 2
-        outs = tuple(F.linear(y, wb[2 * i], wb[2 * i + 1]) for i in range(n))
-        ctx.save_for_backward(x, nw, nb, *wb[0::2], *kept)
-        ctx.norm, ctx.n = norm, n
-        ctx.bias = tuple(None if b is None else b.dtype for b in wb[1::2])
-        ctx.y_dtype = y.dtype
-        return outs
+        n = len(wb) // 2 - len(tails)
+        outs = [F.linear(y, wb[2 * i], wb[2 * i + 1]) for i in range(n)]
+        hs = []
+        for t, (i, approximate) in enumerate(tails):
+            hs.append(outs[i])                        # kept: the tail's GELU reads it (gelu(h) is recomputed)
+            outs[i] = F.linear(F.gelu(outs[i], approximate=approximate), wb[2 * n + 2 * t], wb[2 * n + 2 * t + 1])
+        ctx.save_for_backward(x, nw, nb, *wb, *hs, *kept)
+        ctx.norm, ctx.n, ctx.tails, ctx.y_dtype = norm, n, tails, y.dtype
+        return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        n, need = ctx.n, ctx.needs_input_grad
+        n, tails, need = ctx.n, ctx.tails, ctx.needs_input_grad
         saved = ctx.saved_tensors
-        x, nw, nb, ws, r = saved[0], saved[1], saved[2], saved[3:3 + n], saved[3 + n:]
+        k = 2 * n + 2 * len(tails)
+        x, nw, nb, wb = saved[0], saved[1], saved[2], saved[3:3 + k]
+        hs, stats = saved[3 + k:3 + k + len(tails)], saved[3 + k + len(tails):]
         kind, eps, shape, mid, out, post = ctx.norm
         y_dt = ctx.y_dtype
         if torch.is_grad_enabled() or ctx.amp is not None or any(g.dtype != y_dt for g in grads) \
-                or any(w.dtype != y_dt for w in ws):
-            return _norm_project_replayed(ctx, grads, x, nw, nb, ws)
-        res = [None] * (5 + 2 * n)
+                or any(w is not None and w.dtype != y_dt for w in wb):
+            return _norm_project_replayed(ctx, grads, x, nw, nb, wb)
+        res = [None] * len(need)
+        grads = list(grads)
+        for t, (i, approximate) in enumerate(tails):  # a tail's backward first, as autograd runs it
+            j = _W + 2 * n + 2 * t
+            grads[i], res[j], res[j + 1] = _gelu_linear_grads(grads[i], hs[t], wb[2 * n + 2 * t], approximate,
+                                                              True, need[j], wb[j + 1 - _W] is not None and need[j + 1])
         g2s = [g.reshape(-1, g.shape[-1]) for g in grads]
         if kind == "rms":
-            xm, nd = _rows_again(x, r[0], mid, out)          # the rows, for the norm's backward too
+            xm, nd = _rows_again(x, stats[0], mid, out)      # the rows, for the norm's backward too
             y = _as(nw * nd, post)
         else:
-            y, mean, rstd = aten.native_layer_norm.default(x, shape, nw, nb, eps)[0], *r
+            y, mean, rstd = aten.native_layer_norm.default(x, shape, nw, nb, eps)[0], *stats
         y2 = y.view(-1, y.shape[-1]) if y.is_contiguous() else y.reshape(-1, y.shape[-1])
         for i, g2 in enumerate(g2s):
-            if need[5 + 2 * i]:
-                res[5 + 2 * i] = g2.t().mm(y2)
-            if ctx.bias[i] is not None and need[6 + 2 * i]:
-                res[6 + 2 * i] = g2.sum(0)
+            if need[_W + 2 * i]:
+                res[_W + 2 * i] = g2.t().mm(y2)
+            if wb[2 * i + 1] is not None and need[_W + 2 * i + 1]:
+                res[_W + 2 * i + 1] = g2.sum(0)
         if not (need[0] or need[1] or need[2] or need[3]):
             return tuple(res)
         # y's gradient: autograd adds its readers' parts as their backwards run, the last
@@ -639,6 +659,7 @@ class _NormProject(torch.autograd.Function):
         # the recomputed y where more than one part is made (mm writes the same bits there)
         spare = y2 if y.is_contiguous() else None
         del y
+        ws = wb[0:2 * n:2]
         grad_y = None
         for i in reversed(range(n)):
             if grad_y is None:
@@ -648,7 +669,7 @@ class _NormProject(torch.autograd.Function):
         del spare, y2
         grad_y = grad_y.view(*x.shape[:-1], grad_y.shape[-1])
         if kind == "rms":
-            res[0], res[1], res[2] = _rms_grads_over(_as(grad_y, ctx.rms_dtype), x, nw, r[0], xm, nd,
+            res[0], res[1], res[2] = _rms_grads_over(_as(grad_y, ctx.rms_dtype), x, nw, stats[0], xm, nd,
                                                      need[0] or need[1], need[2])
         else:
             res[0], res[2], res[3] = aten.native_layer_norm_backward.default(
@@ -657,7 +678,7 @@ class _NormProject(torch.autograd.Function):
 
 
 def autopar_norm_project(x: torch.Tensor, nw: torch.Tensor | None, nb: torch.Tensor | None, norm: tuple,
-                         *wb: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+                         tails: tuple, *wb: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """A norm of ``x`` and every projection of its output, in one op: ``norm`` ``(kind, eps, shape,
     mid, out, post)`` as :func:`autopar_norm_linear` takes them (``kind`` "rms": transformers'
     RMSNorm with weight ``nw``; "layer": ``layer_norm(x, shape, nw, nb, eps)``), ``wb`` each
@@ -668,7 +689,7 @@ def autopar_norm_project(x: torch.Tensor, nw: torch.Tensor | None, nb: torch.Ten
     (:mod:`autopar.passes.fusion`) it replaces the norm and its :func:`autopar_norm_linear`
     projections, one autograd node for up to four (each costs a Python call in forward and
     backward)."""
-    return _NormProject.apply(x, x if norm[0] == "rms" else None, nw, nb, norm, *wb)
+    return _NormProject.apply(x, x if norm[0] == "rms" else None, nw, nb, norm, tails, *wb)
 
 
 FUSED_OPS = (autopar_swiglu, autopar_swiglu_linear, autopar_swiglu_grouped_mm, autopar_gelu_linear, autopar_rms_norm,

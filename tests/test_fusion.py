@@ -158,10 +158,15 @@ def test_second_derivatives_through_fused_ops_are_the_unfused():
              # the norm and its projections as one op: an RMSNorm into two, a LayerNorm into one
              (lambda a, c, d: F.linear(rms(a, c), d) * F.linear(rms(a, c), d).flip(-1),
               lambda a, c, d: (lambda p, q: p * q.flip(-1))(
-                  *autopar_norm_project(a, c, None, ("rms", 1e-6, None, None, None, None), d, None, d, None)),
+                  *autopar_norm_project(a, c, None, ("rms", 1e-6, None, None, None, None), (), d, None, d, None)),
               (x, nw, w)),
              (lambda a, c, d, e: F.linear(F.layer_norm(a, [12], c, d), e, b),
-              lambda a, c, d, e: autopar_norm_project(a, c, d, ("layer", 1e-5, [12], None, None, None), e, b)[0],
+              lambda a, c, d, e: autopar_norm_project(a, c, d, ("layer", 1e-5, [12], None, None, None), (), e, b)[0],
+              (x, nw, nb, w)),
+             # and into a GELU projection (its tail)
+             (lambda a, c, d, e: F.linear(F.gelu(F.linear(F.layer_norm(a, [12], c, d), e, b)), e.t()),
+              lambda a, c, d, e: autopar_norm_project(a, c, d, ("layer", 1e-5, [12], None, None, None),
+                                                      ((0, "none"),), e, b, e.t(), None)[0],
               (x, nw, nb, w))]
     for plain, fused, inputs in pairs:
         want, got = _penalty_grads(plain, *inputs), _penalty_grads(fused, *inputs)
@@ -182,9 +187,11 @@ _NORMS = {   # name: (the model's norm of (input, weight, bias), autopar_norm_pr
 }
 
 
-def _norm_blocks(kind: str, dt: torch.dtype, n: int, transposed: bool):
-    """(plain, fused): a residual stream's norm into ``n`` of q (with a bias), k, v, the outputs
-    read as they are or through a transposed matmul (a transposed gradient arrives)."""
+def _norm_blocks(kind: str, dt: torch.dtype, n: int, transposed: bool, tail: bool = False):
+    """(plain, fused) of ``(x, norm weight, norm bias, q, k, v, q's bias, d, d's bias)``: a residual
+    stream's norm into ``n`` of q (with a bias), k, v, the outputs read as they are or through a
+    transposed matmul (a transposed gradient arrives); ``tail``: q's output through GELU into
+    d (a GPT MLP's second projection, with a bias)."""
     norm, weight, recipe = _NORMS[kind](dt)
     m = torch.randn(16, 16, dtype=dt)
 
@@ -193,15 +200,19 @@ def _norm_blocks(kind: str, dt: torch.dtype, n: int, transposed: bool):
             outs = [(m[:o.shape[-1], :o.shape[-1]] @ o.transpose(1, 2)).transpose(1, 2) for o in outs]
         return outs
 
-    def plain(a, w, b, q, k, v, qb):
+    def plain(a, w, b, q, k, v, qb, d, db):
         h = a * 1.5
         y = norm(h, w, b)
-        return torch.cat([h, *read([F.linear(y, q, qb), F.linear(y, k), F.linear(y, v)][:n])], -1)
+        outs = [F.linear(y, q, qb), F.linear(y, k), F.linear(y, v)][:n]
+        if tail:
+            outs[0] = F.linear(F.gelu(outs[0]), d, db)
+        return torch.cat([h, *read(outs)], -1)
 
-    def fused(a, w, b, q, k, v, qb):
+    def fused(a, w, b, q, k, v, qb, d, db):
         h = a * 1.5
         outs = autopar_norm_project(h, weight(w), b if recipe[0] == "layer" else None, recipe,
-                                    *[q, qb, k, None, v, None][:2 * n])
+                                    ((0, "none"),) if tail else (), *[q, qb, k, None, v, None][:2 * n],
+                                    *((d, db) if tail else ()))
         return torch.cat([h, *read(list(outs))], -1)
     return plain, fused
 
@@ -210,31 +221,35 @@ def _norm_blocks(kind: str, dt: torch.dtype, n: int, transposed: bool):
 def test_a_norm_and_its_projections_in_one_op_equal_the_unfused_bit_for_bit(dt):
     """autopar_norm_project (the norm and every projection of its output as one autograd node):
     transformers' RMSNorm in float32 and in its input's dtype, Gemma's (cast after its weight)
-    and LayerNorm, into one, two or three projections (a bias on the first), on a residual
-    stream, the outputs read directly or through a transposed matmul. Outputs and every gradient
-    are the unfused ops' bit for bit (the norm output's gradient adds the projections' parts in
-    autograd's order: the last projection's first); the norm's output is not kept."""
+    and LayerNorm, into one, two or three projections (a bias on the first), the first one's
+    output alone or through GELU into another projection (a tail), on a residual stream, the
+    outputs read directly or through a transposed matmul. Outputs and every gradient are the
+    unfused ops' bit for bit (the norm output's gradient adds the projections' parts in
+    autograd's order: the last projection's first); neither the norm's output nor the GELU's is
+    kept."""
     torch.manual_seed(0)
     x = torch.randn(2, 6, 16, dtype=dt, requires_grad=True)
     nw, nb = (torch.randn(16, dtype=dt, requires_grad=True) for _ in range(2))
     ws = [torch.randn(o, 16, dtype=dt, requires_grad=True) for o in (16, 8, 8)]
     qb = torch.randn(16, dtype=dt, requires_grad=True)
-    inputs = (x, nw, nb, *ws, qb)
+    d, db = torch.randn(12, 16, dtype=dt, requires_grad=True), torch.randn(12, dtype=dt, requires_grad=True)
+    inputs = (x, nw, nb, *ws, qb, d, db)
     for kind in _NORMS:
         for n in (1, 2, 3):
-            for transposed in (False, True):
-                plain, fused = _norm_blocks(kind, dt, n, transposed)
+            for transposed, tail in ((False, False), (True, False), (False, True), (True, True)):
+                plain, fused = _norm_blocks(kind, dt, n, transposed, tail)
                 want = _grads(plain, *inputs)
                 kept = []
                 with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
                     got = _grads(fused, *inputs)
-                case = (kind, n, transposed)
+                case = (kind, n, transposed, tail)
                 assert torch.equal(want[0], got[0]), case
                 assert all((p is None and q is None) or torch.equal(p, q) for p, q in zip(want[1], got[1])), case
                 assert got[1][0] is not None and got[1][3] is not None and (got[1][5] is None) == (n < 3), case
-                if not transposed:     # only the norm's input is kept whole (the rest: weights, per-row scale)
+                assert (got[1][8] is None) == (not tail), case
+                if not transposed:     # kept whole: the norm's input and the GELU's (the rest: weights, per row)
                     h = [t for t in kept if t.shape == x.shape]
-                    assert len({t.untyped_storage().data_ptr() for t in h}) == 1, case
+                    assert len({t.untyped_storage().data_ptr() for t in h}) == 1 + tail, case
 
 
 def test_a_norm_and_its_projections_under_autocast_equal_the_unfused():
@@ -246,13 +261,15 @@ def test_a_norm_and_its_projections_under_autocast_equal_the_unfused():
     nw, nb = (torch.randn(16, requires_grad=True) for _ in range(2))
     ws = [torch.randn(o, 16, requires_grad=True) for o in (16, 8, 8)]
     qb = torch.randn(16, requires_grad=True)
+    d, db = torch.randn(12, 16, requires_grad=True), torch.randn(12, requires_grad=True)
     for kind in ("rms", "layer"):
-        plain, fused = _norm_blocks(kind, torch.float32, 3, False)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            want = _grads(plain, x, nw, nb, *ws, qb)
-            got = _grads(fused, x, nw, nb, *ws, qb)
-        assert torch.equal(want[0], got[0]), kind
-        assert all((p is None and q is None) or torch.equal(p, q) for p, q in zip(want[1], got[1])), kind
+        for tail in (False, True):
+            plain, fused = _norm_blocks(kind, torch.float32, 3, False, tail)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                want = _grads(plain, x, nw, nb, *ws, qb, d, db)
+                got = _grads(fused, x, nw, nb, *ws, qb, d, db)
+            assert torch.equal(want[0], got[0]), kind
+            assert all((p is None and q is None) or torch.equal(p, q) for p, q in zip(want[1], got[1])), kind
 
 
 def test_a_forward_stopped_between_a_norms_projections_does_not_keep_its_output():
@@ -401,7 +418,7 @@ def test_the_pass_finds_llamas_norms_and_mlps_and_the_memory_pass_prices_them():
     # each layer's two norms take their projections in: one op each, the projections its items
     # (their nodes and names kept); the final norm's output reaches the head through an alias
     ops = [n for n in gm.graph.nodes if n.target is autopar_norm_project]
-    assert len(ops) == 4 and [len(n.args) - 4 for n in ops] == [6, 4, 6, 4]
+    assert len(ops) == 4 and [len(n.args) - 5 for n in ops] == [6, 4, 6, 4]
     assert not any(n.target is autopar_norm_linear for n in gm.graph.nodes)
     items = {n.name for n in gm.graph.nodes if n.target is operator.getitem and n.args[0] in ops}
     assert items == linears
