@@ -315,6 +315,19 @@ def fuse(gm: fx.GraphModule) -> int:
     return len(found)
 
 
+_ADDED = ("flops_fwd", "flops_bwd", "bytes_fwd", "bytes_bwd", "saved_bytes", "fused_bytes")
+
+
+def _take_costs(into: fx.Node, gone: fx.Node) -> None:
+    """``gone`` leaves the graph with its work done by ``into``'s op: ``into`` takes its FLOPs,
+    bytes and the bytes kept for backward on its behalf (a GELU tail's input), so sums over the
+    fused graph still count them."""
+    from autopar.core.meta import info
+    a, b = info(into), info(gone)
+    for field in _ADDED:
+        setattr(a, field, getattr(a, field) + getattr(b, field))
+
+
 def _project(gm: fx.GraphModule) -> int:
     """Each norm whose output only :func:`autopar_norm_linear` projections read (directly: no
     view, no tensor-axis conversion between) becomes one :func:`autopar_norm_project` computing
@@ -353,6 +366,7 @@ def _project(gm: fx.GraphModule) -> int:
             p.target, p.args, p.kwargs = operator.getitem, (norm, i), {}
         for i, g in tails.items():           # the tail's node gives the output; the projection's leaves
             g.target, g.args, g.kwargs = operator.getitem, (norm, i), {}
+            _take_costs(g, projections[i])
             gm.graph.erase_node(projections[i])
         done += 1
     return done

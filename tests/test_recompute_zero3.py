@@ -115,9 +115,11 @@ def _train(mesh: dict, mode: str, dtype: torch.dtype) -> dict:
     budget = 0.75 * 16 * sum(p.numel() for p in model.parameters()) if "tp" in mesh else None  # forces a split
     pm = autopar.parallelize(model, mesh, local, zero_stage=3, recompute=mode, bucket_bytes=2048,
                              memory_budget=budget)
-    from autopar.runtime.fused import autopar_norm_linear
+    from autopar.runtime.fused import autopar_norm_linear, autopar_norm_project
     # the norms whose output fused projections read: backward recomputes each once
-    projections = len({n.args[0] for n in pm.graph_module.graph.nodes if n.target is autopar_norm_linear})
+    nodes = pm.graph_module.graph.nodes
+    projections = len({n.args[0] for n in nodes if n.target is autopar_norm_linear}) \
+        + sum(n.target is autopar_norm_project for n in nodes)
     rt = pm.dp_runtime
     fulls: list[weakref.ref] = []
     unpacked = [0]
