@@ -328,6 +328,20 @@ def _take_costs(into: fx.Node, gone: fx.Node) -> None:
         setattr(a, field, getattr(a, field) + getattr(b, field))
 
 
+def _rows_kept(v: fx.Node, y: fx.Node, order: dict) -> bool:
+    """Whether ``v`` reshapes ``y`` keeping its last dimension (so its rows are ``y``'s, in
+    order) to a shape known where ``y`` is made."""
+    from autopar.core.meta import info
+    if not (_call(v, aten.view.default, aten.reshape.default) and len(v.args) == 2 and not v.kwargs
+            and v.args[0] is y and isinstance(v.args[1], (list, tuple)) and v.args[1]):
+        return False
+    vals = info(y).values
+    last = vals[0].shape[-1] if vals and vals[0].shape else None
+    return (isinstance(v.args[1][-1], int) and last is not None and getattr(last, "is_number", True)
+            and int(last) == v.args[1][-1]
+            and all(not isinstance(d, fx.Node) or order[d] < order[y] for d in v.args[1]))
+
+
 def _project(gm: fx.GraphModule) -> int:
     """Each norm whose output only :func:`autopar_norm_linear` projections read (directly: no
     view, no tensor-axis conversion between) becomes one :func:`autopar_norm_project` computing
@@ -343,8 +357,12 @@ def _project(gm: fx.GraphModule) -> int:
         if norm.op != "call_function" or norm.target not in (autopar_rms_norm, aten.layer_norm.default):
             continue
         projections = _readers(norm)
+        view = projections[0] if len(projections) == 1 and _rows_kept(projections[0], norm, order) else None
+        if view is not None:                 # a reshape keeping the rows (DeepSeek's latent norm)
+            projections = _readers(view)
+        y = norm if view is None else view
         if not projections or not all(
-                p.target is autopar_norm_linear and p.args[0] is norm and p.args[13] is None
+                p.target is autopar_norm_linear and p.args[0] is y and p.args[13] is None
                 and p.args[11] == len(projections) and p.args[4] is norm.args[0]
                 and all(not isinstance(a, fx.Node) or order[a] < order[norm] for a in p.args[1:3])
                 and info(p).block_member == info(norm).block_member for p in projections):
@@ -359,8 +377,9 @@ def _project(gm: fx.GraphModule) -> int:
         for check in [u for u in norm.users if u.target in _CHECKS]:
             gm.graph.erase_node(check)
         norm.target, norm.kwargs = autopar_norm_project, {}
+        views = () if view is None else (view.args[1],) * len(projections)
         norm.args = (x, nw, nb, (kind, eps, shape, mid, out, post), tuple((i, g.args[3]) for i, g in tails.items()),
-                     *(a for p in projections for a in (p.args[1], p.args[2])),
+                     views, *(a for p in projections for a in (p.args[1], p.args[2])),
                      *(a for g in tails.values() for a in (g.args[1], g.args[2])))
         for i, p in enumerate(projections):
             p.target, p.args, p.kwargs = operator.getitem, (norm, i), {}
@@ -368,6 +387,9 @@ def _project(gm: fx.GraphModule) -> int:
             g.target, g.args, g.kwargs = operator.getitem, (norm, i), {}
             _take_costs(g, projections[i])
             gm.graph.erase_node(projections[i])
+        if view is not None:
+            _take_costs(projections[0] if 0 not in tails else tails[0], view)
+            gm.graph.erase_node(view)
         done += 1
     return done
 

@@ -550,7 +550,12 @@ def autopar_norm_linear(y: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
     return _NormLinear.apply(y, w, b, x, nw, nb, (kind, eps, shape, mid, out, post, conv), readers)
 
 
-_W = 6        # where _NormProject's weights start among its inputs (x, xp, nw, nb, norm, tails, ...)
+def _viewed(y: torch.Tensor, views: tuple, i: int) -> torch.Tensor:
+    """The norm's output as projection ``i`` reads it (:class:`_NormProject`'s ``views``)."""
+    return y if not views or views[i] is None else aten.reshape.default(y, views[i])
+
+
+_W = 7        # where _NormProject's weights start among its inputs (x, xp, nw, nb, norm, tails, views, ...)
 
 
 def _norm_project_replayed(ctx, grads: tuple, x: torch.Tensor, nw: torch.Tensor | None, nb: torch.Tensor | None,
@@ -578,7 +583,7 @@ def _norm_project_replayed(ctx, grads: tuple, x: torch.Tensor, nw: torch.Tensor 
             xa, xp = alias(x, 0), None
             y = aten.layer_norm.default(xa, shape, nw, nb, eps)
         wb = [alias(t, _W + k) for k, t in enumerate(wb)]
-        outs = [F.linear(y, wb[2 * i], wb[2 * i + 1]) for i in range(n)]
+        outs = [F.linear(_viewed(y, ctx.views, i), wb[2 * i], wb[2 * i + 1]) for i in range(n)]
         for t, (i, approximate) in enumerate(ctx.tails):
             outs[i] = F.linear(F.gelu(outs[i], approximate=approximate), wb[2 * n + 2 * t], wb[2 * n + 2 * t + 1])
     slots = [(0, xa), (1, xp), (2, nw), (3, nb), *((_W + k, t) for k, t in enumerate(wb))]
@@ -594,11 +599,13 @@ def _norm_project_replayed(ctx, grads: tuple, x: torch.Tensor, nw: torch.Tensor 
 class _NormProject(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, xp: torch.Tensor | None, nw: torch.Tensor | None, nb: torch.Tensor | None,
-                norm: tuple, tails: tuple, *wb: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+                norm: tuple, tails: tuple, views: tuple, *wb: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         # norm: (kind, eps, shape, mid, out, post); xp: x again for an RMSNorm, its two reads of
         # x (see _RMSNorm), else None; wb: each projection's weight and bias in the graph's
         # order, then each tail's; tails: ((projection, approximate), ...), the projections whose
-        # output goes through GELU into another projection (the tail), in order
+        # output goes through GELU into another projection (the tail), in order; views: () or
+        # per projection None or the shape it reshapes the norm's output to first (the last
+        # dimension kept, so its rows are the output's, in order)
         kind, eps, shape, mid, out, post = norm
         dev = x.device.type
         ctx.amp = (dev, torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
@@ -613,13 +620,13 @@ class _NormProject(torch.autograd.Function):
         else:                                         # (autocast takes layer_norm whole)
             y, kept = aten.layer_norm.default(x, shape, nw, nb, eps), ()
         n = len(wb) // 2 - len(tails)
-        outs = [F.linear(y, wb[2 * i], wb[2 * i + 1]) for i in range(n)]
+        outs = [F.linear(_viewed(y, views, i), wb[2 * i], wb[2 * i + 1]) for i in range(n)]
         hs = []
         for t, (i, approximate) in enumerate(tails):
             hs.append(outs[i])                        # kept: the tail's GELU reads it (gelu(h) is recomputed)
             outs[i] = F.linear(F.gelu(outs[i], approximate=approximate), wb[2 * n + 2 * t], wb[2 * n + 2 * t + 1])
         ctx.save_for_backward(x, nw, nb, *wb, *hs, *kept)
-        ctx.norm, ctx.n, ctx.tails, ctx.y_dtype = norm, n, tails, y.dtype
+        ctx.norm, ctx.n, ctx.tails, ctx.views, ctx.y_dtype = norm, n, tails, views, y.dtype
         return tuple(outs)
 
     @staticmethod
@@ -678,18 +685,22 @@ class _NormProject(torch.autograd.Function):
 
 
 def autopar_norm_project(x: torch.Tensor, nw: torch.Tensor | None, nb: torch.Tensor | None, norm: tuple,
-                         tails: tuple, *wb: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+                         tails: tuple, views: tuple, *wb: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """A norm of ``x`` and every projection of its output, in one op: ``norm`` ``(kind, eps, shape,
     mid, out, post)`` as :func:`autopar_norm_linear` takes them (``kind`` "rms": transformers'
     RMSNorm with weight ``nw``; "layer": ``layer_norm(x, shape, nw, nb, eps)``), ``wb`` each
-    projection's weight and bias (None), in the graph's order; returns the projections'
-    outputs. Keeps ``x`` (and an RMSNorm's per-row scale), not the norm's output: backward
-    recomputes it once for the projections' weight gradients and runs the norm's backward on
-    the sum of the projections' gradients, added in autograd's order. Where it applies
-    (:mod:`autopar.passes.fusion`) it replaces the norm and its :func:`autopar_norm_linear`
-    projections, one autograd node for up to four (each costs a Python call in forward and
-    backward)."""
-    return _NormProject.apply(x, x if norm[0] == "rms" else None, nw, nb, norm, tails, *wb)
+    projection's weight and bias (None), in the graph's order, then each tail's; returns the
+    projections' outputs. ``tails`` ``((i, approximate), ...)``: projection ``i``'s output goes
+    through GELU into a projection of its own (a GPT MLP), whose output is returned in its place
+    (``autopar_gelu_linear``'s saved set: the GELU's input). ``views``: ``()``, or per
+    projection None or the shape the output is reshaped to before it (its last dimension kept).
+    Keeps ``x`` (and the norm's statistics), not the norm's output: backward recomputes it once
+    for the projections' weight gradients and runs the norm's backward on the sum of the
+    projections' gradients, added in autograd's order. Where it applies
+    (:mod:`autopar.passes.fusion`) it replaces the norm, its :func:`autopar_norm_linear`
+    projections and their GELU tails: one autograd node for up to five (each costs a Python
+    call in forward and backward)."""
+    return _NormProject.apply(x, x if norm[0] == "rms" else None, nw, nb, norm, tails, views, *wb)
 
 
 FUSED_OPS = (autopar_swiglu, autopar_swiglu_linear, autopar_swiglu_grouped_mm, autopar_gelu_linear, autopar_rms_norm,

@@ -158,15 +158,15 @@ def test_second_derivatives_through_fused_ops_are_the_unfused():
              # the norm and its projections as one op: an RMSNorm into two, a LayerNorm into one
              (lambda a, c, d: F.linear(rms(a, c), d) * F.linear(rms(a, c), d).flip(-1),
               lambda a, c, d: (lambda p, q: p * q.flip(-1))(
-                  *autopar_norm_project(a, c, None, ("rms", 1e-6, None, None, None, None), (), d, None, d, None)),
+                  *autopar_norm_project(a, c, None, ("rms", 1e-6, None, None, None, None), (), (), d, None, d, None)),
               (x, nw, w)),
              (lambda a, c, d, e: F.linear(F.layer_norm(a, [12], c, d), e, b),
-              lambda a, c, d, e: autopar_norm_project(a, c, d, ("layer", 1e-5, [12], None, None, None), (), e, b)[0],
+              lambda a, c, d, e: autopar_norm_project(a, c, d, ("layer", 1e-5, [12], None, None, None), (), (), e, b)[0],
               (x, nw, nb, w)),
              # and into a GELU projection (its tail)
              (lambda a, c, d, e: F.linear(F.gelu(F.linear(F.layer_norm(a, [12], c, d), e, b)), e.t()),
               lambda a, c, d, e: autopar_norm_project(a, c, d, ("layer", 1e-5, [12], None, None, None),
-                                                      ((0, "none"),), e, b, e.t(), None)[0],
+                                                      ((0, "none"),), (), e, b, e.t(), None)[0],
               (x, nw, nb, w))]
     for plain, fused, inputs in pairs:
         want, got = _penalty_grads(plain, *inputs), _penalty_grads(fused, *inputs)
@@ -211,7 +211,7 @@ def _norm_blocks(kind: str, dt: torch.dtype, n: int, transposed: bool, tail: boo
     def fused(a, w, b, q, k, v, qb, d, db):
         h = a * 1.5
         outs = autopar_norm_project(h, weight(w), b if recipe[0] == "layer" else None, recipe,
-                                    ((0, "none"),) if tail else (), *[q, qb, k, None, v, None][:2 * n],
+                                    ((0, "none"),) if tail else (), (), *[q, qb, k, None, v, None][:2 * n],
                                     *((d, db) if tail else ()))
         return torch.cat([h, *read(list(outs))], -1)
     return plain, fused
@@ -250,6 +250,24 @@ def test_a_norm_and_its_projections_in_one_op_equal_the_unfused_bit_for_bit(dt):
                 if not transposed:     # kept whole: the norm's input and the GELU's (the rest: weights, per row)
                     h = [t for t in kept if t.shape == x.shape]
                     assert len({t.untyped_storage().data_ptr() for t in h}) == 1 + tail, case
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.float64])
+def test_a_norm_read_through_a_reshape_and_its_projection_in_one_op_equal_the_unfused(dt):
+    """DeepSeek-V3's latent norm: its output reshaped (a dimension inserted, the last kept) before
+    its one projection. The op applies the same reshape; outputs and gradients are the unfused
+    ops' bit for bit, also where the gradient arrives transposed."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 16, dtype=dt, requires_grad=True)
+    nw = torch.randn(16, dtype=dt, requires_grad=True)
+    w = torch.randn(12, 16, dtype=dt, requires_grad=True)
+    recipe = ("rms", 1e-6, None, torch.float32, dt, None)
+    for read in (lambda o: o, lambda o: o.transpose(1, 2).exp().transpose(1, 2)):
+        want = _grads(lambda a, b, c: read(F.linear(_rms(a * 1.5, b, 1e-6, dt).reshape(2, 1, 6, 16), c)), x, nw, w)
+        got = _grads(lambda a, b, c: read(autopar_norm_project(a * 1.5, b, None, recipe, (), ([2, 1, 6, 16],), c,
+                                                               None)[0]), x, nw, w)
+        assert want[0].shape == (2, 1, 6, 12) and torch.equal(want[0], got[0])
+        assert all(torch.equal(p, q) for p, q in zip(want[1], got[1]))
 
 
 def test_a_norm_and_its_projections_under_autocast_equal_the_unfused():
@@ -418,7 +436,7 @@ def test_the_pass_finds_llamas_norms_and_mlps_and_the_memory_pass_prices_them():
     # each layer's two norms take their projections in: one op each, the projections its items
     # (their nodes and names kept); the final norm's output reaches the head through an alias
     ops = [n for n in gm.graph.nodes if n.target is autopar_norm_project]
-    assert len(ops) == 4 and [len(n.args) - 5 for n in ops] == [6, 4, 6, 4]
+    assert len(ops) == 4 and [len(n.args) - 6 for n in ops] == [6, 4, 6, 4]
     assert not any(n.target is autopar_norm_linear for n in gm.graph.nodes)
     items = {n.name for n in gm.graph.nodes if n.target is operator.getitem and n.args[0] in ops}
     assert items == linears
