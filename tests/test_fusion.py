@@ -161,7 +161,8 @@ def test_second_derivatives_through_fused_ops_are_the_unfused():
                   *autopar_norm_project(a, c, None, ("rms", 1e-6, None, None, None, None), (), (), d, None, d, None)),
               (x, nw, w)),
              (lambda a, c, d, e: F.linear(F.layer_norm(a, [12], c, d), e, b),
-              lambda a, c, d, e: autopar_norm_project(a, c, d, ("layer", 1e-5, [12], None, None, None), (), (), e, b)[0],
+              lambda a, c, d, e: autopar_norm_project(a, c, d, ("layer", 1e-5, [12], None, None, None), (), (),
+                                                      e, b)[0],
               (x, nw, nb, w)),
              # and into a GELU projection (its tail)
              (lambda a, c, d, e: F.linear(F.gelu(F.linear(F.layer_norm(a, [12], c, d), e, b)), e.t()),
