@@ -343,13 +343,16 @@ def _rows_kept(v: fx.Node, y: fx.Node, order: dict) -> bool:
 
 
 def _project(gm: fx.GraphModule) -> int:
-    """Each norm whose output only :func:`autopar_norm_linear` projections read (directly: no
-    view, no tensor-axis conversion between) becomes one :func:`autopar_norm_project` computing
-    the norm and every projection, where each projection's weight and bias exist before the norm
-    (not, say, a ZeRO-3 gather placed before the projection) and the norm and its projections
-    belong to the same layer (so one recomputation region holds all or none of them). The norm
-    node takes the op (its place and name kept) and each projection node becomes an item of
-    its result (their names kept). Returns how many norms."""
+    """Each norm whose output only :func:`autopar_norm_linear` projections read (directly, or one
+    through a reshape that keeps its rows: :func:`_rows_kept`; no tensor-axis conversion
+    between) becomes one :func:`autopar_norm_project` computing the norm and every projection,
+    where each projection's weight and bias exist before the norm (not, say, a ZeRO-3 gather
+    placed before the projection) and the norm and its projections belong to the same layer (so
+    one recomputation region holds all or none of them). A projection whose output only a GELU
+    projection reads takes it in as its tail. The norm node takes the op (its place and name
+    kept) and each projection node (or its tail's) becomes an item of its result (their names
+    kept); a tail's projection and the reshape leave the graph, their costs taken over
+    (:func:`_take_costs`). Returns how many norms."""
     from autopar.core.meta import info
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     done = 0
