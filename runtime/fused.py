@@ -36,7 +36,7 @@ five, GELU's one instead of two, so they touch less fresh memory than the unfuse
 and what they recompute costs less.
 
 A backward that builds a graph (``create_graph=True``: a gradient penalty) runs the unfused ops
-again from what forward kept and lets autograd differentiate them (:func:`_graph_grads`), so
+again from what forward kept and lets autograd differentiate them (:func:`graph_grads`), so
 second derivatives are the unfused model's too.
 
 The graph pass that puts them in place is :mod:`autopar.passes.fusion`.

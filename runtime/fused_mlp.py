@@ -11,13 +11,13 @@ aten = torch.ops.aten
 GATES = ("silu", "gelu", "gelu_tanh")        # the gate activations of a gated MLP the ops take
 
 
-def _as(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+def as_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """``t`` in ``dtype`` (None: as it is): a cast only where one changes something, since each
     no-op call costs as much as a small op's dispatch in these backwards."""
     return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
 
-def _graph_grads(ctx, grad: torch.Tensor, forward, inputs: tuple, has_bias: bool = False) -> tuple:
+def graph_grads(ctx, grad: torch.Tensor, forward, inputs: tuple, has_bias: bool = False) -> tuple:
     """A backward that builds a graph (``create_graph=True``: a gradient penalty, a Hessian-vector
     product). The fused formulas read values forward computed without one (a norm's per-row
     scale), so their second derivative would miss terms: instead the unfused ops run again from
@@ -82,7 +82,7 @@ class _SwiGLU(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         g, u = ctx.saved_tensors
         if torch.is_grad_enabled():
-            return _graph_grads(ctx, grad, lambda: _gate(g, ctx.act) * u, (g, u))
+            return graph_grads(ctx, grad, lambda: _gate(g, ctx.act) * u, (g, u))
         if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
             grad_g, grad_u, _ = _gated_grads(grad, g, u, ctx.act, False, own=False)
             return grad_g, grad_u, None
@@ -110,7 +110,7 @@ class _SwiGLULinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         g, u, w = ctx.saved_tensors
         if torch.is_grad_enabled():
-            return _graph_grads(ctx, grad, lambda: F.linear(_gate(g, ctx.act) * u, w), (g, u, w),
+            return graph_grads(ctx, grad, lambda: F.linear(_gate(g, ctx.act) * u, w), (g, u, w),
                                 has_bias=ctx.has_bias)
         # linear's own backward as autograd runs it (rows flattened, one mm each way), the
         # input's gradient first: each op reads what the one before it just wrote or read
@@ -152,7 +152,7 @@ class _SwiGLUGroupedMM(torch.autograd.Function):
             def again() -> torch.Tensor:
                 p = F.silu(g) * u
                 return torch.ops.transformers.grouped_mm_fallback(p.to(ctx.cast) if ctx.cast is not None else p, w, offs)
-            return _graph_grads(ctx, grad, again, (g, u, w))
+            return graph_grads(ctx, grad, again, (g, u, w))
         s = F.silu(g)
         p = s * u
         # the grouped matmul's own backward (transformers registers it), on the recomputed product
@@ -176,7 +176,7 @@ def autopar_swiglu_grouped_mm(g: torch.Tensor, u: torch.Tensor, w: torch.Tensor,
     return _SwiGLUGroupedMM.apply(g, u, w, offs, cast)
 
 
-def _gelu_linear_grads(grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor, approximate: str, need_h: bool,
+def gelu_linear_grads(grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor, approximate: str, need_h: bool,
                        need_w: bool, need_b: bool) -> tuple:
     """``linear(gelu(h), w, b)``'s backward (``h``'s, ``w``'s and ``b``'s gradients), recomputing
     ``gelu(h)`` for the weight's."""
@@ -209,10 +209,10 @@ class _GeluLinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         h, w = ctx.saved_tensors
         if torch.is_grad_enabled():
-            return _graph_grads(ctx, grad, lambda: F.linear(F.gelu(h, approximate=ctx.approximate), w), (h, w),
+            return graph_grads(ctx, grad, lambda: F.linear(F.gelu(h, approximate=ctx.approximate), w), (h, w),
                                 has_bias=ctx.has_bias)
         need = ctx.needs_input_grad
-        return *_gelu_linear_grads(grad, h, w, ctx.approximate, need[0], need[1], ctx.has_bias and need[2]), None
+        return *gelu_linear_grads(grad, h, w, ctx.approximate, need[0], need[1], ctx.has_bias and need[2]), None
 
 
 def autopar_gelu_linear(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,

@@ -7,7 +7,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from autopar.runtime.fused_mlp import _as, _gelu_linear_grads, _graph_grads
+from autopar.runtime.fused_mlp import as_dtype, gelu_linear_grads, graph_grads
 
 aten = torch.ops.aten
 
@@ -21,18 +21,18 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float, mid: torch.dtype | None,
     """transformers' RMSNorm as the model writes it: (output, per-row rsqrt). ``post``: the cast
     after the weight (Gemma's ``(n * (1 + w)).type_as(x)``). ``xp``: the same input as ``x``, as a
     second operand whose gradient is the square's part alone (:class:`_RMSNorm`)."""
-    xm = _as(x, mid)
+    xm = as_dtype(x, mid)
     r = torch.rsqrt((xm if xp is None else xp).pow(2).mean(-1, keepdim=True) + eps)
-    y = w * _as(xm * r, out)
-    return _as(y, post), r
+    y = w * as_dtype(xm * r, out)
+    return as_dtype(y, post), r
 
 
 def _rows_again(x: torch.Tensor, r: torch.Tensor, mid: torch.dtype | None,
                 out: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
     """An RMSNorm's input in its working dtype and normalised rows (before the weight), from its
     per-row scale ``r`` by the ops :func:`_rms` runs after computing it."""
-    xm = _as(x, mid)
-    return xm, _as(xm * r, out)
+    xm = as_dtype(x, mid)
+    return xm, as_dtype(xm * r, out)
 
 
 class _RowsSlot:
@@ -70,11 +70,11 @@ def _rms_grads(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, r: torch.Te
     :class:`_RMSNorm`), else as one, the parts' sum cast back; (part, part or None, ``w``'s)."""
     # y = w * nd
     # (autograd hands each input its gradient in that input's dtype)
-    grad_w = _as((grad * nd).sum_to_size(w.shape), w.dtype) if need_w else None
+    grad_w = as_dtype((grad * nd).sum_to_size(w.shape), w.dtype) if need_w else None
     if not need_x:
         return None, None, grad_w
     # n = xm * r (n's dtype is xm's); r = rsqrt(mean(xm ** 2) + eps)
-    grad_n = _as(_as(grad * w, nd.dtype), xm.dtype)
+    grad_n = as_dtype(as_dtype(grad * w, nd.dtype), xm.dtype)
     grad_a = grad_n * r
     grad_r = (grad_n * xm).sum_to_size(r.shape)
     grad_v = -0.5 * grad_r * r.pow(3)
@@ -85,7 +85,7 @@ def _rms_grads(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, r: torch.Te
     grad_b = grad_p * (xm * 2)
     if xm.dtype == x.dtype:
         return grad_a, grad_b, grad_w
-    return _as(grad_a + grad_b, x.dtype), None, grad_w
+    return as_dtype(grad_a + grad_b, x.dtype), None, grad_w
 
 
 def _rms_grads_over(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, r: torch.Tensor, xm: torch.Tensor,
@@ -128,7 +128,7 @@ class _RMSNorm(torch.autograd.Function):
         y, r = _rms(x, w, eps, mid, out)
         ctx.save_for_backward(x, w, r)
         ctx.mid, ctx.out, ctx.y_dtype, ctx.eps, ctx.post = mid, out, y.dtype, eps, post
-        result = _as(y, post)
+        result = as_dtype(y, post)
         ctx.rows = None
         if not torch.compiler.is_compiling():
             ctx.rows = _RowsSlot()
@@ -142,7 +142,7 @@ class _RMSNorm(torch.autograd.Function):
         if torch.is_grad_enabled():
             # where uncast, x's two reads as two views of it, each differentiated alone
             xa, xp = (x.view_as(x), x.view_as(x)) if x.dtype == (ctx.mid or x.dtype) else (x, None)
-            return _graph_grads(ctx, grad, lambda: _as(_rms(xa, w, ctx.eps, ctx.mid, ctx.out, xp=xp)[0], ctx.post),
+            return graph_grads(ctx, grad, lambda: as_dtype(_rms(xa, w, ctx.eps, ctx.mid, ctx.out, xp=xp)[0], ctx.post),
                                 (xa, xp, w))
         grad = grad.to(ctx.y_dtype)                  # the post cast's backward (none without one)
         # the rows a projection's backward computed already (handed over: nothing else reads
@@ -248,7 +248,7 @@ class _NormLinear(torch.autograd.Function):
         grad_y = grad_w = grad_b = None
         spare = None               # the recomputed output, where nothing reads it after this
         if ctx.needs_input_grad[1]:
-            graph = torch.is_grad_enabled()     # create_graph: y again as a function of x (see _graph_grads)
+            graph = torch.is_grad_enabled()     # create_graph: y again as a function of x (see graph_grads)
 
             def again() -> torch.Tensor:
                 if conv is not None:            # the tensor axis's conversion, as forward ran it
@@ -257,7 +257,7 @@ class _NormLinear(torch.autograd.Function):
                     return _norm_again(kind, x, nw, nb, eps, shape, mid, out, post)
                 # from the norm's per-row scale; the norm's backward takes the rows
                 ctx.slot.rows = xm_nd = _rows_again(x, r[0], mid, out)
-                return _as(nw * xm_nd[1], post)
+                return as_dtype(nw * xm_nd[1], post)
 
             def make() -> torch.Tensor:        # the norm as forward ran it (under its autocast, if any)
                 if ctx.amp is None:
@@ -265,9 +265,9 @@ class _NormLinear(torch.autograd.Function):
                 with torch.autocast(ctx.amp[0], dtype=ctx.amp[1]):
                     return again()
             shared = None if graph else ctx.shared
-            y = _as((shared.take(make) if shared is not None else make()).reshape(ctx.y_shape), dt)
+            y = as_dtype((shared.take(make) if shared is not None else make()).reshape(ctx.y_shape), dt)
             y2 = y.view(-1, y.shape[-1]) if y.is_contiguous() else y.reshape(-1, y.shape[-1])
-            grad_w = _as(grad2.t().mm(y2), w_dt)
+            grad_w = as_dtype(grad2.t().mm(y2), w_dt)
             if not graph and (shared is None or shared.readers == 0) and y.is_contiguous() \
                     and y2.shape == (grad2.shape[0], w.shape[1]) and dt == y_dt == w.dtype:
                 spare = y2
@@ -276,10 +276,10 @@ class _NormLinear(torch.autograd.Function):
             # where the recomputed output is this backward's alone, y's gradient is written over it
             # once the weight's gradient has read it (mm writes the same bits into a buffer of its
             # own shape): no fresh tensor of y's size
-            g = torch.mm(grad2, w, out=spare) if spare is not None else _as(grad2.mm(_as(w, dt)), y_dt)
+            g = torch.mm(grad2, w, out=spare) if spare is not None else as_dtype(grad2.mm(as_dtype(w, dt)), y_dt)
             grad_y = g.view(*grad.shape[:-1], w.shape[1])
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = _as(grad2.sum(0), b_dt)
+            grad_b = as_dtype(grad2.sum(0), b_dt)
         return grad_y, grad_w, grad_b, None, None, None, None, None
 
 
@@ -327,7 +327,7 @@ def _norm_project_replayed(ctx, grads: tuple, x: torch.Tensor, nw: torch.Tensor 
         if kind == "rms":
             # where uncast, x's two reads apart, each differentiated alone (_RMSNorm)
             xa, xp = (alias(x, 0), alias(x, 1)) if x.dtype == (mid or x.dtype) else (alias(x, 0), None)
-            y = _as(_rms(xa, nw, eps, mid, out, xp=xp)[0], post)
+            y = as_dtype(_rms(xa, nw, eps, mid, out, xp=xp)[0], post)
         else:
             xa, xp = alias(x, 0), None
             y = aten.layer_norm.default(xa, shape, nw, nb, eps)
@@ -361,7 +361,7 @@ class _NormProject(torch.autograd.Function):
         if kind == "rms":
             y, r = _rms(x, nw, eps, mid, out)
             ctx.rms_dtype = y.dtype                   # before the cast after the weight
-            y, kept = _as(y, post), (r,)
+            y, kept = as_dtype(y, post), (r,)
         elif ctx.amp is None:
             # the graph's layer_norm is this op's first output; it keeps the statistics, as
             # LayerNorm's own backward does
@@ -394,12 +394,12 @@ class _NormProject(torch.autograd.Function):
         grads = list(grads)
         for t, (i, approximate) in enumerate(tails):  # a tail's backward first, as autograd runs it
             j = _W + 2 * n + 2 * t
-            grads[i], res[j], res[j + 1] = _gelu_linear_grads(grads[i], hs[t], wb[2 * n + 2 * t], approximate,
+            grads[i], res[j], res[j + 1] = gelu_linear_grads(grads[i], hs[t], wb[2 * n + 2 * t], approximate,
                                                               True, need[j], wb[j + 1 - _W] is not None and need[j + 1])
         g2s = [g.reshape(-1, g.shape[-1]) for g in grads]
         if kind == "rms":
             xm, nd = _rows_again(x, stats[0], mid, out)      # the rows, for the norm's backward too
-            y = _as(nw * nd, post)
+            y = as_dtype(nw * nd, post)
         else:
             y, mean, rstd = aten.native_layer_norm.default(x, shape, nw, nb, eps)[0], *stats
         y2 = y.view(-1, y.shape[-1]) if y.is_contiguous() else y.reshape(-1, y.shape[-1])
@@ -425,7 +425,7 @@ class _NormProject(torch.autograd.Function):
         del spare, y2
         grad_y = grad_y.view(*x.shape[:-1], grad_y.shape[-1])
         if kind == "rms":
-            res[0], res[1], res[2] = _rms_grads_over(_as(grad_y, ctx.rms_dtype), x, nw, stats[0], xm, nd,
+            res[0], res[1], res[2] = _rms_grads_over(as_dtype(grad_y, ctx.rms_dtype), x, nw, stats[0], xm, nd,
                                                      need[0] or need[1], need[2])
         else:
             res[0], res[2], res[3] = aten.native_layer_norm_backward.default(
